@@ -1,0 +1,29 @@
+"""Backends: the interface and its executors. Only ``local`` imports torch, and only when asked for."""
+
+from __future__ import annotations
+
+from .base import Backend, BackendError, BufferPurpose, DeviceInfo
+
+BACKENDS = ("local", "numpy")
+
+
+def create_backend(name: str = "local", device: str | None = None) -> Backend:
+    """A backend by name: ``local`` (PyTorch on ``device``), ``numpy`` (reference)."""
+    if name == "numpy":
+        if device not in (None, "cpu"):
+            raise BackendError(f"the numpy backend runs on the cpu only, not {device!r}")
+        from .numpy_ref import NumpyBackend
+
+        return NumpyBackend()
+    if name == "local":
+        try:
+            from .local import LocalBackend
+        except ImportError as e:
+            raise BackendError(
+                f"the local backend needs PyTorch ({e}); install it with: pip install 'apir[host]'"
+            ) from None
+        return LocalBackend(device)
+    raise BackendError(f"unknown backend {name!r}: choose one of {', '.join(BACKENDS)}")
+
+
+__all__ = ["Backend", "BackendError", "BufferPurpose", "DeviceInfo", "create_backend", "BACKENDS"]

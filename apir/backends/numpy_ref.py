@@ -1,0 +1,242 @@
+"""The reference executor: plain numpy, float32, written to be read.
+
+It defines what every op means in code (see ``apir.graph.ops`` for the prose). Other
+executors are tested against it. It needs no torch, so a guest without a GPU or torch
+can still run a model on its own CPU ("guest-cpu").
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+
+import gguf
+import numpy as np
+
+from ..graph import DType, Graph, Op
+from .base import Backend, BackendError, Buffer, DeviceInfo, Registered
+
+
+def to_f32(arr: np.ndarray, dtype: DType, shape: tuple[int, ...]) -> np.ndarray:
+    """Raw stored values of ``dtype`` -> float32 of ``shape`` (quantized via gguf-py)."""
+    if dtype is DType.F32:
+        return arr.view(np.float32).reshape(shape)
+    if dtype is DType.F16:
+        return arr.view(np.float16).astype(np.float32).reshape(shape)
+    if dtype is DType.BF16:
+        return (arr.view(np.uint16).astype(np.uint32) << 16).view(np.float32).reshape(shape)
+    if dtype is DType.I32:
+        return arr.view(np.int32).reshape(shape)
+    rows = arr.reshape(-1, dtype.nbytes((shape[-1],)))
+    return gguf.quants.dequantize(rows, gguf.GGMLQuantizationType(int(dtype))).reshape(shape)
+
+
+def from_f32(x: np.ndarray, dtype: DType) -> np.ndarray:
+    """float32 -> stored representation of a plain ``dtype`` (BF16 rounds to nearest even)."""
+    if dtype is DType.F32:
+        return x.astype(np.float32)
+    if dtype is DType.F16:
+        return x.astype(np.float16)
+    if dtype is DType.BF16:
+        bits = x.astype(np.float32).view(np.uint32)
+        return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+    return x.astype(np.int32)
+
+
+def check_index(ids: np.ndarray, limit: int, what: str) -> None:
+    if ids.size and (ids.min() < 0 or ids.max() >= limit):
+        raise BackendError(f"{what} index out of range: values must lie in [0, {limit})")
+
+
+# ---------------------------------------------------------------- kernels
+
+
+def gelu(x: np.ndarray) -> np.ndarray:
+    return 0.5 * x * (1.0 + np.tanh(np.float32(0.7978845608028654) * (x + 0.044715 * x**3)))
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    return x / (1.0 + np.exp(-x))
+
+
+def softmax(x: np.ndarray) -> np.ndarray:
+    e = np.exp(x - x.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def rope(x: np.ndarray, pos: np.ndarray, n_dims: int, base: float, neox: int, freq_scale: float):
+    # x (T, H, D); only the first n_dims of D rotate.
+    half = n_dims // 2
+    inv_freq = base ** (-np.arange(half, dtype=np.float64) * 2 / n_dims)
+    theta = (pos.astype(np.float64)[:, None] * freq_scale * inv_freq[None, :]).astype(np.float32)
+    cos, sin = np.cos(theta)[:, None, :], np.sin(theta)[:, None, :]  # (T, 1, half)
+    out = x.copy()
+    if neox:
+        a, b = x[..., :half], x[..., half:n_dims]
+        out[..., :half], out[..., half:n_dims] = a * cos - b * sin, a * sin + b * cos
+    else:
+        a, b = x[..., 0:n_dims:2], x[..., 1:n_dims:2]
+        out[..., 0:n_dims:2], out[..., 1:n_dims:2] = a * cos - b * sin, a * sin + b * cos
+    return out
+
+
+def attention_mask(pos: np.ndarray, n_kv: int, window: int) -> np.ndarray:
+    """(T, n_kv) bool: may query t see key j?"""
+    j = np.arange(n_kv)[None, :]
+    p = pos[:, None]
+    visible = j <= p
+    if window:
+        visible &= p - j < window
+    return visible
+
+
+def attention(q, k, v, pos, scale: float, window: int, softcap: float) -> np.ndarray:
+    # q (T, Hq, D), k (S, Hkv, D), v (S, Hkv, Dv): keys past the last position are unused.
+    check_index(pos, k.shape[0], "ATTENTION position")
+    n_kv = int(pos.max()) + 1
+    group = q.shape[1] // k.shape[1]
+    k = np.repeat(k[:n_kv], group, axis=1)  # (n_kv, Hq, D)
+    v = np.repeat(v[:n_kv], group, axis=1)
+    scores = np.einsum("thd,shd->hts", q, k) * np.float32(scale)  # (Hq, T, n_kv)
+    if softcap:
+        scores = np.float32(softcap) * np.tanh(scores / np.float32(softcap))
+    scores = np.where(attention_mask(pos, n_kv, window)[None], scores, -np.inf)
+    return np.einsum("hts,shd->thd", softmax(scores), v).astype(np.float32)
+
+
+def sample(logits: np.ndarray, params: np.ndarray) -> np.ndarray:
+    temperature, top_k, top_p, min_p, u = (float(p) for p in params)
+    if temperature <= 0:
+        return logits.argmax(axis=-1).astype(np.int32)
+    rows = logits.reshape(-1, logits.shape[-1])
+    out = np.empty(len(rows), np.int32)
+    for r, row in enumerate(rows):
+        order = np.argsort(-row, kind="stable")
+        scaled = row[order].astype(np.float32) / np.float32(temperature)
+        keep = len(order) if top_k <= 0 else min(int(top_k), len(order))
+        p = softmax(scaled[:keep])
+        if top_p < 1.0:
+            keep = min(keep, int(np.searchsorted(np.cumsum(p), np.float32(top_p))) + 1)
+        if min_p > 0.0:
+            keep = min(keep, int((p >= np.float32(min_p) * p[0]).sum()))
+        cdf = np.cumsum(p[:keep])
+        out[r] = order[min(int(np.searchsorted(cdf, np.float32(u) * cdf[-1], side="right")), keep - 1)]
+    return out.reshape(logits.shape[:-1])
+
+
+def _view(x, axis, start, length):
+    start = start % x.shape[axis]
+    return np.take(x, np.arange(start, start + length), axis=axis)
+
+
+def _get_rows(table, ids):
+    check_index(ids, table.shape[0], "GET_ROWS row")
+    return table[ids]
+
+
+def _set_rows(dst, src, ids):
+    check_index(ids, dst.shape[0], "SET_ROWS row")
+    dst[ids] = src.astype(dst.dtype)
+    return dst
+
+
+# op -> f(*inputs, *attrs). Float inputs arrive as f32 (STATE as a live f32 or f16 view).
+KERNELS = {
+    Op.GET_ROWS: _get_rows,
+    Op.SET_ROWS: _set_rows,
+    Op.MATMUL: lambda x, w: np.matmul(x, w.T),
+    Op.ADD: lambda a, b: a + b,
+    Op.MUL: lambda a, b: a * b,
+    Op.SCALE: lambda x, s: x * np.float32(s),
+    Op.SILU: silu,
+    Op.GELU: gelu,
+    Op.SWIGLU: lambda g, u: silu(g) * u,
+    Op.GEGLU: lambda g, u: gelu(g) * u,
+    Op.RMS_NORM: lambda x, eps: x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + np.float32(eps)),
+    Op.SOFTMAX: softmax,
+    Op.ROPE: rope,
+    Op.ATTENTION: attention,
+    Op.RESHAPE: lambda x, shape: x.reshape([-1 if d == -1 else d for d in shape]),
+    Op.PERMUTE: lambda x, axes: x.transpose(axes),
+    Op.TRANSPOSE: lambda x, a, b: np.swapaxes(x, a, b),
+    Op.VIEW: _view,
+    Op.CONTIGUOUS: lambda x: np.ascontiguousarray(x),
+    Op.CONCAT: lambda a, b, axis: np.concatenate([a, b], axis=axis),
+    Op.ARGMAX: lambda x: x.argmax(axis=-1).astype(np.int32),
+    Op.SAMPLE: sample,
+}
+
+
+class NumpyBackend(Backend):
+    """Buffers are bytearrays; weights are dequantized to f32 once and cached."""
+
+    name = "numpy"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._weights: dict[tuple, tuple[int, np.ndarray]] = {}
+
+    def device(self) -> DeviceInfo:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        free = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+        return DeviceInfo("cpu", "cpu", platform.processor() or platform.machine(), free, total)
+
+    def _alloc(self, size: int) -> bytearray:
+        return bytearray(size)  # zeroed: a fresh buffer never shows old data
+
+    def _fill(self, buf: Buffer, value: int) -> None:
+        np.frombuffer(buf.storage, np.uint8)[:] = value
+
+    def _write(self, buf: Buffer, offset: int, data: np.ndarray) -> None:
+        np.frombuffer(buf.storage, np.uint8)[offset : offset + data.nbytes] = data
+
+    def _read(self, buf: Buffer, offset: int, size: int) -> bytes:
+        return bytes(buf.storage[offset : offset + size])
+
+    def _release(self, buf: Buffer) -> None:
+        super()._release(buf)
+        self._weights = {k: v for k, v in self._weights.items() if k[0] in self._buffers}
+
+    def _compile(self, graph: Graph) -> Graph:
+        return graph  # the reference interprets the node list directly
+
+    def _leaf(self, node) -> np.ndarray:
+        handle, offset = node.attrs
+        buf = self._buffers[handle]
+        raw = np.frombuffer(buf.storage, np.uint8, node.dtype.nbytes(node.shape), offset)
+        if node.op is Op.STATE:
+            if node.dtype in (DType.F32, DType.F16, DType.I32):
+                return to_f32(raw, node.dtype, node.shape)  # a live, writable view
+            raise BackendError(f"numpy executor keeps STATE in F32/F16/I32, not {node.dtype.name}")
+        key = (handle, offset, node.dtype, node.shape)
+        cached = self._weights.get(key)
+        if cached is None or cached[0] != buf.version:
+            cached = (buf.version, to_f32(raw, node.dtype, node.shape).astype(np.float32))
+            self._weights[key] = cached
+        return cached[1]
+
+    def _run(self, reg: Registered, inputs: dict[str, np.ndarray]) -> list[np.ndarray]:
+        values: list[np.ndarray] = []
+        for nid, node in enumerate(reg.graph.nodes):
+            if node.op is Op.INPUT:
+                arr = inputs[node.attrs[0]]
+                if node.dtype is DType.BF16:
+                    arr = to_f32(arr, DType.BF16, arr.shape)
+                values.append(arr.astype(np.float32) if node.dtype is DType.F16 else arr)
+            elif node.op in (Op.WEIGHT, Op.STATE):
+                values.append(self._leaf(node))
+            else:
+                args = [values[i] for i in node.inputs]
+                try:
+                    out = KERNELS[node.op](*args, *node.attrs)
+                except BackendError as e:
+                    raise BackendError(f"{node.describe(nid)}: {e}") from None
+                except (ValueError, IndexError, FloatingPointError) as e:
+                    raise BackendError(f"{node.describe(nid)} failed: {e}") from None
+                if node.op is not Op.SET_ROWS and out.dtype == np.float16:
+                    out = out.astype(np.float32)
+                values.append(out)
+        states = {n.attrs for n in reg.graph.nodes if n.op is Op.STATE}
+        for handle, _ in states:
+            self._buffers[handle].version += 1
+        return [np.array(values[o], dtype=values[o].dtype, copy=True) for o in reg.graph.outputs]

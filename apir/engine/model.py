@@ -1,0 +1,228 @@
+"""A loaded model on a backend: weights uploaded once, graphs registered once, KV cache
+kept in a backend buffer, token-by-token generation with sampling on the backend.
+
+Two graphs per model, both over the symbolic token count T:
+  ``logits``  tokens (T,), pos (T,)            -> logits (T, vocab), writes the KV cache
+  ``sample``  tokens (T,), pos (T,), params (5,) -> next token (1,), writes the KV cache
+A prompt is prefilled in chunks through ``sample`` (only its last row is projected to
+the vocabulary); each decode step then sends one token and gets one token id back.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..backends import Backend, BufferPurpose
+from ..backends.base import ALIGNMENT
+from ..errors import ApirError
+from ..graph import DType, GraphBuilder, T
+from ..models.chat import render_chat
+from ..models.gguf_file import GGUFFile
+from ..models.registry import architecture
+from ..models.tokenizer import Tokenizer
+from ..models.weights import KVCache, KVLayout, TensorSlot, Weights, WeightTable
+
+DEFAULT_CTX = 4096  # like llama.cpp: a model's full context is opt-in (it sizes the KV cache)
+PREFILL_CHUNK = 256
+
+
+class ContextOverflowError(ApirError):
+    """A prompt (plus what is asked of it) that does not fit the context window."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How the next token is picked (see Op.SAMPLE). temperature 0 is greedy."""
+
+    temperature: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    seed: int | None = None
+    max_tokens: int = 256
+    stop: tuple[str, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0 or not math.isfinite(self.temperature):
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.top_k < 0 or self.max_tokens < 0:
+            raise ValueError("top_k and max_tokens must be >= 0")
+
+
+Progress = Callable[[int, int], None]  # (bytes done, bytes total)
+
+
+class Model:
+    """A GGUF model running on ``backend``. Use ``apir.load`` to make one."""
+
+    def __init__(
+        self, gguf: GGUFFile, backend: Backend, n_ctx: int | None = None,
+        progress: Progress | None = None,
+    ) -> None:
+        self.file, self.backend = gguf, backend
+        self.arch_name = gguf.arch
+        self.arch = architecture(gguf.arch)
+        self.args = self.arch.args_from_gguf(gguf)
+        self.tokenizer = Tokenizer.from_gguf(gguf.reader)
+        self.n_ctx = min(n_ctx or DEFAULT_CTX, self.args.context_length)
+        self.weights = self._upload_weights(progress)
+        heads = self.arch.kv_heads(self.args)
+        size, slots = KVLayout.plan(self.n_ctx, heads, DType.F32, ALIGNMENT)
+        self.kv = KVLayout(backend.alloc_buffer(size, BufferPurpose.KV), self.n_ctx, DType.F32, tuple(slots))
+        self._logits_graph = self._register(last_only=False)
+        self._sample_graph = self._register(last_only=True)
+
+    # ------------------------------------------------------------ setup
+    def _upload_weights(self, progress: Progress | None) -> WeightTable:
+        slots, offset = {}, 0
+        for t in self.file.tensors.values():
+            slots[t.name] = TensorSlot(offset, t.dtype, t.shape)
+            offset += -(-t.data.nbytes // ALIGNMENT) * ALIGNMENT
+        buffer = self.backend.alloc_buffer(offset, BufferPurpose.WEIGHTS)
+        done = 0
+        for t in self.file.tensors.values():
+            self.backend.set_tensor(buffer, slots[t.name].offset, t.data)
+            done += t.data.nbytes
+            if progress:
+                progress(done, self.file.nbytes)
+        return WeightTable(buffer, slots)
+
+    def _register(self, last_only: bool) -> int:
+        g = GraphBuilder()
+        tokens = g.input("tokens", (T,), DType.I32)
+        pos = g.input("pos", (T,), DType.I32)
+        w, kv = Weights(g, self.weights), KVCache(g, self.kv)
+        logits = self.arch.build(g, self.args, w, tokens, pos, kv, last_only)
+        if last_only:
+            logits = g.sample(logits, g.input("params", (5,), DType.F32))
+        return self.backend.register_graph(g.build(logits))
+
+    # ------------------------------------------------------------ tokens
+    @property
+    def vocab_size(self) -> int:
+        return self.args.vocab_size
+
+    def tokenize(self, text: str, add_bos: bool | None = None) -> list[int]:
+        """Token ids as llama.cpp gives them: special tokens parsed, BOS per the metadata."""
+        return self.tokenizer.encode(text, add_bos=add_bos)
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids))
+
+    def chat_ids(self, messages: list[dict]) -> list[int]:
+        """Token ids of ``messages`` rendered with the model's chat template, ready to generate.
+
+        Templates often write the BOS token themselves; like llama.cpp, it is dropped from
+        the text when the tokenizer adds one anyway, so the prompt never starts with two.
+        """
+        tok = self.tokenizer
+        bos, eos = tok.token_text(tok.bos_id), tok.token_text(tok.eos_id)
+        text = render_chat(self.file.get("tokenizer.chat_template"), messages, bos_token=bos, eos_token=eos)
+        if tok.add_bos and bos and text.startswith(bos):
+            text = text[len(bos):]
+        return self.tokenize(text)
+
+    def _check_fits(self, n: int, what: str = "prompt") -> None:
+        if n == 0:
+            raise ApirError(f"the {what} is empty: nothing to run")
+        if n > self.n_ctx:
+            raise ContextOverflowError(
+                f"the {what} has {n} tokens but the context holds {self.n_ctx}; shorten it or raise --ctx-size"
+            )
+
+    # ------------------------------------------------------------ compute
+    def _step(self, graph: int, ids: Sequence[int], start: int, params=None) -> np.ndarray:
+        inputs = {
+            "tokens": np.asarray(ids, np.int32),
+            "pos": np.arange(start, start + len(ids), dtype=np.int32),
+        }
+        if params is not None:
+            inputs["params"] = params
+        return self.backend.compute(graph, inputs)[0]
+
+    def logits(self, ids: Sequence[int], start: int = 0) -> np.ndarray:
+        """Logits (len(ids), vocab) float32 of one causal pass over ``ids`` placed at ``start``.
+
+        Positions before ``start`` must already be in the KV cache (from an earlier call);
+        ``start=0`` is a fresh pass.
+        """
+        self._check_fits(start + len(ids))
+        chunks = [
+            self._step(self._logits_graph, ids[i : i + PREFILL_CHUNK], start + i)
+            for i in range(0, len(ids), PREFILL_CHUNK)
+        ]
+        return np.concatenate(chunks, axis=0).astype(np.float32)
+
+    def generate_ids(self, prompt_ids: Sequence[int], params: SamplingParams) -> Iterator[int]:
+        """Yield generated token ids until an end-of-generation token or ``max_tokens``.
+
+        The end token itself is not yielded. Stop strings are handled by ``stream``.
+        """
+        self._check_fits(len(prompt_ids))
+        rng = np.random.default_rng(params.seed)
+        knobs = [params.temperature, params.top_k, params.top_p, params.min_p]
+
+        def draw() -> np.ndarray:
+            return np.array([*knobs, rng.random()], np.float32)
+
+        token = None
+        for i in range(0, len(prompt_ids), PREFILL_CHUNK):
+            token = self._step(self._sample_graph, prompt_ids[i : i + PREFILL_CHUNK], i, draw())
+        n_past = len(prompt_ids)
+        for _ in range(params.max_tokens):
+            tid = int(token[0])
+            if tid in self.tokenizer.eot_ids:
+                return
+            yield tid
+            if n_past >= self.n_ctx:
+                return  # the context is full
+            token = self._step(self._sample_graph, [tid], n_past, draw())
+            n_past += 1
+
+    def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> Iterator[str]:
+        """Yield text pieces as they are generated; never half a UTF-8 character."""
+        params = params or SamplingParams()
+        ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        decoder = self.tokenizer.stream()
+        hold = max((len(s) for s in params.stop), default=1) - 1  # a stop string may be forming
+        text, emitted = "", 0
+
+        def stop_at() -> int:
+            return min((i for i in (text.find(s, emitted) for s in params.stop) if i >= 0), default=-1)
+
+        for tid in self.generate_ids(ids, params):
+            text += decoder.feed(tid)
+            hit = stop_at()
+            if hit >= 0:
+                if hit > emitted:
+                    yield text[emitted:hit]
+                return
+            if len(text) - hold > emitted:
+                yield text[emitted : len(text) - hold]
+                emitted = len(text) - hold
+        text += decoder.flush()
+        hit = stop_at()
+        end = hit if hit >= 0 else len(text)
+        if end > emitted:
+            yield text[emitted:end]
+
+    def generate(self, prompt: str | Sequence[int], **kwargs) -> str:
+        """The whole completion as a string; keyword arguments are ``SamplingParams`` fields."""
+        return "".join(self.stream(prompt, SamplingParams(**kwargs)))
+
+    def close(self) -> None:
+        self.backend.close()
+
+    def __enter__(self) -> Model:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,423 @@
+"""The op table: the closed set of operations a graph may contain.
+
+Opcodes are pinned (they travel over the wire). Each op has one ``OpSpec``: its arity,
+its attributes (name and kind, in wire order) and its shape rule. Shape rules run when a
+graph is built on the guest *and* again when the host validates a registered graph, so a
+bad graph is rejected before anything executes.
+
+Shapes are tuples of ints in numpy order (outermost first). ``T`` (= -1) is the one
+symbolic dimension: the number of tokens in this step, bound when the graph is computed.
+
+Semantics, per op (``x`` etc. are inputs in order):
+  INPUT      ()                 a value bound at compute time by name
+  WEIGHT     ()                 read-only tensor at (buffer, offset); may be quantized
+  STATE      ()                 read-write tensor at (buffer, offset), e.g. a KV cache
+  GET_ROWS   (table, ids)       table[ids] as f32; table (N, K) any dtype, ids (...,) i32
+  SET_ROWS   (dst, src, ids)    dst[ids[t]] = src[t]; returns dst (orders later reads)
+  MATMUL     (x, w)             x @ w.T: x (..., K) float, w (N, K) any dtype -> (..., N) f32
+  ADD, MUL   (a, b)             elementwise with numpy broadcasting
+  SCALE      (x)                x * scale
+  SILU, GELU (x)                silu; gelu with the tanh approximation
+  SWIGLU     (gate, up)         silu(gate) * up
+  GEGLU      (gate, up)         gelu(gate) * up
+  RMS_NORM   (x)                x / sqrt(mean(x^2, -1) + eps)
+  SOFTMAX    (x)                softmax over the last axis
+  ROPE       (x, pos)           rotate the first n_dims of x (T, H, D) by position pos (T,):
+                                 theta_i = pos * freq_scale * base^(-2i/n_dims); pairs are
+                                 (2i, 2i+1) in "normal" mode, (i, i+n_dims/2) in NEOX mode
+  ATTENTION  (q, k, v, pos)     q (T, Hq, D), k (S, Hkv, D), v (S, Hkv, Dv), pos (T,) i32.
+                                 Key j sits at position j; query t sees key j iff
+                                 j <= pos[t] and (window == 0 or pos[t] - j < window).
+                                 Scores are q.k * scale, then softcap*tanh(s/softcap) when
+                                 softcap > 0. Grouped-query: Hq // Hkv queries share a key
+                                 head. -> (T, Hq, Dv) f32
+  RESHAPE    (x)                to shape (same element count; T stays T)
+  PERMUTE    (x)                axes permutation
+  TRANSPOSE  (x)                swap two axes
+  VIEW       (x)                x[start:start+length] along axis; start < 0 counts from the end
+  CONTIGUOUS (x)                a dense copy (no-op in value)
+  CONCAT     (a, b)             along axis
+  ARGMAX     (x)                index of the first maximum over the last axis -> i32
+  SAMPLE     (logits, params)   one token per row; params f32[5] = temperature, top_k,
+                                 top_p, min_p, u (a uniform draw in [0, 1) from the guest's
+                                 seeded RNG). temperature <= 0 is argmax. Otherwise: scale by
+                                 1/temperature, sort descending (ties: lower id first), keep
+                                 top_k (if > 0), softmax, keep the shortest prefix whose mass
+                                 reaches top_p (if < 1), drop p < min_p * p_max (if > 0),
+                                 and return the first sorted id whose cumulative mass exceeds
+                                 u * (kept mass) -> i32
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from .dtypes import COMPUTE_DTYPES, DType
+
+T = -1  # the symbolic token-count dimension
+FLOAT_DTYPES = (DType.F32, DType.F16, DType.BF16)
+
+
+class GraphError(ValueError):
+    """A graph that breaks an op's rules; the message names the op and the tensor."""
+
+
+class Op(enum.IntEnum):
+    # leaves
+    INPUT = 1
+    WEIGHT = 2
+    STATE = 3
+    # indexing
+    GET_ROWS = 10
+    SET_ROWS = 11
+    # linear algebra
+    MATMUL = 20
+    # elementwise
+    ADD = 30
+    MUL = 31
+    SCALE = 32
+    SILU = 33
+    GELU = 34
+    SWIGLU = 35
+    GEGLU = 36
+    # normalisation
+    RMS_NORM = 40
+    SOFTMAX = 41
+    # position and attention
+    ROPE = 50
+    ATTENTION = 51
+    # layout
+    RESHAPE = 60
+    PERMUTE = 61
+    TRANSPOSE = 62
+    VIEW = 63
+    CONTIGUOUS = 64
+    CONCAT = 65
+    # selection
+    ARGMAX = 70
+    SAMPLE = 71
+
+
+# Attribute kinds, as they are encoded on the wire.
+INT, FLOAT, INTS, STR = "int", "float", "ints", "str"
+
+Spec = tuple[tuple[int, ...], DType]  # (shape, dtype) of a value
+ShapeRule = Callable[[Sequence[Spec], tuple], Spec]
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    arity: int
+    attrs: tuple[tuple[str, str], ...]  # (name, kind) in wire order
+    rule: ShapeRule
+
+
+# ---------------------------------------------------------------- shape helpers
+
+
+def _fail(msg: str) -> GraphError:
+    return GraphError(msg)
+
+
+def numel_static(shape: Sequence[int]) -> tuple[int, int]:
+    """(product of the static dims, how many dims are T)."""
+    n, t = 1, 0
+    for d in shape:
+        if d == T:
+            t += 1
+        else:
+            n *= d
+    return n, t
+
+
+def fmt_shape(shape: Sequence[int]) -> str:
+    return "(" + ", ".join("T" if d == T else str(d) for d in shape) + ")"
+
+
+def _float(spec: Spec, what: str) -> None:
+    if spec[1] not in FLOAT_DTYPES:
+        raise _fail(f"{what} must be a float tensor, got {spec[1].name}")
+
+
+def _i32(spec: Spec, what: str) -> None:
+    if spec[1] is not DType.I32:
+        raise _fail(f"{what} must be I32, got {spec[1].name}")
+
+
+def _rank(spec: Spec, n: int, what: str) -> None:
+    if len(spec[0]) != n:
+        raise _fail(f"{what} must have {n} dims, got {fmt_shape(spec[0])}")
+
+
+def _axis(axis: int, rank: int) -> int:
+    if not -rank <= axis < rank:
+        raise _fail(f"axis {axis} out of range for rank {rank}")
+    return axis % rank
+
+
+def broadcast(a: Sequence[int], b: Sequence[int]) -> tuple[int, ...]:
+    out = []
+    for i in range(max(len(a), len(b))):
+        x = a[len(a) - 1 - i] if i < len(a) else 1
+        y = b[len(b) - 1 - i] if i < len(b) else 1
+        if x == y or y == 1:
+            out.append(x)
+        elif x == 1:
+            out.append(y)
+        else:
+            raise _fail(f"shapes {fmt_shape(a)} and {fmt_shape(b)} do not broadcast")
+    return tuple(reversed(out))
+
+
+# ---------------------------------------------------------------- shape rules
+
+
+def _leaf(ins, attrs):  # leaves carry their own spec; the builder fills it in
+    raise AssertionError("leaves have no rule")
+
+
+def _get_rows(ins, attrs):
+    (ts, tt), ids = ins
+    _rank((ts, tt), 2, "GET_ROWS table")
+    _i32(ids, "GET_ROWS ids")
+    return (*ids[0], ts[1]), DType.F32
+
+
+def _set_rows(ins, attrs):
+    dst, src, ids = ins
+    _float(src, "SET_ROWS src")
+    _i32(ids, "SET_ROWS ids")
+    _rank(ids, 1, "SET_ROWS ids")
+    if dst[1].is_quantized:
+        raise _fail("SET_ROWS destination cannot be quantized")
+    if len(src[0]) != len(dst[0]) or tuple(src[0][1:]) != tuple(dst[0][1:]):
+        raise _fail(f"SET_ROWS rows {fmt_shape(src[0])} do not fit {fmt_shape(dst[0])}")
+    if src[0][0] != ids[0][0]:
+        raise _fail(f"SET_ROWS has {src[0][0]} rows but {ids[0][0]} ids")
+    return dst
+
+
+def _matmul(ins, attrs):
+    x, w = ins
+    _float(x, "MATMUL input")
+    _rank(w, 2, "MATMUL weight")
+    if x[0][-1] != w[0][1]:
+        raise _fail(f"MATMUL inner dims differ: input {fmt_shape(x[0])}, weight {fmt_shape(w[0])}")
+    return (*x[0][:-1], w[0][0]), DType.F32
+
+
+def _binary(ins, attrs):
+    a, b = ins
+    _float(a, "left operand")
+    _float(b, "right operand")
+    return broadcast(a[0], b[0]), DType.F32
+
+
+def _unary(ins, attrs):
+    _float(ins[0], "input")
+    return ins[0][0], DType.F32
+
+
+def _gated(ins, attrs):
+    gate, up = ins
+    _float(gate, "gate")
+    _float(up, "up")
+    if tuple(gate[0]) != tuple(up[0]):
+        raise _fail(f"gate {fmt_shape(gate[0])} and up {fmt_shape(up[0])} differ")
+    return gate[0], DType.F32
+
+
+def _rms_norm(ins, attrs):
+    (eps,) = attrs
+    if not eps > 0:
+        raise _fail(f"eps must be positive, got {eps}")
+    return _unary(ins, attrs)
+
+
+def _rope(ins, attrs):
+    x, pos = ins
+    n_dims, base, neox, freq_scale = attrs
+    _float(x, "ROPE input")
+    _rank(x, 3, "ROPE input (T, H, D)")
+    _i32(pos, "ROPE positions")
+    _rank(pos, 1, "ROPE positions")
+    if pos[0][0] != x[0][0]:
+        raise _fail(f"ROPE has {x[0][0]} rows but {pos[0][0]} positions")
+    if not (0 < n_dims <= x[0][2] and n_dims % 2 == 0):
+        raise _fail(f"ROPE n_dims={n_dims} must be even and within head size {x[0][2]}")
+    if not (base > 0 and freq_scale > 0) or neox not in (0, 1):
+        raise _fail(f"ROPE base={base}, freq_scale={freq_scale}, neox={neox} out of range")
+    return x[0], DType.F32
+
+
+def _attention(ins, attrs):
+    q, k, v, pos = ins
+    scale, window, softcap = attrs
+    for spec, what in ((q, "query"), (k, "key"), (v, "value")):
+        _float(spec, f"ATTENTION {what}")
+        _rank(spec, 3, f"ATTENTION {what}")
+    _i32(pos, "ATTENTION positions")
+    _rank(pos, 1, "ATTENTION positions")
+    (tq, hq, d), (s, hk, dk), (sv, hv, dv) = q[0], k[0], v[0]
+    if dk != d or sv != s or hv != hk:
+        raise _fail(
+            f"ATTENTION shapes disagree: q {fmt_shape(q[0])}, k {fmt_shape(k[0])}, v {fmt_shape(v[0])}"
+        )
+    if hk <= 0 or hq % hk:
+        raise _fail(f"ATTENTION query heads {hq} not a multiple of key heads {hk}")
+    if pos[0][0] != tq:
+        raise _fail(f"ATTENTION has {tq} queries but {pos[0][0]} positions")
+    if window < 0 or softcap < 0 or not math.isfinite(scale):
+        raise _fail(f"ATTENTION window={window}, softcap={softcap}, scale={scale} out of range")
+    return (tq, hq, dv), DType.F32
+
+
+def _reshape(ins, attrs):
+    (shape,) = attrs
+    if any(d < T or d == 0 for d in shape):
+        raise _fail(f"RESHAPE target {fmt_shape(shape)} has a bad dim")
+    if numel_static(shape) != numel_static(ins[0][0]):
+        raise _fail(f"RESHAPE {fmt_shape(ins[0][0])} -> {fmt_shape(shape)} changes the size")
+    return tuple(shape), ins[0][1]
+
+
+def _permute(ins, attrs):
+    (axes,) = attrs
+    shape = ins[0][0]
+    if sorted(axes) != list(range(len(shape))):
+        raise _fail(f"PERMUTE axes {tuple(axes)} are not a permutation of rank {len(shape)}")
+    return tuple(shape[a] for a in axes), ins[0][1]
+
+
+def _transpose(ins, attrs):
+    shape = list(ins[0][0])
+    a, b = (_axis(x, len(shape)) for x in attrs)
+    shape[a], shape[b] = shape[b], shape[a]
+    return tuple(shape), ins[0][1]
+
+
+def _view(ins, attrs):
+    axis, start, length = attrs
+    shape = list(ins[0][0])
+    axis = _axis(axis, len(shape))
+    n = shape[axis]
+    if length <= 0:
+        raise _fail(f"VIEW length must be positive, got {length}")
+    if n == T:
+        # symbolic axis: only a window counted from the end is checkable now
+        if not (start < 0 and length <= -start):
+            raise _fail("VIEW on the token axis must count from the end (start < 0)")
+    elif not (-n <= start < n and (start % n) + length <= n):
+        raise _fail(f"VIEW [{start}:{start}+{length}] outside axis of size {n}")
+    shape[axis] = length
+    return tuple(shape), ins[0][1]
+
+
+def _contiguous(ins, attrs):
+    return ins[0]
+
+
+def _concat(ins, attrs):
+    (axis,) = attrs
+    (a, ta), (b, tb) = ins
+    if len(a) != len(b) or ta != tb:
+        raise _fail(f"CONCAT of {fmt_shape(a)} {ta.name} and {fmt_shape(b)} {tb.name}")
+    axis = _axis(axis, len(a))
+    if any(x != y for i, (x, y) in enumerate(zip(a, b)) if i != axis):
+        raise _fail(f"CONCAT shapes {fmt_shape(a)}, {fmt_shape(b)} differ off axis {axis}")
+    if T in (a[axis], b[axis]):
+        raise _fail("CONCAT along the token axis is not supported")
+    return tuple(a[:axis]) + (a[axis] + b[axis],) + tuple(a[axis + 1 :]), ta
+
+
+def _argmax(ins, attrs):
+    _float(ins[0], "ARGMAX input")
+    return ins[0][0][:-1], DType.I32
+
+
+def _sample(ins, attrs):
+    logits, params = ins
+    _float(logits, "SAMPLE logits")
+    if params[1] is not DType.F32 or tuple(params[0]) != (5,):
+        raise _fail("SAMPLE params must be F32 of shape (5,)")
+    return logits[0][:-1], DType.I32
+
+
+OPS: dict[Op, OpSpec] = {
+    Op.INPUT: OpSpec(0, (("name", STR),), _leaf),
+    Op.WEIGHT: OpSpec(0, (("buffer", INT), ("offset", INT)), _leaf),
+    Op.STATE: OpSpec(0, (("buffer", INT), ("offset", INT)), _leaf),
+    Op.GET_ROWS: OpSpec(2, (), _get_rows),
+    Op.SET_ROWS: OpSpec(3, (), _set_rows),
+    Op.MATMUL: OpSpec(2, (), _matmul),
+    Op.ADD: OpSpec(2, (), _binary),
+    Op.MUL: OpSpec(2, (), _binary),
+    Op.SCALE: OpSpec(1, (("scale", FLOAT),), _unary),
+    Op.SILU: OpSpec(1, (), _unary),
+    Op.GELU: OpSpec(1, (), _unary),
+    Op.SWIGLU: OpSpec(2, (), _gated),
+    Op.GEGLU: OpSpec(2, (), _gated),
+    Op.RMS_NORM: OpSpec(1, (("eps", FLOAT),), _rms_norm),
+    Op.SOFTMAX: OpSpec(1, (), _unary),
+    Op.ROPE: OpSpec(
+        2, (("n_dims", INT), ("base", FLOAT), ("neox", INT), ("freq_scale", FLOAT)), _rope
+    ),
+    Op.ATTENTION: OpSpec(
+        4, (("scale", FLOAT), ("window", INT), ("softcap", FLOAT)), _attention
+    ),
+    Op.RESHAPE: OpSpec(1, (("shape", INTS),), _reshape),
+    Op.PERMUTE: OpSpec(1, (("axes", INTS),), _permute),
+    Op.TRANSPOSE: OpSpec(1, (("a", INT), ("b", INT)), _transpose),
+    Op.VIEW: OpSpec(1, (("axis", INT), ("start", INT), ("length", INT)), _view),
+    Op.CONTIGUOUS: OpSpec(1, (), _contiguous),
+    Op.CONCAT: OpSpec(2, (("axis", INT),), _concat),
+    Op.ARGMAX: OpSpec(1, (), _argmax),
+    Op.SAMPLE: OpSpec(2, (), _sample),
+}
+
+LEAVES = (Op.INPUT, Op.WEIGHT, Op.STATE)
+
+
+def infer(op: Op, inputs: Sequence[Spec], attrs: tuple) -> Spec:
+    """Run ``op``'s shape rule; every failure is a GraphError naming the op."""
+    spec = OPS[op]
+    if len(inputs) != spec.arity:
+        raise GraphError(f"{op.name} takes {spec.arity} inputs, got {len(inputs)}")
+    if len(attrs) != len(spec.attrs):
+        raise GraphError(f"{op.name} takes attributes {[a for a, _ in spec.attrs]}, got {attrs!r}")
+    for value, (name, kind) in zip(attrs, spec.attrs):
+        ok = {
+            INT: lambda v: isinstance(v, int),
+            FLOAT: lambda v: isinstance(v, (int, float)) and math.isfinite(v),
+            INTS: lambda v: isinstance(v, tuple) and all(isinstance(i, int) for i in v),
+            STR: lambda v: isinstance(v, str),
+        }[kind](value)
+        if not ok:
+            raise GraphError(f"{op.name} attribute {name} must be {kind}, got {value!r}")
+    for shape, dtype in inputs:
+        if dtype.is_quantized and op not in (Op.GET_ROWS, Op.MATMUL):
+            raise GraphError(f"{op.name} cannot take a quantized ({dtype.name}) input")
+    try:
+        return spec.rule(inputs, attrs)
+    except GraphError as e:
+        raise GraphError(f"{op.name}: {e}") from None
+
+
+def leaf_spec_check(op: Op, shape: tuple[int, ...], dtype: DType) -> None:
+    """Leaves: plain dims (T only for inputs), a block-aligned row for quantized types."""
+    for d in shape:
+        if d == T and op is Op.INPUT:
+            continue
+        if not isinstance(d, int) or d <= 0:
+            raise GraphError(f"{op.name} has a bad dimension in {fmt_shape(shape)}")
+    if op is Op.INPUT and dtype not in COMPUTE_DTYPES:
+        raise GraphError(f"INPUT dtype must be one of {[d.name for d in COMPUTE_DTYPES]}")
+    if op is Op.STATE and dtype.is_quantized:
+        raise GraphError("STATE tensors cannot be quantized")
+    if dtype.is_quantized and (not shape or shape[-1] % dtype.block_size):
+        raise GraphError(
+            f"{dtype.name} tensor {fmt_shape(shape)}: rows must be whole {dtype.block_size}-element blocks"
+        )

@@ -1,0 +1,92 @@
+"""Opening a GGUF file: gguf-py's memory-mapped reader plus clear errors and typed metadata.
+
+Tensor shapes are given in numpy order (outermost first): GGUF's ``ne = [K, N]`` for a
+weight becomes ``(N, K)``, one row per output feature.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+from ..graph import DType
+from .errors import ModelLoadError
+
+GGUF_MAGIC = b"GGUF"
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    dtype: DType
+    shape: tuple[int, ...]  # numpy order
+    data: np.ndarray  # raw bytes (uint8 view into the memory map)
+
+
+class GGUFFile:
+    """A GGUF model file: metadata by key, tensors by name (zero-copy)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise ModelLoadError(f"model file not found: {self.path}")
+        with open(self.path, "rb") as f:
+            magic = f.read(4)
+        if magic != GGUF_MAGIC:
+            raise ModelLoadError(f"{self.path} is not a GGUF file (it starts with {magic!r}, not b'GGUF')")
+        try:
+            self.reader = gguf.GGUFReader(self.path)
+        except (ValueError, IndexError, OSError, KeyError) as e:
+            raise ModelLoadError(
+                f"{self.path} is truncated or corrupt and cannot be read as GGUF ({e})"
+            ) from None
+        self.arch: str = self.get(gguf.Keys.General.ARCHITECTURE)
+        if not isinstance(self.arch, str):
+            raise ModelLoadError(f"{self.path} has no general.architecture in its metadata")
+        self.tensors: dict[str, TensorInfo] = {}
+        for t in self.reader.tensors:
+            try:
+                dtype = DType(int(t.tensor_type))
+            except ValueError:
+                raise ModelLoadError(
+                    f"tensor {t.name} has GGML type {t.tensor_type.name}, which apir does not support"
+                ) from None
+            shape = tuple(int(d) for d in reversed(t.shape))
+            raw = np.asarray(t.data).reshape(-1).view(np.uint8)
+            if raw.nbytes != dtype.nbytes(shape):
+                raise ModelLoadError(f"{self.path}: tensor {t.name} is truncated")
+            self.tensors[t.name] = TensorInfo(t.name, dtype, shape, raw)
+
+    def get(self, key: str, default=None):
+        """A metadata value; ``{arch}`` in the key is filled in."""
+        if "{arch}" in key:
+            key = key.format(arch=self.arch)
+        field = self.reader.fields.get(key)
+        return default if field is None else field.contents()
+
+    def require(self, key: str):
+        value = self.get(key)
+        if value is None:
+            raise ModelLoadError(f"{self.path.name}: metadata key {key.format(arch=self.arch)} is missing")
+        return value
+
+    def tensor(self, name: str) -> TensorInfo:
+        try:
+            return self.tensors[name]
+        except KeyError:
+            raise ModelLoadError(f"{self.path.name}: tensor {name} is missing") from None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.data.nbytes for t in self.tensors.values())
+
+    def quantization(self) -> str:
+        """The most common weight type, e.g. 'Q4_1' (what llama.cpp's file_type describes)."""
+        counts: dict[str, int] = {}
+        for t in self.tensors.values():
+            if len(t.shape) == 2:
+                counts[t.dtype.name] = counts.get(t.dtype.name, 0) + t.data.nbytes
+        return max(counts, key=counts.get) if counts else "F32"
