@@ -1,7 +1,7 @@
 """Tiny random GGUF models, written with gguf.GGUFWriter inside the tests (no downloads).
 
-The tokenizer is a byte-level BPE with no merges: every byte is one token, plus BOS/EOS,
-so any text tokenizes and the vocabulary stays small.
+The tokenizer is a byte-level BPE with one merge ("h e"): every other byte is one token,
+plus BOS/EOS and two chat markers, so any text tokenizes and the vocabulary stays small.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ class TinyConfig:
 def write_tiny_gguf(path: Path, cfg: TinyConfig = TinyConfig(), weight_type: str = "F16",
                     seed: int = 0) -> Path:
     rng = np.random.default_rng(seed)
-    tokens = [*byte_level_vocab(), "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
+    tokens = [*byte_level_vocab(), "<s>", "</s>", "<|im_start|>", "<|im_end|>", "he"]
     vocab = len(tokens)
     w = gguf.GGUFWriter(str(path), cfg.arch)
     w.add_block_count(cfg.n_layer)
@@ -71,8 +71,8 @@ def write_tiny_gguf(path: Path, cfg: TinyConfig = TinyConfig(), weight_type: str
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("default")
     w.add_token_list(tokens)
-    w.add_token_types([1] * 256 + [3, 3, 3, 3])
-    w.add_token_merges([])
+    w.add_token_types([1] * 256 + [3, 3, 3, 3, 1])
+    w.add_token_merges(["h e"])
     w.add_bos_token_id(256)
     w.add_eos_token_id(257)
     w.add_add_bos_token(True)

@@ -20,7 +20,6 @@ from ..backends import Backend, BufferPurpose
 from ..backends.base import ALIGNMENT
 from ..errors import ApirError
 from ..graph import DType, GraphBuilder, T
-from ..models.chat import render_chat
 from ..models.gguf_file import GGUFFile
 from ..models.registry import architecture
 from ..models.tokenizer import Tokenizer
@@ -123,6 +122,8 @@ class Model:
         Templates often write the BOS token themselves; like llama.cpp, it is dropped from
         the text when the tokenizer adds one anyway, so the prompt never starts with two.
         """
+        from ..models.chat import render_chat  # jinja is only needed for chat
+
         tok = self.tokenizer
         bos, eos = tok.token_text(tok.bos_id), tok.token_text(tok.eos_id)
         text = render_chat(self.file.get("tokenizer.chat_template"), messages, bos_token=bos, eos_token=eos)
