@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from tiny_models import TinyConfig, write_tiny_gguf
 
 import apir
 from apir.engine import SamplingParams
 from apir.models.registry import ARCHITECTURES
-from tiny_models import TinyConfig, write_tiny_gguf
 
 IDS = [256, 72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100, 33]  # <s>Hello, world!
 

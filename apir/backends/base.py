@@ -166,7 +166,8 @@ class Backend(ABC):
             raise BackendError(f"graph {gid}: {e}") from None
 
     def synchronize(self) -> None:
-        """Wait for queued work. Executors here run synchronously."""
+        """Wait for queued work. Executors here run synchronously, so this only checks state."""
+        self._check_open()
 
     def close(self) -> None:
         for handle in list(self._buffers):

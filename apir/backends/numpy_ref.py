@@ -14,6 +14,7 @@ import gguf
 import numpy as np
 
 from ..graph import DType, Graph, Op
+from ..graph.dtypes import NUMPY_DTYPES
 from .base import Backend, BackendError, Buffer, DeviceInfo, Registered
 
 
@@ -125,13 +126,18 @@ def sample(logits: np.ndarray, params: np.ndarray) -> np.ndarray:
 
 
 def _view(x, axis, start, length):
+    # a basic slice, so a VIEW of a STATE is a window on it (SET_ROWS writes through)
     start = start % x.shape[axis]
-    return np.take(x, np.arange(start, start + length), axis=axis)
+    if start + length > x.shape[axis]:
+        raise BackendError(f"VIEW [{start}:{start + length}] outside axis of size {x.shape[axis]}")
+    index = [slice(None)] * x.ndim
+    index[axis] = slice(start, start + length)
+    return x[tuple(index)]
 
 
 def _get_rows(table, ids):
     check_index(ids, table.shape[0], "GET_ROWS row")
-    return table[ids]
+    return table[ids].astype(np.float32, copy=False)
 
 
 def _set_rows(dst, src, ids):
@@ -206,12 +212,13 @@ class NumpyBackend(Backend):
         raw = np.frombuffer(buf.storage, np.uint8, node.dtype.nbytes(node.shape), offset)
         if node.op is Op.STATE:
             if node.dtype in (DType.F32, DType.F16, DType.I32):
-                return to_f32(raw, node.dtype, node.shape)  # a live, writable view
+                return raw.view(NUMPY_DTYPES[node.dtype]).reshape(node.shape)  # a live view
             raise BackendError(f"numpy executor keeps STATE in F32/F16/I32, not {node.dtype.name}")
         key = (handle, offset, node.dtype, node.shape)
         cached = self._weights.get(key)
         if cached is None or cached[0] != buf.version:
-            cached = (buf.version, to_f32(raw, node.dtype, node.shape).astype(np.float32))
+            value = to_f32(raw, node.dtype, node.shape)
+            cached = (buf.version, value if node.dtype is DType.I32 else value.astype(np.float32))
             self._weights[key] = cached
         return cached[1]
 
@@ -227,16 +234,25 @@ class NumpyBackend(Backend):
                 values.append(self._leaf(node))
             else:
                 args = [values[i] for i in node.inputs]
+                if node.dtype is DType.F32 and node.op is not Op.SET_ROWS:
+                    # compute ops work in f32; an F16 STATE arrives as a live f16 view
+                    args = [a.astype(np.float32) if a.dtype == np.float16 else a for a in args]
                 try:
                     out = KERNELS[node.op](*args, *node.attrs)
                 except BackendError as e:
                     raise BackendError(f"{node.describe(nid)}: {e}") from None
                 except (ValueError, IndexError, FloatingPointError) as e:
                     raise BackendError(f"{node.describe(nid)} failed: {e}") from None
-                if node.op is not Op.SET_ROWS and out.dtype == np.float16:
+                if node.dtype is DType.F32 and out.dtype == np.float16:
                     out = out.astype(np.float32)
                 values.append(out)
         states = {n.attrs for n in reg.graph.nodes if n.op is Op.STATE}
         for handle, _ in states:
             self._buffers[handle].version += 1
-        return [np.array(values[o], dtype=values[o].dtype, copy=True) for o in reg.graph.outputs]
+        return [_as_declared(values[o], reg.graph.nodes[o].dtype) for o in reg.graph.outputs]
+
+
+def _as_declared(x: np.ndarray, dtype: DType) -> np.ndarray:
+    """A copy of an output in its node's dtype (F16/BF16 values are held here as f32)."""
+    want = NUMPY_DTYPES[dtype]
+    return np.array(x if x.dtype == want else from_f32(x, dtype), dtype=want, copy=True)

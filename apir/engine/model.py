@@ -122,11 +122,12 @@ class Model:
         Templates often write the BOS token themselves; like llama.cpp, it is dropped from
         the text when the tokenizer adds one anyway, so the prompt never starts with two.
         """
-        from ..models.chat import render_chat  # jinja is only needed for chat
+        from ..models.chat import render_chat, template_for  # jinja is only needed for chat
 
         tok = self.tokenizer
         bos, eos = tok.token_text(tok.bos_id), tok.token_text(tok.eos_id)
-        text = render_chat(self.file.get("tokenizer.chat_template"), messages, bos_token=bos, eos_token=eos)
+        template = template_for(self.file.get("tokenizer.chat_template"), self.arch_name)
+        text = render_chat(template, messages, bos_token=bos, eos_token=eos)
         if tok.add_bos and bos and text.startswith(bos):
             text = text[len(bos):]
         return self.tokenize(text)

@@ -2,6 +2,6 @@
 
 from .dtypes import DType
 from .graph import Graph, GraphBuilder, Node, Value
-from .ops import OPS, T, GraphError, Op
+from .ops import OPS, GraphError, Op, T
 
 __all__ = ["DType", "Graph", "GraphBuilder", "GraphError", "Node", "OPS", "Op", "T", "Value"]

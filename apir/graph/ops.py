@@ -388,7 +388,7 @@ def infer(op: Op, inputs: Sequence[Spec], attrs: tuple) -> Spec:
         raise GraphError(f"{op.name} takes {spec.arity} inputs, got {len(inputs)}")
     if len(attrs) != len(spec.attrs):
         raise GraphError(f"{op.name} takes attributes {[a for a, _ in spec.attrs]}, got {attrs!r}")
-    for value, (name, kind) in zip(attrs, spec.attrs):
+    for value, (name, kind) in zip(attrs, spec.attrs, strict=True):
         ok = {
             INT: lambda v: isinstance(v, int),
             FLOAT: lambda v: isinstance(v, (int, float)) and math.isfinite(v),
@@ -397,7 +397,7 @@ def infer(op: Op, inputs: Sequence[Spec], attrs: tuple) -> Spec:
         }[kind](value)
         if not ok:
             raise GraphError(f"{op.name} attribute {name} must be {kind}, got {value!r}")
-    for shape, dtype in inputs:
+    for _, dtype in inputs:
         if dtype.is_quantized and op not in (Op.GET_ROWS, Op.MATMUL):
             raise GraphError(f"{op.name} cannot take a quantized ({dtype.name}) input")
     try:

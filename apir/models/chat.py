@@ -61,7 +61,10 @@ def _tojson(
 ) -> str:
     # Jinja's own tojson HTML-escapes `<`, `>`, `&`, `'`, which corrupts tool schemas.
     return json.dumps(
-        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+        value,
+        ensure_ascii=ensure_ascii,
+        indent=indent,
+        separators=separators,
         sort_keys=sort_keys,
     )
 
@@ -81,8 +84,9 @@ class _Sandbox(ImmutableSandboxedEnvironment):
     intercepted_binops = frozenset({"*", "**"})
 
     def unsafe_undefined(self, obj: Any, attribute: str) -> Any:
-        raise SecurityError(f"access to attribute {attribute!r} of {type(obj).__name__!r} "
-                            "object is unsafe")
+        raise SecurityError(
+            f"access to attribute {attribute!r} of {type(obj).__name__!r} object is unsafe"
+        )
 
     def call_binop(self, context: Any, op: str, left: Any, right: Any) -> Any:
         if op == "*":
@@ -98,7 +102,8 @@ class _Sandbox(ImmutableSandboxedEnvironment):
 
 def _environment() -> _Sandbox:
     env = _Sandbox(
-        trim_blocks=True, lstrip_blocks=True,
+        trim_blocks=True,
+        lstrip_blocks=True,
         extensions=[jinja2.ext.loopcontrols, _GenerationTag],
     )
     env.filters["tojson"] = _tojson
@@ -157,3 +162,57 @@ def render_chat(
 
 def _one_line(message: object) -> str:
     return " ".join(str(message).split())
+
+
+# Gemma 3's template from google/gemma-3-*-it tokenizer_config.json. The gemma3-270m GGUF
+# carries no tokenizer.chat_template, so apir carries it
+# (llama.cpp would fall back to ChatML for this file, which the model was not trained on).
+GEMMA3_TEMPLATE = """{{ bos_token }}
+{%- if messages[0]['role'] == 'system' -%}
+    {%- if messages[0]['content'] is string -%}
+        {%- set first_user_prefix = messages[0]['content'] + '\\n\\n' -%}
+    {%- else -%}
+        {%- set first_user_prefix = messages[0]['content'][0]['text'] + '\\n\\n' -%}
+    {%- endif -%}
+    {%- set loop_messages = messages[1:] -%}
+{%- else -%}
+    {%- set first_user_prefix = "" -%}
+    {%- set loop_messages = messages -%}
+{%- endif -%}
+{%- for message in loop_messages -%}
+    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}
+        {{ raise_exception("Conversation roles must alternate user/assistant/user/assistant/...") }}
+    {%- endif -%}
+    {%- if (message['role'] == 'assistant') -%}
+        {%- set role = "model" -%}
+    {%- else -%}
+        {%- set role = message['role'] -%}
+    {%- endif -%}
+    {{ '<start_of_turn>' + role + '\\n' + (first_user_prefix if loop.first else "") }}
+    {%- if message['content'] is string -%}
+        {{ message['content'] | trim }}
+    {%- elif message['content'] is iterable -%}
+        {%- for item in message['content'] -%}
+            {%- if item['type'] == 'image' -%}
+                {{ '<start_of_image>' }}
+            {%- elif item['type'] == 'text' -%}
+                {{ item['text'] | trim }}
+            {%- endif -%}
+        {%- endfor -%}
+    {%- else -%}
+        {{ raise_exception("Invalid content type") }}
+    {%- endif -%}
+    {{ '<end_of_turn>\\n' }}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{'<start_of_turn>model\\n'}}
+{%- endif -%}
+"""
+
+# Templates for architectures whose GGUFs often ship without one.
+BUILTIN_TEMPLATES: dict[str, str] = {"gemma3": GEMMA3_TEMPLATE}
+
+
+def template_for(gguf_template: str | None, arch: str) -> str | None:
+    """The model's own template, else a built-in one for its architecture, else None."""
+    return gguf_template or BUILTIN_TEMPLATES.get(arch)

@@ -89,12 +89,13 @@ def resolve_model(spec: str | None) -> Path:
     path = Path(name).expanduser()
     looks_like_path = name.lower().endswith(".gguf") or os.sep in name or "/" in name
     if looks_like_path or path.exists():
+        if path.is_dir():
+            raise ModelNotFoundError(f"model path is a directory, not a .gguf file: {path}")
         if not path.is_file():
             raise ModelNotFoundError(f"model file not found: {path}")
         return path.resolve()
     raise ModelNotFoundError(
-        f"unknown model {name!r}: give a path to a .gguf file or one of: "
-        + ", ".join(KNOWN_MODELS)
+        f"unknown model {name!r}: give a path to a .gguf file or one of: " + ", ".join(KNOWN_MODELS)
     )
 
 

@@ -69,22 +69,52 @@ _PRE_ALIASES = {
         "smollm",
     ),
     **dict.fromkeys(
-        ("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0",
-         "lfm2", "dbrx", "smaug-bpe"),
+        (
+            "llama3",
+            "llama-v3",
+            "llama-bpe",
+            "falcon3",
+            "falcon-h1",
+            "pixtral",
+            "midm-2.0",
+            "lfm2",
+            "dbrx",
+            "smaug-bpe",
+        ),
         "llama3",
     ),
     **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "kormo", "stablelm2", "megrez"), "qwen2"),
 }
 # llama.cpp sets ignore_merges and add_bos for exactly these pre-tokenizer names.
-_LLAMA3_NAMES = {"llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral",
-                 "midm-2.0", "lfm2"}
+_LLAMA3_NAMES = {
+    "llama3",
+    "llama-v3",
+    "llama-bpe",
+    "falcon3",
+    "falcon-h1",
+    "pixtral",
+    "midm-2.0",
+    "lfm2",
+}
 
 # --- end of generation (llama_vocab::impl::load) ------------------------------------------
 # llama.cpp finds these by text, forces them to CONTROL, and stops generating on them.
-_EOG_TEXTS = frozenset({
-    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<end_of_turn>",
-    "<|endoftext|>", "<|eom_id|>", "<EOT>", "_<EOT>", "<|end_of_text|>", "<end_of_utterance>",
-})
+_EOG_TEXTS = frozenset(
+    {
+        "<|eot_id|>",
+        "<|im_end|>",
+        "<|end|>",
+        "<|return|>",
+        "<|call|>",
+        "<end_of_turn>",
+        "<|endoftext|>",
+        "<|eom_id|>",
+        "<EOT>",
+        "_<EOT>",
+        "<|end_of_text|>",
+        "<end_of_utterance>",
+    }
+)
 # FIM pad/repo/file-separator tokens also end generation; found by text if not in metadata.
 _FIM_EOG = {
     K.FIM_PAD_ID: ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>"),
@@ -95,8 +125,11 @@ _FIM_EOG = {
 
 def _gpt2_byte_decoder() -> dict[str, int]:
     """GPT-2's byte-level alphabet, reversed: printable stand-in char -> byte value."""
-    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
-          *range(ord("®"), ord("ÿ") + 1)]
+    bs = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
     cs = list(bs)
     n = 0
     for b in range(256):
@@ -104,12 +137,14 @@ def _gpt2_byte_decoder() -> dict[str, int]:
             bs.append(b)
             cs.append(256 + n)
             n += 1
-    return {chr(c): b for b, c in zip(bs, cs)}
+    return {chr(c): b for b, c in zip(bs, cs, strict=True)}
 
 
-def _field(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
-    field = reader.get_field(key)
-    return default if field is None else field.contents()
+def read_tokenizer_metadata(reader: gguf.GGUFReader) -> dict[str, Any]:
+    """The GGUF's ``tokenizer.*`` values (those gguf.Keys.Tokenizer names), by key."""
+    keys = [v for k, v in vars(K).items() if k.isupper() and isinstance(v, str)]
+    fields = {k: reader.get_field(k) for k in keys}
+    return {k: f.contents() for k, f in fields.items() if f is not None}
 
 
 class Tokenizer:
@@ -119,20 +154,25 @@ class Tokenizer:
         """Build from ``tokenizer.ggml.*`` values (keys as in GGUF). Prefer from_gguf."""
         model = metadata.get(K.MODEL)
         if model not in ("gpt2", "llama"):
-            raise TokenizerError(
-                f"unsupported tokenizer model {model!r} (supported: gpt2, llama)"
-            )
+            raise TokenizerError(f"unsupported tokenizer model {model!r} (supported: gpt2, llama)")
         self.model: str = model
+        if not metadata.get(K.LIST):
+            raise TokenizerError("the GGUF file has no tokenizer (tokenizer.ggml.tokens)")
         # llama.cpp renames empty tokens so every text is unique and non-empty.
         tokens = [t or f"[EMPTY_{i}]" for i, t in enumerate(metadata[K.LIST])]
         n = len(tokens)
-        types = np.asarray(metadata.get(K.TOKEN_TYPE, [T.NORMAL] * n), dtype=np.int32)
+        types = np.array(metadata.get(K.TOKEN_TYPE, [T.NORMAL] * n), dtype=np.int32)  # a copy
+        if types.shape != (n,):
+            raise TokenizerError(f"{K.TOKEN_TYPE} has {types.size} entries for {n} tokens")
         self._tokens = tokens
         ids = {t: i for i, t in enumerate(tokens)}
 
         def meta_id(key: str, default: int | None) -> int | None:
-            value = metadata.get(key, default)
-            return int(value) if value is not None and 0 <= int(value) < n else default
+            # llama.cpp ignores an out-of-range id in metadata and keeps its default.
+            for value in (metadata.get(key), default):
+                if value is not None and 0 <= int(value) < n:
+                    return int(value)
+            return None
 
         spm = model == "llama"
         pre_name = str(metadata.get(K.PRE, "default")) if not spm else "default"
@@ -155,16 +195,21 @@ class Tokenizer:
         self.eot_ids: frozenset[int] = frozenset(eog)
         self._types = types
 
-        self._hf = self._build_spm(tokens, ids, metadata) if spm else self._build_bpe(
-            tokens, ids, metadata, pre_name)
+        self._hf = (
+            self._build_spm(tokens, ids, metadata)
+            if spm
+            else self._build_bpe(tokens, ids, metadata, pre_name)
+        )
         # Special tokens, cut out of the text before anything else. CONTROL/UNKNOWN are
         # "special" to HF, so encode_special_tokens=True (parse_special=False) leaves them
         # as plain text while USER_DEFINED ones are still matched, as in llama.cpp.
         special = np.flatnonzero(np.isin(types, (T.CONTROL, T.UNKNOWN, T.USER_DEFINED)))
-        self._hf.add_tokens([
-            AddedToken(tokens[i], special=bool(types[i] != T.USER_DEFINED), normalized=False)
-            for i in special.tolist()
-        ])
+        self._hf.add_tokens(
+            [
+                AddedToken(tokens[i], special=bool(types[i] != T.USER_DEFINED), normalized=False)
+                for i in special.tolist()
+            ]
+        )
         self._lock = threading.Lock()  # guards the encode_special_tokens toggle
 
         self._pieces = self._build_pieces(tokens, types, spm)
@@ -173,11 +218,7 @@ class Tokenizer:
     @classmethod
     def from_gguf(cls, reader: gguf.GGUFReader) -> Tokenizer:
         """Read the tokenizer from an opened GGUF file."""
-        keys = [v for k, v in vars(K).items() if k.isupper() and isinstance(v, str)]
-        metadata = {k: v for k in keys if (v := _field(reader, k)) is not None}
-        if K.LIST not in metadata:
-            raise TokenizerError("the GGUF file has no tokenizer (tokenizer.ggml.tokens)")
-        return cls(metadata)
+        return cls(read_tokenizer_metadata(reader))
 
     # --- building ---------------------------------------------------------------------
 
@@ -201,7 +242,10 @@ class Tokenizer:
             merges.extend((tokens[a], tokens[b]) for a, b in local)
         unk = metadata.get(K.UNK_ID)
         bpe = models.BPE(
-            vocab=ids, merges=merges, byte_fallback=True, fuse_unk=True,
+            vocab=ids,
+            merges=merges,
+            byte_fallback=True,
+            fuse_unk=True,
             unk_token=tokens[unk] if unk is not None and 0 <= unk < len(tokens) else None,
         )
         hf = tokenizers.Tokenizer(bpe)
@@ -226,10 +270,12 @@ class Tokenizer:
                 stacklevel=3,
             )
             key = "default"
-        hf.pre_tokenizer = pre_tokenizers.Sequence([
-            *(pre_tokenizers.Split(Regex(r), behavior="isolated") for r in _PRE_REGEXES[key]),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ])
+        hf.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                *(pre_tokenizers.Split(Regex(r), behavior="isolated") for r in _PRE_REGEXES[key]),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
         return hf
 
     @staticmethod
@@ -237,7 +283,7 @@ class Tokenizer:
         """Each token's bytes as llama_token_to_piece(special=True) gives them."""
         byte_decoder = None if spm else _gpt2_byte_decoder()
         pieces = []
-        for text, kind in zip(tokens, types.tolist()):
+        for text, kind in zip(tokens, types.tolist(), strict=True):
             if kind in (T.CONTROL, T.UNKNOWN, T.USER_DEFINED):
                 pieces.append(text.encode())
             elif kind == T.NORMAL and spm:
@@ -245,10 +291,11 @@ class Tokenizer:
             elif kind == T.NORMAL:
                 # A char outside GPT-2's alphabet stays as its UTF-8 (llama.cpp inserts
                 # an "[UNK_BYTE_...]" marker instead; no real vocab has one).
-                pieces.append(b"".join(
-                    bytes([byte_decoder[c]]) if c in byte_decoder else c.encode()
-                    for c in text
-                ))
+                pieces.append(
+                    b"".join(
+                        bytes([byte_decoder[c]]) if c in byte_decoder else c.encode() for c in text
+                    )
+                )
             elif kind == T.BYTE and spm:
                 pieces.append(bytes([int(text[3:5], 16)]))  # "<0xNN>"
             else:

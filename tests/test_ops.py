@@ -1,0 +1,926 @@
+"""Every op in the op table, run through both executors on the same random inputs.
+
+Each case is a tiny graph built with ``GraphBuilder``; it runs on the numpy reference and
+on the torch ("local", cpu) executor, the two results are compared with each other, and
+most cases are also checked against an independent formula or loop written here.
+
+``CASES`` maps every op to the test functions exercising it; ``test_every_op_is_covered``
+fails when an op is added to ``Op`` without kernels in both executors or a case here.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import gguf
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from apir.backends import create_backend, numpy_ref  # noqa: E402
+from apir.backends.base import Backend  # noqa: E402
+from apir.backends.local import kernels as local_kernels  # noqa: E402
+from apir.graph import DType, GraphBuilder, Op, T, Value  # noqa: E402
+from apir.graph.dtypes import NUMPY_DTYPES  # noqa: E402
+from apir.graph.ops import LEAVES  # noqa: E402
+
+BACKENDS = ("numpy", "local")
+N_TOK = 5  # what T is bound to unless a test says otherwise
+
+# op -> the test functions that exercise it (filled in by @covers)
+CASES: dict[Op, list[Callable]] = {}
+
+
+def covers(*ops: Op) -> Callable:
+    def mark(fn: Callable) -> Callable:
+        for op in ops:
+            CASES.setdefault(op, []).append(fn)
+        return fn
+
+    return mark
+
+
+# ---------------------------------------------------------------- running graphs
+
+
+def make_backend(name: str) -> Backend:
+    return create_backend("numpy") if name == "numpy" else create_backend("local", device="cpu")
+
+
+def raw_bytes(arr: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
+
+
+def run_on(
+    name: str,
+    build: Callable[..., Value | Sequence[Value]],
+    inputs: dict | None = None,
+    blobs: Sequence[np.ndarray] = (),
+) -> tuple[Backend, list[int], list[np.ndarray]]:
+    """Put each blob in its own buffer, build the graph with their handles, compute once."""
+    be = make_backend(name)
+    handles = []
+    for blob in blobs:
+        raw = raw_bytes(blob)
+        h = be.alloc_buffer(max(raw.nbytes, 1))
+        be.set_tensor(h, 0, raw)
+        handles.append(h)
+    g = GraphBuilder()
+    outs = build(g, *handles)
+    outs = (outs,) if isinstance(outs, Value) else tuple(outs)
+    gid = be.register_graph(g.build(*outs))
+    return be, handles, be.compute(gid, dict(inputs or {}))
+
+
+def run_both(build, inputs=None, blobs=()) -> dict[str, list[np.ndarray]]:
+    return {name: run_on(name, build, inputs, blobs)[2] for name in BACKENDS}
+
+
+def assert_same(a: np.ndarray, b: np.ndarray, rtol: float, atol: float, what: str = "") -> None:
+    assert a.shape == b.shape, f"{what}: shapes {a.shape} vs {b.shape}"
+    assert a.dtype == b.dtype, f"{what}: dtypes {a.dtype} vs {b.dtype}"
+    if rtol == 0 and atol == 0:
+        np.testing.assert_array_equal(a, b, err_msg=what)
+    else:
+        np.testing.assert_allclose(a, b, rtol=rtol, atol=atol, err_msg=what)
+
+
+def check(build, inputs=None, blobs=(), rtol=1e-5, atol=1e-5) -> list[np.ndarray]:
+    """Run on both backends; outputs must agree in shape, dtype and value. Returns numpy's."""
+    res = run_both(build, inputs, blobs)
+    for i, (a, b) in enumerate(zip(res["numpy"], res["local"], strict=True)):
+        assert_same(b, a, rtol, atol, f"output {i}: local vs numpy")
+    return res["numpy"]
+
+
+def randn(rng: np.random.Generator, *shape: int, scale: float = 1.0) -> np.ndarray:
+    return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+
+def ids_of(*values: int) -> np.ndarray:
+    return np.array(values, dtype=np.int32)
+
+
+# ---------------------------------------------------------------- weight bytes
+
+QTYPE = {d: gguf.GGMLQuantizationType(int(d)) for d in DType if d.is_quantized}
+GGUF_QUANTIZABLE = (DType.Q4_0, DType.Q4_1, DType.Q5_0, DType.Q5_1, DType.Q8_0)
+F16_FIELDS = {DType.Q4_K: (0, 2), DType.Q5_K: (0, 2), DType.Q6_K: (208,)}
+
+
+def _small_f16(rng: np.random.Generator, n: int) -> np.ndarray:
+    """Finite f16 scales of moderate size and either sign, so dot products stay tame."""
+    mag = rng.uniform(1e-3, 2e-2, n)
+    return (mag * rng.choice([-1.0, 1.0], n)).astype(np.float16)
+
+
+def weight_bytes(dtype: DType, shape: tuple[int, int], seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(raw GGUF bytes, the float32 values they dequantize to) for a random (N, K) weight."""
+    rng = np.random.default_rng(seed)
+    w = randn(rng, *shape)
+    if dtype is DType.F32:
+        return raw_bytes(w), w
+    if dtype is DType.F16:
+        w16 = w.astype(np.float16)
+        return raw_bytes(w16), w16.astype(np.float32)
+    if dtype is DType.BF16:
+        bits = (w.view(np.uint32) >> 16).astype(np.uint16)
+        return raw_bytes(bits), (bits.astype(np.uint32) << 16).view(np.float32)
+    if dtype in GGUF_QUANTIZABLE:
+        raw = gguf.quants.quantize(w, QTYPE[dtype])
+    else:  # gguf-py cannot quantize K-quants: random blocks with finite f16 scale fields
+        blocks = rng.integers(0, 256, (w.size // dtype.block_size, dtype.type_size), np.uint8)
+        for off in F16_FIELDS[dtype]:
+            blocks[:, off : off + 2] = _small_f16(rng, len(blocks)).view(np.uint8).reshape(-1, 2)
+        raw = blocks
+    raw = raw_bytes(raw)
+    assert raw.nbytes == dtype.nbytes(shape)
+    deq = gguf.quants.dequantize(raw.reshape(shape[0], -1), QTYPE[dtype])
+    return raw, np.asarray(deq, dtype=np.float32).reshape(shape)
+
+
+# ---------------------------------------------------------------- meta
+
+
+def test_every_op_is_covered() -> None:
+    ops = set(Op) - set(LEAVES)
+    assert ops - set(numpy_ref.KERNELS) == set(), "ops without a numpy kernel"
+    assert ops - set(local_kernels.KERNELS) == set(), "ops without a torch kernel"
+    missing = sorted(op.name for op in ops if not CASES.get(op))
+    assert not missing, f"ops without a test case in {__name__}: {missing}"
+    assert not set(CASES) & set(LEAVES)
+
+
+# ---------------------------------------------------------------- GET_ROWS
+
+
+@covers(Op.GET_ROWS)
+@pytest.mark.parametrize(
+    "dtype",
+    [DType.F32, DType.F16, DType.BF16, DType.Q8_0, DType.Q4_0, DType.Q4_K],
+    ids=lambda d: d.name,
+)
+def test_get_rows_from_weight(dtype: DType) -> None:
+    shape = (9, 256 if dtype.block_size == 256 else 64)
+    raw, table = weight_bytes(dtype, shape, seed=1)
+    ids = ids_of(3, 0, 8, 3, 1)
+
+    def build(g, h):
+        w = g.weight(h, 0, shape, dtype)
+        flat = g.get_rows(w, g.input("ids", (T,), DType.I32))
+        grid = g.get_rows(w, g.input("grid", (2, 3), DType.I32))
+        return flat, grid
+
+    grid = ids_of(8, 7, 6, 0, 0, 5).reshape(2, 3)
+    flat_out, grid_out = check(build, {"ids": ids, "grid": grid}, [raw], rtol=0, atol=0)
+    np.testing.assert_array_equal(flat_out, table[ids])
+    np.testing.assert_array_equal(grid_out, table[grid])
+    assert grid_out.shape == (2, 3, shape[1]) and grid_out.dtype == np.float32
+
+
+@covers(Op.GET_ROWS)
+def test_get_rows_from_input_state_and_i32_weight_ids() -> None:
+    rng = np.random.default_rng(2)
+    table = randn(rng, 6, 4)
+    cache = randn(rng, 7, 3).astype(np.float16)
+    ids = ids_of(5, 0, 2)
+
+    def build(g, h_ids, h_cache):
+        fixed = g.weight(h_ids, 0, (3,), DType.I32)  # ids stored in a buffer
+        a = g.get_rows(g.input("table", (6, 4)), fixed)
+        b = g.get_rows(g.state(h_cache, 0, (7, 3), DType.F16), g.input("ids", (T,), DType.I32))
+        return a, b
+
+    a, b = check(build, {"table": table, "ids": ids_of(6, 1)}, [ids, cache], rtol=0, atol=0)
+    np.testing.assert_array_equal(a, table[ids])
+    np.testing.assert_array_equal(b, cache[[6, 1]].astype(np.float32))
+
+
+# ---------------------------------------------------------------- MATMUL
+
+MATMUL_DTYPES = [
+    DType.F32, DType.F16, DType.BF16, DType.Q8_0, DType.Q4_0, DType.Q4_1,
+    DType.Q5_0, DType.Q5_1, DType.Q4_K, DType.Q5_K, DType.Q6_K,
+]
+
+
+def assert_dot_close(got: np.ndarray, want: np.ndarray, bound: np.ndarray, what: str) -> None:
+    """Each element within a small multiple of the f32 rounding bound of its dot product."""
+    assert got.shape == want.shape, what
+    err = np.abs(got.astype(np.float64) - want)
+    tol = 1e-5 * bound + 1e-6
+    assert np.all(err <= tol), f"{what}: max excess {np.max(err - tol):.3g}"
+
+
+@covers(Op.MATMUL)
+@pytest.mark.parametrize("dtype", MATMUL_DTYPES, ids=lambda d: d.name)
+def test_matmul(dtype: DType) -> None:
+    n, k = 6, 256
+    raw, w = weight_bytes(dtype, (n, k), seed=int(dtype))
+    rng = np.random.default_rng(3)
+    x2 = randn(rng, N_TOK, k)
+    x3 = randn(rng, 2, 3, k)
+
+    def build(g, h):
+        wv = g.weight(h, 0, (n, k), dtype)
+        return g.matmul(g.input("x", (T, k)), wv), g.matmul(g.input("x3", (2, 3, k)), wv)
+
+    res = run_both(build, {"x": x2, "x3": x3}, [raw])
+    w64 = w.astype(np.float64)
+    for x, a, b in zip((x2, x3), res["numpy"], res["local"], strict=True):
+        assert a.dtype == b.dtype == np.float32
+        assert a.shape == b.shape == (*x.shape[:-1], n)
+        want = x.astype(np.float64) @ w64.T  # against gguf's own dequantization
+        bound = np.abs(x.astype(np.float64)) @ np.abs(w64).T
+        assert_dot_close(a, want, bound, f"numpy {dtype.name}")
+        assert_dot_close(b, want, bound, f"local {dtype.name}")
+        assert_dot_close(b, a.astype(np.float64), bound, f"local vs numpy {dtype.name}")
+    assert np.abs(res["numpy"][0]).max() > 0  # not a degenerate all-zero weight
+
+
+@covers(Op.MATMUL)
+def test_matmul_f16_and_bf16_inputs() -> None:
+    rng = np.random.default_rng(4)
+    x = randn(rng, 3, 32)
+    w = randn(rng, 4, 32)
+    x16 = x.astype(np.float16)
+    xbf = (x.view(np.uint32) >> 16).astype(np.uint16)
+
+    def build(g):
+        wv = g.input("w", (4, 32))
+        return (
+            g.matmul(g.input("a", (T, 32), DType.F16), wv),
+            g.matmul(g.input("b", (T, 32), DType.BF16), wv),
+        )
+
+    a, b = check(build, {"a": x16, "b": xbf, "w": w})
+    np.testing.assert_allclose(a, x16.astype(np.float32) @ w.T, rtol=1e-5, atol=1e-5)
+    xb = (xbf.astype(np.uint32) << 16).view(np.float32)
+    np.testing.assert_allclose(b, xb @ w.T, rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------- elementwise
+
+
+BROADCASTS = [
+    ((T, 3, 4), (4,)),
+    ((3, 1, 5), (4, 1)),
+    ((1,), (T, 6)),
+    ((T, 1, 4), (1, 2, 1)),
+]
+
+
+@covers(Op.ADD, Op.MUL)
+@pytest.mark.parametrize("shapes", BROADCASTS, ids=str)
+def test_add_mul_broadcast(shapes) -> None:
+    rng = np.random.default_rng(5)
+    concrete = [tuple(N_TOK if d == T else d for d in s) for s in shapes]
+    a, b = randn(rng, *concrete[0]), randn(rng, *concrete[1])
+
+    def build(g):
+        x, y = g.input("a", shapes[0]), g.input("b", shapes[1])
+        return g.add(x, y), g.mul(x, y), g.add(y, x)
+
+    s, p, s2 = check(build, {"a": a, "b": b}, rtol=0, atol=0)
+    np.testing.assert_array_equal(s, a + b)
+    np.testing.assert_array_equal(p, a * b)
+    np.testing.assert_array_equal(s2, a + b)
+
+
+@covers(Op.ADD, Op.MUL)
+def test_add_mul_weights_and_half_inputs() -> None:
+    rng = np.random.default_rng(6)
+    x = randn(rng, N_TOK, 8)
+    w16 = randn(rng, 8).astype(np.float16)
+    bf = (randn(rng, 8).view(np.uint32) >> 16).astype(np.uint16)
+    h16 = randn(rng, N_TOK, 8).astype(np.float16)
+
+    def build(g, h):
+        w = g.weight(h, 0, (8,), DType.F16)
+        xs = g.input("x", (T, 8))
+        return (
+            g.mul(xs, w),
+            g.add(g.input("h", (T, 8), DType.F16), g.input("bf", (8,), DType.BF16)),
+        )
+
+    m, s = check(build, {"x": x, "h": h16, "bf": bf}, [w16], rtol=0, atol=0)
+    np.testing.assert_array_equal(m, x * w16.astype(np.float32))
+    bf32 = (bf.astype(np.uint32) << 16).view(np.float32)
+    np.testing.assert_array_equal(s, h16.astype(np.float32) + bf32)
+
+
+@covers(Op.SCALE)
+@pytest.mark.parametrize("s", [0.125, -3.7, 0.0, 1e-3])
+def test_scale(s: float) -> None:
+    x = randn(np.random.default_rng(7), N_TOK, 3, 4)
+    (out,) = check(lambda g: g.scale(g.input("x", (T, 3, 4)), s), {"x": x}, rtol=1e-6, atol=0)
+    np.testing.assert_allclose(out, x * np.float32(s), rtol=1e-6)
+
+
+def _gelu_tanh(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float64)
+    return 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)))
+
+
+def _silu(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float64)
+    return x / (1 + np.exp(-x))
+
+
+def _activation_input(seed: int) -> np.ndarray:
+    x = randn(np.random.default_rng(seed), N_TOK, 16, scale=3.0)
+    x[0, :6] = [0.0, -0.0, 1.0, -1.0, 20.0, -20.0]
+    return x
+
+
+@covers(Op.SILU, Op.GELU)
+def test_silu_gelu() -> None:
+    x = _activation_input(8)
+
+    def build(g):
+        v = g.input("x", (T, 16))
+        return g.silu(v), g.gelu(v)
+
+    s, ge = check(build, {"x": x}, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(s, _silu(x), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(ge, _gelu_tanh(x), rtol=1e-5, atol=1e-6)
+    # the tanh approximation, not erf: they differ by ~1.5e-4 at x = 1
+    assert abs(float(ge[0, 2]) - 0.8411920) < 2e-6
+
+
+@covers(Op.SWIGLU, Op.GEGLU)
+def test_gated() -> None:
+    gate = _activation_input(9)
+    up = randn(np.random.default_rng(10), N_TOK, 16)
+
+    def build(g):
+        a, b = g.input("gate", (T, 16)), g.input("up", (T, 16))
+        return g.swiglu(a, b), g.geglu(a, b)
+
+    sw, ge = check(build, {"gate": gate, "up": up}, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(sw, _silu(gate) * up, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(ge, _gelu_tanh(gate) * up, rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------- normalisation
+
+
+@covers(Op.RMS_NORM)
+@pytest.mark.parametrize(("shape", "eps"), [((T, 16), 1e-5), ((2, 3, 8), 1e-6), ((T, 64), 0.5)])
+def test_rms_norm(shape, eps: float) -> None:
+    concrete = tuple(N_TOK if d == T else d for d in shape)
+    x = randn(np.random.default_rng(11), *concrete, scale=2.0)
+    x.reshape(-1, shape[-1])[0] = 0.0  # an all-zero row stays zero (eps keeps it finite)
+    (out,) = check(lambda g: g.rms_norm(g.input("x", shape), eps), {"x": x}, rtol=1e-5, atol=1e-6)
+    x64 = x.astype(np.float64)
+    want = x64 / np.sqrt(np.mean(x64**2, axis=-1, keepdims=True) + eps)
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-6)
+    assert not np.any(out.reshape(-1, shape[-1])[0])
+
+
+@covers(Op.SOFTMAX)
+def test_softmax() -> None:
+    rng = np.random.default_rng(12)
+    x = randn(rng, N_TOK, 7, scale=4.0)
+    x[1] += 1000.0  # large logits must not overflow
+    x[2] = 3.0  # uniform row
+    x[3, 2] = -np.inf  # a masked entry gets probability 0
+    (out,) = check(lambda g: g.softmax(g.input("x", (T, 7))), {"x": x}, rtol=1e-5, atol=1e-7)
+    x64 = x.astype(np.float64)
+    e = np.exp(x64 - x64.max(-1, keepdims=True))
+    np.testing.assert_allclose(out, e / e.sum(-1, keepdims=True), rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(out.sum(-1), 1.0, rtol=1e-6)
+    assert out[3, 2] == 0.0
+    (out3,) = check(lambda g: g.softmax(g.input("x", (2, 3, 5))), {"x": randn(rng, 2, 3, 5)})
+    np.testing.assert_allclose(out3.sum(-1), 1.0, rtol=1e-6)
+
+
+# ---------------------------------------------------------------- ROPE
+
+
+def rope_ref(x, pos, n_dims, base, neox, freq_scale) -> np.ndarray:
+    """Pair by pair, as the op table says. Angles are rounded to f32 like both executors
+    do (otherwise a position in the thousands alone gives errors of ~1e-4)."""
+    out = x.astype(np.float64)
+    half = n_dims // 2
+    for t in range(x.shape[0]):
+        for i in range(half):
+            theta = float(np.float32(pos[t] * freq_scale * base ** (-2 * i / n_dims)))
+            c, s = math.cos(theta), math.sin(theta)
+            a, b = (i, i + half) if neox else (2 * i, 2 * i + 1)
+            xa, xb = x[t, :, a].astype(np.float64), x[t, :, b].astype(np.float64)
+            out[t, :, a], out[t, :, b] = xa * c - xb * s, xa * s + xb * c
+    return out
+
+
+@covers(Op.ROPE)
+@pytest.mark.parametrize("neox", [0, 1], ids=["normal", "neox"])
+@pytest.mark.parametrize("n_dims", [12, 8, 2], ids=lambda n: f"n_dims={n}")
+@pytest.mark.parametrize(("base", "freq_scale"), [(10000.0, 1.0), (500000.0, 0.25)])
+def test_rope(neox: int, n_dims: int, base: float, freq_scale: float) -> None:
+    head = 12
+    rng = np.random.default_rng(13)
+    x = randn(rng, N_TOK, 3, head)
+    pos = ids_of(0, 1, 7, 100, 4095)
+
+    def build(g):
+        return g.rope(
+            g.input("x", (T, 3, head)), g.input("pos", (T,), DType.I32), n_dims, base, neox,
+            freq_scale,
+        )
+
+    (out,) = check(build, {"x": x, "pos": pos}, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(out, rope_ref(x, pos, n_dims, base, neox, freq_scale), atol=2e-6)
+    np.testing.assert_array_equal(out[..., n_dims:], x[..., n_dims:])  # the rest is untouched
+    np.testing.assert_array_equal(out[0], x[0])  # position 0 is the identity
+    # rotations keep the norm of each rotated pair
+    np.testing.assert_allclose(
+        np.linalg.norm(out[..., :n_dims], axis=-1), np.linalg.norm(x[..., :n_dims], axis=-1),
+        rtol=1e-5,
+    )
+
+
+@covers(Op.ROPE)
+def test_rope_modes_differ() -> None:
+    x = randn(np.random.default_rng(14), 2, 1, 8)
+    pos = ids_of(3, 9)
+    res = [
+        check(lambda g, m=m: g.rope(g.input("x", (2, 1, 8)), g.input("p", (2,), DType.I32), 8,
+                                    10000.0, m), {"x": x, "p": pos})[0]
+        for m in (0, 1)
+    ]
+    assert not np.allclose(res[0], res[1])
+
+
+# ---------------------------------------------------------------- ATTENTION
+
+
+def attention_ref(q, k, v, pos, scale, window, softcap) -> np.ndarray:
+    """Query by query, head by head, key by key: the op table's definition."""
+    n_q, hq, _ = q.shape
+    hkv, dv = k.shape[1], v.shape[2]
+    group = hq // hkv
+    out = np.zeros((n_q, hq, dv))
+    for t in range(n_q):
+        p = int(pos[t])
+        for h in range(hq):
+            kh = h // group
+            seen, scores = [], []
+            for j in range(k.shape[0]):
+                if j <= p and (window == 0 or p - j < window):
+                    s = float(np.dot(q[t, h].astype(np.float64), k[j, kh].astype(np.float64)))
+                    s *= scale
+                    if softcap > 0:
+                        s = softcap * math.tanh(s / softcap)
+                    seen.append(j)
+                    scores.append(s)
+            w = np.exp(np.array(scores) - max(scores))
+            w /= w.sum()
+            out[t, h] = sum(wi * v[j, kh].astype(np.float64) for wi, j in zip(w, seen, strict=True))
+    return out
+
+
+ATTENTION_CASES = {
+    # name: (Hq, Hkv, D, Dv, S, positions, window, softcap, scale)
+    "prefill-gqa": (4, 2, 8, 8, 5, [0, 1, 2, 3, 4], 0, 0.0, None),
+    "offset-gqa": (4, 2, 8, 8, 12, [6, 7, 8], 0, 0.0, None),
+    "decode": (4, 2, 8, 8, 16, [10], 0, 0.0, None),
+    "window": (4, 2, 8, 8, 12, [6, 7, 8, 9], 3, 0.0, None),
+    "window-prefill": (2, 1, 4, 4, 6, [0, 1, 2, 3, 4, 5], 2, 0.0, None),
+    "softcap": (4, 2, 8, 8, 10, [4, 5, 6], 0, 5.0, 2.0),
+    "softcap-window": (4, 4, 8, 8, 10, [7, 8, 9], 4, 3.0, 1.0),
+    "mha-dv": (3, 3, 8, 5, 7, [2, 3, 4, 5, 6], 0, 0.0, None),
+    "mqa": (4, 1, 8, 8, 9, [5, 6, 7, 8], 0, 0.0, None),
+}
+
+
+@covers(Op.ATTENTION)
+@pytest.mark.parametrize("case", list(ATTENTION_CASES))
+def test_attention(case: str) -> None:
+    hq, hkv, d, dv, s, positions, window, softcap, scale = ATTENTION_CASES[case]
+    scale = 1 / math.sqrt(d) if scale is None else scale
+    rng = np.random.default_rng(15)
+    pos = np.array(positions, np.int32)
+    q = randn(rng, len(pos), hq, d, scale=1.5)
+    k = randn(rng, s, hkv, d, scale=1.5)
+    v = randn(rng, s, hkv, dv)
+    # keys past the last position are never read: NaN there must not leak into the result
+    k[pos.max() + 1 :] = np.nan
+    v[pos.max() + 1 :] = np.nan
+
+    def build(g):
+        return g.attention(
+            g.input("q", (T, hq, d)), g.input("k", (s, hkv, d)), g.input("v", (s, hkv, dv)),
+            g.input("pos", (T,), DType.I32), scale, window=window, softcap=softcap,
+        )
+
+    (out,) = check(build, {"q": q, "k": k, "v": v, "pos": pos}, rtol=1e-5, atol=1e-5)
+    assert out.shape == (len(pos), hq, dv)
+    np.testing.assert_allclose(out, attention_ref(q, k, v, pos, scale, window, softcap),
+                               rtol=1e-5, atol=1e-5)
+
+
+@covers(Op.ATTENTION, Op.SET_ROWS)
+def test_attention_over_f16_cache_state() -> None:
+    """The KV-cache pattern: write this step's rows into F16 STATE, attend over all of it,
+    over two computes (the second must see the rows the first wrote)."""
+    hq, hkv, d, s = 4, 2, 8, 8
+    rng = np.random.default_rng(16)
+    cache0 = [randn(rng, s, hkv, d).astype(np.float16) for _ in "kv"]
+    steps = []
+    for step_pos in ([3, 4], [5]):
+        n = len(step_pos)
+        steps.append((ids_of(*step_pos), randn(rng, n, hkv, d), randn(rng, n, hkv, d),
+                      randn(rng, n, hq, d)))
+
+    def build(g, hk, hv):
+        pos = g.input("pos", (T,), DType.I32)
+        k = g.set_rows(g.state(hk, 0, (s, hkv, d), DType.F16), g.input("k", (T, hkv, d)), pos)
+        v = g.set_rows(g.state(hv, 0, (s, hkv, d), DType.F16), g.input("v", (T, hkv, d)), pos)
+        return g.attention(g.input("q", (T, hq, d)), k, v, pos, 0.3)
+
+    results = {}
+    for name in BACKENDS:
+        be = make_backend(name)
+        hk, hv = be.alloc_buffer(cache0[0].nbytes), be.alloc_buffer(cache0[1].nbytes)
+        be.set_tensor(hk, 0, cache0[0])
+        be.set_tensor(hv, 0, cache0[1])
+        g = GraphBuilder()
+        gid = be.register_graph(g.build(build(g, hk, hv)))
+        ck, cv = cache0[0].copy(), cache0[1].copy()
+        results[name] = []
+        for pos, new_k, new_v, q in steps:
+            ck[pos], cv[pos] = new_k, new_v
+            (out,) = be.compute(gid, {"pos": pos, "k": new_k, "v": new_v, "q": q})
+            want = attention_ref(q, ck, cv, pos, 0.3, 0, 0.0)
+            np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5, err_msg=name)
+            results[name].append(out)
+        for h, c in ((hk, ck), (hv, cv)):
+            stored = np.frombuffer(be.get_tensor(h, 0, c.nbytes), np.float16).reshape(c.shape)
+            np.testing.assert_array_equal(stored, c, err_msg=f"{name}: cache after two steps")
+    for a, b in zip(results["numpy"], results["local"], strict=True):
+        assert_same(b, a, 1e-5, 1e-5)
+
+
+# ---------------------------------------------------------------- layout
+
+
+@covers(Op.RESHAPE)
+def test_reshape() -> None:
+    rng = np.random.default_rng(17)
+    x = randn(rng, N_TOK, 12)
+    c = randn(rng, 2, 6)
+
+    def build(g):
+        v = g.input("x", (T, 12))
+        a = g.reshape(v, (T, 3, 4))
+        return a, g.reshape(a, (T, 12)), g.reshape(v, (2, T, 6)), g.reshape(g.input("c", (2, 6)),
+                                                                           (3, 4))
+
+    a, back, moved, cc = check(build, {"x": x, "c": c}, rtol=0, atol=0)
+    np.testing.assert_array_equal(a, x.reshape(N_TOK, 3, 4))
+    np.testing.assert_array_equal(back, x)
+    np.testing.assert_array_equal(moved, x.reshape(2, N_TOK, 6))
+    np.testing.assert_array_equal(cc, c.reshape(3, 4))
+    # the same graph, a different T
+    x1 = randn(rng, 1, 12)
+    (a1, *_) = check(build, {"x": x1, "c": c}, rtol=0, atol=0)
+    np.testing.assert_array_equal(a1, x1.reshape(1, 3, 4))
+
+
+@covers(Op.PERMUTE, Op.TRANSPOSE, Op.CONTIGUOUS)
+def test_permute_transpose_contiguous() -> None:
+    x = randn(np.random.default_rng(18), N_TOK, 3, 4)
+
+    def build(g):
+        v = g.input("x", (T, 3, 4))
+        p = g.permute(v, (2, 0, 1))
+        t = g.transpose(v, 0, 2)
+        tn = g.transpose(v, -1, -2)
+        # a layout change followed by a reshape needs a dense copy in between
+        flat = g.reshape(g.contiguous(g.permute(v, (0, 2, 1))), (T, 12))
+        return p, t, tn, g.contiguous(p), flat
+
+    p, t, tn, pc, flat = check(build, {"x": x}, rtol=0, atol=0)
+    np.testing.assert_array_equal(p, x.transpose(2, 0, 1))
+    np.testing.assert_array_equal(t, np.swapaxes(x, 0, 2))
+    np.testing.assert_array_equal(tn, np.swapaxes(x, -1, -2))
+    np.testing.assert_array_equal(pc, x.transpose(2, 0, 1))
+    np.testing.assert_array_equal(flat, x.transpose(0, 2, 1).reshape(N_TOK, 12))
+
+
+@covers(Op.VIEW)
+def test_view() -> None:
+    x = randn(np.random.default_rng(19), N_TOK, 6, 4)
+
+    def build(g):
+        v = g.input("x", (T, 6, 4))
+        return (
+            g.view(v, 1, 2, 3),  # positive start on a static axis
+            g.view(v, -1, 1, 3),  # negative axis
+            g.view(v, 1, -2, 2),  # negative start on a static axis
+            g.view(v, 0, -1, 1),  # the last token
+            g.view(v, 0, -3, 2),  # a window counted from the end of T
+        )
+
+    a, b, c, last, win = check(build, {"x": x}, rtol=0, atol=0)
+    np.testing.assert_array_equal(a, x[:, 2:5])
+    np.testing.assert_array_equal(b, x[..., 1:4])
+    np.testing.assert_array_equal(c, x[:, 4:6])
+    np.testing.assert_array_equal(last, x[-1:])
+    np.testing.assert_array_equal(win, x[-3:-1])
+
+
+@covers(Op.CONCAT)
+def test_concat() -> None:
+    rng = np.random.default_rng(20)
+    a, b = randn(rng, N_TOK, 2, 3), randn(rng, N_TOK, 4, 3)
+    i, j = ids_of(1, 2, 3).reshape(1, 3), ids_of(4, 5, 6, 7, 8, 9).reshape(2, 3)
+
+    def build(g):
+        x, y = g.input("a", (T, 2, 3)), g.input("b", (T, 4, 3))
+        return (
+            g.concat(x, y, 1),
+            g.concat(x, x, -1),
+            g.concat(g.input("i", (1, 3), DType.I32), g.input("j", (2, 3), DType.I32), 0),
+        )
+
+    ab, aa, ij = check(build, {"a": a, "b": b, "i": i, "j": j}, rtol=0, atol=0)
+    np.testing.assert_array_equal(ab, np.concatenate([a, b], 1))
+    np.testing.assert_array_equal(aa, np.concatenate([a, a], -1))
+    np.testing.assert_array_equal(ij, np.concatenate([i, j], 0))
+    assert ij.dtype == np.int32
+
+
+@covers(Op.RESHAPE, Op.TRANSPOSE, Op.VIEW, Op.CONCAT)
+def test_layout_keeps_declared_dtype() -> None:
+    """Layout ops do not change a value's dtype, and outputs come back as that dtype."""
+    rng = np.random.default_rng(21)
+    h = randn(rng, N_TOK, 4).astype(np.float16)
+    bf = (randn(rng, N_TOK, 4).view(np.uint32) >> 16).astype(np.uint16)
+    i = rng.integers(-50, 50, (N_TOK, 4)).astype(np.int32)
+
+    def build(g):
+        hv = g.input("h", (T, 4), DType.F16)
+        bv = g.input("bf", (T, 4), DType.BF16)
+        iv = g.input("i", (T, 4), DType.I32)
+        return (
+            g.reshape(hv, (T, 2, 2)),
+            g.transpose(bv, 0, 1),
+            g.view(iv, 1, 1, 2),
+            g.concat(hv, hv, 1),
+        )
+
+    rh, tb, vi, ch = check(build, {"h": h, "bf": bf, "i": i}, rtol=0, atol=0)
+    assert (rh.dtype, tb.dtype, vi.dtype, ch.dtype) == (
+        NUMPY_DTYPES[DType.F16], NUMPY_DTYPES[DType.BF16], NUMPY_DTYPES[DType.I32],
+        NUMPY_DTYPES[DType.F16],
+    )
+    np.testing.assert_array_equal(rh, h.reshape(N_TOK, 2, 2))
+    np.testing.assert_array_equal(tb, bf.T)
+    np.testing.assert_array_equal(vi, i[:, 1:3])
+    np.testing.assert_array_equal(ch, np.concatenate([h, h], 1))
+
+
+# ---------------------------------------------------------------- ARGMAX
+
+
+@covers(Op.ARGMAX)
+def test_argmax() -> None:
+    rng = np.random.default_rng(22)
+    x = randn(rng, N_TOK, 11)
+    x[0] = [1, 3, 3, 0, 3, -1, 2, 3, 0, 0, 0]  # ties -> the first index
+    x[1] = 5.0  # all equal -> 0
+    x[2] = -np.inf
+    x[2, 7] = -1e30
+    x[3, 10] = 100.0
+    y = randn(rng, 2, 3, 4)
+
+    def build(g):
+        return g.argmax(g.input("x", (T, 11))), g.argmax(g.input("y", (2, 3, 4)))
+
+    a, b = check(build, {"x": x, "y": y}, rtol=0, atol=0)
+    assert a.dtype == np.int32 and a.shape == (N_TOK,)
+    np.testing.assert_array_equal(a, x.argmax(-1))
+    assert list(a[:4]) == [1, 0, 7, 10]
+    np.testing.assert_array_equal(b, y.argmax(-1))
+
+
+# ---------------------------------------------------------------- SAMPLE
+
+
+class Sampler:
+    """One SAMPLE graph registered on both backends; ``draw`` runs it on each."""
+
+    def __init__(self, shape: tuple[int, ...]) -> None:
+        self.shape = shape
+        self.runs = []
+        for name in BACKENDS:
+            be = make_backend(name)
+            g = GraphBuilder()
+            out = g.sample(g.input("logits", shape), g.input("params", (5,)))
+            self.runs.append((name, be, be.register_graph(g.build(out))))
+
+    def draw(self, logits, temperature, top_k=0, top_p=1.0, min_p=0.0, u=0.5) -> dict:
+        params = np.array([temperature, top_k, top_p, min_p, u], np.float32)
+        return {
+            name: be.compute(gid, {"logits": logits, "params": params})[0]
+            for name, be, gid in self.runs
+        }
+
+    def same(self, logits, *args, **kw) -> np.ndarray:
+        got = self.draw(logits, *args, **kw)
+        a, b = got["numpy"], got["local"]
+        assert a.dtype == b.dtype == np.int32 and a.shape == b.shape
+        np.testing.assert_array_equal(b, a, err_msg=f"local vs numpy for {args} {kw}")
+        return a
+
+
+def kept_distribution(logits, temperature, top_k=0, top_p=1.0, min_p=0.0) -> np.ndarray:
+    """The documented SAMPLE distribution over ids (f64): zero outside the kept set."""
+    order = np.argsort(-logits, kind="stable")
+    z = logits[order].astype(np.float64) / temperature
+    keep = len(order) if top_k <= 0 else min(top_k, len(order))
+    p = np.exp(z[:keep] - z[0])
+    p /= p.sum()
+    if top_p < 1.0:
+        keep = min(keep, int(np.argmax(np.cumsum(p) >= top_p)) + 1)
+    if min_p > 0.0:
+        keep = min(keep, int((p >= min_p * p[0]).sum()))
+    out = np.zeros(len(logits))
+    out[order[:keep]] = p[:keep] / p[:keep].sum()
+    return out
+
+
+@covers(Op.SAMPLE)
+def test_sample_greedy_is_argmax() -> None:
+    rng = np.random.default_rng(23)
+    logits = randn(rng, 4, 9)
+    logits[1, [2, 6]] = 10.0  # a tie: the lower id
+    s = Sampler((4, 9))
+    for temp in (0.0, -1.0):
+        for u in (0.0, 0.5, 0.999):
+            got = s.same(logits, temp, top_k=3, top_p=0.5, u=u)
+            np.testing.assert_array_equal(got, logits.argmax(-1))
+    assert s.same(logits, 0.0)[1] == 2
+
+
+@covers(Op.SAMPLE)
+def test_sample_backends_agree() -> None:
+    rng = np.random.default_rng(24)
+    v = 20
+    s = Sampler((v,))
+    s2 = Sampler((3, v))
+    for i in range(300):
+        logits = randn(rng, v, scale=float(rng.uniform(0.5, 4.0)))
+        if i % 5 == 0:
+            logits[rng.integers(0, v, 4)] = logits.max()  # ties in the sort
+        params = dict(
+            top_k=int(rng.choice([0, 0, 1, 2, 5, 19, 20, 40])),
+            top_p=float(rng.choice([1.0, 1.0, 0.9, 0.5, 0.05])),
+            min_p=float(rng.choice([0.0, 0.0, 0.05, 0.3])),
+            u=float(rng.choice([0.0, rng.random(), rng.random(), 0.9999999])),
+        )
+        temp = float(rng.choice([0.2, 0.7, 1.0, 1.5]))
+        tok = int(s.same(logits, temp, **params))
+        dist = {k: v for k, v in params.items() if k != "u"}
+        p = kept_distribution(logits, temp, **dist)
+        assert p[tok] > 0, f"token {tok} is outside the kept set for {params}"
+        if i % 10 == 0:
+            rows = randn(rng, 3, v)
+            toks = s2.same(rows, temp, **params)
+            for r in range(3):
+                assert kept_distribution(rows[r], temp, **dist)[toks[r]] > 0
+
+
+@covers(Op.SAMPLE)
+def test_sample_edges() -> None:
+    rng = np.random.default_rng(25)
+    s = Sampler((12,))
+    for _ in range(20):
+        logits = randn(rng, 12, scale=2.0)
+        order = np.argsort(-logits, kind="stable")
+        for u in (0.0, 0.3, 0.9999):
+            # top_k = 1 is always the argmax
+            assert s.same(logits, float(rng.uniform(0.1, 3)), top_k=1, u=u) == order[0]
+        # u = 0: the most likely token (with anything kept)
+        for kw in ({}, {"top_k": 3}, {"top_p": 0.5}, {"min_p": 0.2}):
+            assert s.same(logits, 0.8, u=0.0, **kw) == order[0]
+        # u just below 1: the least likely kept token
+        assert s.same(logits, 0.8, top_k=3, u=0.9999999) == order[2]
+        assert s.same(logits, 0.8, u=0.9999999) == order[-1]
+    tied = np.array([1.0, 2.0, 2.0, 0.0], np.float32)
+    s4 = Sampler((4,))
+    assert s4.same(tied, 1.0, top_k=1, u=0.9) == 1  # ties sort lower id first
+
+
+STAT_SETTINGS = [
+    (0.7, 0, 1.0, 0.0),
+    (1.0, 4, 1.0, 0.0),
+    (1.3, 0, 0.8, 0.0),
+    (0.9, 0, 1.0, 0.15),
+    (1.0, 5, 0.9, 0.05),
+]
+
+
+@covers(Op.SAMPLE)
+@pytest.mark.parametrize(("temperature", "top_k", "top_p", "min_p"), STAT_SETTINGS)
+def test_sample_frequencies(temperature, top_k, top_p, min_p) -> None:
+    """u on a uniform grid visits each kept token in proportion to its probability."""
+    logits = np.array([2.0, -1.0, 0.5, 1.7, 0.0, -3.0, 1.0, 0.2], np.float32)
+    want = kept_distribution(logits, temperature, top_k, top_p, min_p)
+    n = 1000
+    grid = (np.arange(n) + 0.5) / n
+    s = Sampler((len(logits),))
+    counts = {name: np.zeros(len(logits)) for name in BACKENDS}
+    for u in grid:
+        for name, tok in s.draw(logits, temperature, top_k, top_p, min_p, float(u)).items():
+            counts[name][int(tok)] += 1
+    np.testing.assert_array_equal(counts["local"], counts["numpy"])
+    # a uniform grid puts each token's count within one draw of n * p
+    np.testing.assert_allclose(counts["numpy"] / n, want, atol=1.5 / n)
+    assert set(np.flatnonzero(counts["numpy"])) <= set(np.flatnonzero(want))  # only kept ids
+
+
+# ---------------------------------------------------------------- SET_ROWS
+
+
+@covers(Op.SET_ROWS)
+@pytest.mark.parametrize("dtype", [DType.F32, DType.F16], ids=lambda d: d.name)
+def test_set_rows_state(dtype: DType) -> None:
+    rng = np.random.default_rng(26)
+    npt = NUMPY_DTYPES[dtype]
+    shape = (6, 2, 4)
+    before = randn(rng, *shape).astype(npt)
+    offset = 64  # the state sits between other bytes that must not change
+    size = offset + before.nbytes + 32
+    filler = rng.integers(0, 256, size, dtype=np.uint8)
+    steps = [(ids_of(4, 0, 2), randn(rng, 3, 2, 4)), (ids_of(5,), randn(rng, 1, 2, 4))]
+
+    for name in BACKENDS:
+        be = make_backend(name)
+        h = be.alloc_buffer(size)
+        be.set_tensor(h, 0, filler)
+        be.set_tensor(h, offset, before)
+        g = GraphBuilder()
+        st = g.state(h, offset, shape, dtype, label="cache")
+        written = g.set_rows(st, g.input("src", (T, 2, 4)), g.input("ids", (T,), DType.I32))
+        # a later read through the returned value sees the new rows
+        back = g.get_rows(g.reshape(written, (6, 8)), g.input("ids2", (T,), DType.I32))
+        gid = be.register_graph(g.build(written, back))
+        want = before.copy()
+        for ids, src in steps:
+            out, rows = be.compute(gid, {"src": src, "ids": ids, "ids2": ids})
+            want[ids] = src.astype(npt)
+            assert out.dtype == npt, name
+            np.testing.assert_array_equal(out, want, err_msg=name)
+            np.testing.assert_array_equal(rows, want[ids].reshape(-1, 8).astype(np.float32))
+            raw = np.frombuffer(be.get_tensor(h, 0, size), np.uint8)
+            stored = raw[offset : offset + before.nbytes].view(npt).reshape(shape)
+            np.testing.assert_array_equal(stored, want, err_msg=f"{name}: buffer after compute")
+            np.testing.assert_array_equal(raw[:offset], filler[:offset])
+            np.testing.assert_array_equal(raw[offset + before.nbytes :],
+                                          filler[offset + before.nbytes :])
+        untouched = [r for r in range(6) if r not in (0, 2, 4, 5)]
+        np.testing.assert_array_equal(stored[untouched], before[untouched])
+
+
+@covers(Op.SET_ROWS, Op.VIEW)
+@pytest.mark.parametrize("dtype", [DType.F32, DType.F16], ids=lambda d: d.name)
+def test_set_rows_through_view_of_state(dtype: DType) -> None:
+    """A K and a V cache side by side in one (S, 2, D) state: writing a VIEW of it writes
+    the state (VIEW is a window on its input, as in x[start:start+length])."""
+    npt = NUMPY_DTYPES[dtype]
+    src = randn(np.random.default_rng(27), 2, 1, 3)
+    ids = ids_of(3, 1)
+    want = np.zeros((4, 2, 3), npt)
+    want[ids, 1:2] = src.astype(npt)
+    for name in BACKENDS:
+        be = make_backend(name)
+        h = be.alloc_buffer(want.nbytes)
+        g = GraphBuilder()
+        v = g.view(g.state(h, 0, (4, 2, 3), dtype), 1, 1, 1)
+        out = g.set_rows(v, g.input("src", (T, 1, 3)), g.input("ids", (T,), DType.I32))
+        (got,) = be.compute(be.register_graph(g.build(out)), {"src": src, "ids": ids})
+        np.testing.assert_array_equal(got, want[:, 1:2], err_msg=name)
+        stored = np.frombuffer(be.get_tensor(h, 0, want.nbytes), npt).reshape(want.shape)
+        np.testing.assert_array_equal(stored, want, err_msg=name)
+
+
+@covers(Op.SET_ROWS)
+def test_set_rows_value() -> None:
+    """SET_ROWS on a plain computed value (no state) just returns the updated tensor."""
+    rng = np.random.default_rng(28)
+    base, src = randn(rng, 5, 3), randn(rng, 2, 3)
+    ids = ids_of(4, 1)
+
+    def build(g):
+        dst = g.scale(g.input("base", (5, 3)), 1.0)
+        return g.set_rows(dst, g.input("src", (T, 3)), g.input("ids", (T,), DType.I32))
+
+    (out,) = check(build, {"base": base, "src": src, "ids": ids}, rtol=0, atol=0)
+    want = base.copy()
+    want[ids] = src
+    np.testing.assert_array_equal(out, want)
