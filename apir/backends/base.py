@@ -60,9 +60,71 @@ class Registered:
 
 
 class Backend(ABC):
-    """Devices, buffers, tensor bytes and graphs. Handles are small ints, never addresses."""
+    """The backend API every executor and the remote frontend implement.
+
+    Handles (buffers, graphs) are small ints, never addresses. Tensor bytes live in buffers
+    at offsets; quantized GGUF blocks travel as raw bytes with their dtype.
+    """
 
     name: str = "abstract"
+
+    @abstractmethod
+    def device(self) -> DeviceInfo:
+        """The device graphs execute on, with fresh memory figures."""
+
+    def devices(self) -> list[DeviceInfo]:
+        return [self.device()]
+
+    @abstractmethod
+    def supports(self, op: Op, dtypes: Sequence[DType] = ()) -> bool: ...
+
+    @abstractmethod
+    def alloc_buffer(self, size: int, purpose: BufferPurpose = BufferPurpose.COMPUTE) -> int: ...
+
+    @abstractmethod
+    def free_buffer(self, handle: int) -> None: ...
+
+    @abstractmethod
+    def clear_buffer(self, handle: int, value: int = 0) -> None: ...
+
+    @abstractmethod
+    def set_tensor(self, handle: int, offset: int, data: bytes | memoryview | np.ndarray) -> None: ...
+
+    @abstractmethod
+    def get_tensor(self, handle: int, offset: int, size: int) -> bytes: ...
+
+    @abstractmethod
+    def copy_tensor(self, src: int, src_offset: int, dst: int, dst_offset: int, size: int) -> None: ...
+
+    @abstractmethod
+    def register_graph(self, graph: Graph) -> int:
+        """Validate and prepare ``graph`` once; returns its id for ``compute``."""
+
+    @abstractmethod
+    def free_graph(self, gid: int) -> None: ...
+
+    @abstractmethod
+    def compute(self, gid: int, inputs: Mapping[str, np.ndarray]) -> list[np.ndarray]:
+        """Bind ``inputs`` by name and run graph ``gid``; returns its outputs."""
+
+    @abstractmethod
+    def synchronize(self) -> None:
+        """Wait for queued work; errors of earlier requests surface here at the latest."""
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+    def __enter__(self) -> Backend:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Executor(Backend):
+    """A backend that executes graphs itself. Does all bookkeeping and validation here,
+    once, so the numpy and torch executors only implement storage and ops, and the host
+    daemon serving an untrusted guest inherits the same checks."""
 
     def __init__(self) -> None:
         self._buffers: dict[int, Buffer] = {}
@@ -71,13 +133,6 @@ class Backend(ABC):
         self.closed = False
 
     # ------------------------------------------------------------ devices
-    @abstractmethod
-    def device(self) -> DeviceInfo:
-        """The device this backend executes on, with fresh memory figures."""
-
-    def devices(self) -> list[DeviceInfo]:
-        return [self.device()]
-
     def supports(self, op: Op, dtypes: Sequence[DType] = ()) -> bool:
         """Whether ``op`` runs here on inputs of ``dtypes`` (every op in the table does)."""
         quantized_ok = op in (Op.GET_ROWS, Op.MATMUL, Op.WEIGHT)
@@ -174,12 +229,6 @@ class Backend(ABC):
             self.free_buffer(handle)
         self._graphs.clear()
         self.closed = True
-
-    def __enter__(self) -> Backend:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     # ------------------------------------------------------------ checks
     def _check_open(self) -> None:

@@ -15,7 +15,7 @@ import numpy as np
 
 from ..graph import DType, Graph, Op
 from ..graph.dtypes import NUMPY_DTYPES
-from .base import Backend, BackendError, Buffer, DeviceInfo, Registered
+from .base import BackendError, Buffer, DeviceInfo, Executor, Registered
 
 
 def to_f32(arr: np.ndarray, dtype: DType, shape: tuple[int, ...]) -> np.ndarray:
@@ -173,7 +173,7 @@ KERNELS = {
 }
 
 
-class NumpyBackend(Backend):
+class NumpyBackend(Executor):
     """Buffers are bytearrays; weights are dequantized to f32 once and cached."""
 
     name = "numpy"

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from ...graph import DType, Graph, Op
-from ..base import Backend, BackendError, Buffer, DeviceInfo, Registered
+from ..base import BackendError, Buffer, DeviceInfo, Executor, Registered
 from .dequant import dequantize
 from .kernels import KERNELS
 
@@ -58,7 +58,7 @@ class Program:
     outputs: tuple[int, ...]
 
 
-class LocalBackend(Backend):
+class LocalBackend(Executor):
     name = "local"
 
     def __init__(self, device: str | None = None) -> None:
