@@ -27,8 +27,13 @@ def _add_model(p: argparse.ArgumentParser) -> None:
 
 
 def _add_backend(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--backend", default=env.BACKEND.get(), choices=("local", "numpy"),
-                   help="where graphs execute (default: local = PyTorch in-process)")
+    p.add_argument("--backend", default=env.BACKEND.get(), choices=("local", "numpy", "remote"),
+                   help="where graphs execute (default: local = PyTorch in-process; remote with --remote)")
+    p.add_argument("--remote", default=env.REMOTE.get(), metavar="URL",
+                   help="execute on the host daemon at URL (unix:///PATH, tcp://HOST:PORT, "
+                        "vsock://CID:PORT) or 'auto' (the default socket, starting a daemon if none)")
+    p.add_argument("--token-file", default=env.TOKEN_FILE.get(),
+                   help="the shared secret for tcp/vsock hosts (or set APIR_TOKEN)")
     p.add_argument("--device", default=env.DEVICE.get(), choices=("cpu", "cuda", "mps"),
                    help="device for the local backend (default: best available)")
     ctx = env.CTX_SIZE.get()
@@ -52,16 +57,21 @@ def _progress_bar(label: str):
     return report
 
 
-def _load(args: argparse.Namespace):
+def _load(args: argparse.Namespace, remote: str | None = None):
     from .engine import load
 
     t0 = time.perf_counter()
-    model = load(args.model, backend=args.backend, device=args.device, n_ctx=args.ctx_size,
-                 progress=_progress_bar("uploading weights"))
+    backend = "remote" if remote else args.backend
+    if backend == "remote" and not remote:
+        raise ApirError("--backend remote needs --remote URL (or APIR_REMOTE)")
+    model = load(args.model, backend=backend, device=args.device, n_ctx=args.ctx_size,
+                 progress=_progress_bar("uploading weights"), remote=remote,
+                 token_file=args.token_file)
     dev = model.backend.device()
+    where = f"{model.backend.name}:{dev.name}" + (f" via {remote}" if remote else "")
     _eprint(f"loaded {model.file.path.name} ({model.arch_name}, {model.file.quantization()}) "
-            f"on {model.backend.name}:{dev.name} in {time.perf_counter() - t0:.1f}s")
-    if args.backend == "local" and args.device is None and dev.kind == "cpu":
+            f"on {where} in {time.perf_counter() - t0:.1f}s")
+    if args.device is None and dev.kind == "cpu" and backend != "numpy":
         _eprint("note: no GPU found; running on the CPU")
     return model
 
@@ -100,8 +110,14 @@ def _generate(model, ids: list[int], params) -> tuple[str, int]:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    model = _load(args)
+    from .host.autostart import remote_host
+
     params = _sampling(args)
+    with remote_host(args.remote, args.device) as remote:
+        return _run(args, _load(args, remote), params)
+
+
+def _run(args: argparse.Namespace, model, params) -> int:
     with model:
         if args.prompt is not None:
             if args.chat:
@@ -199,6 +215,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model(info)
     info.add_argument("--json", action="store_true")
     info.set_defaults(func=cmd_info)
+    from .host.cli import add_parser as add_host
+
+    add_host(sub)
     return p
 
 

@@ -29,5 +29,25 @@ MODEL = EnvVar("APIR_MODEL", None, "default model name or .gguf path for -m")
 BACKEND = EnvVar("APIR_BACKEND", "local", "default backend: local (PyTorch) or numpy")
 DEVICE = EnvVar("APIR_DEVICE", None, "default device for the local backend: cpu, cuda or mps")
 CTX_SIZE = EnvVar("APIR_CTX_SIZE", None, "context window in tokens (default: min(4096, the model's))")
+API_KEY = EnvVar(
+    "APIR_API_KEY", None,
+    "apir serve: require 'Authorization: Bearer KEY' on /v1/* (default: no key needed)",
+)
+HF_ENDPOINT = EnvVar(
+    "HF_ENDPOINT", "https://huggingface.co",
+    "apir pull hf://...: the Hugging Face Hub (or a mirror) to download from",
+)
+HF_TOKEN = EnvVar("HF_TOKEN", None, "apir pull hf://...: access token for gated or private repos")
 
-ALL = (CACHE_DIR, MODEL, BACKEND, DEVICE, CTX_SIZE)
+REMOTE = EnvVar(
+    "APIR_REMOTE", None,
+    "guest: the host daemon's address (unix://PATH, tcp://HOST:PORT, vsock://CID:PORT, auto)",
+)
+TOKEN = EnvVar("APIR_TOKEN", None, "guest: the shared secret for tcp/vsock hosts")
+TOKEN_FILE = EnvVar("APIR_TOKEN_FILE", None, "guest: a file holding that secret (wins over APIR_TOKEN)")
+HOST_LISTEN = EnvVar("APIR_HOST_LISTEN", None, "host: default --listen address (default: the user's unix socket)")
+
+ALL = (
+    CACHE_DIR, MODEL, BACKEND, DEVICE, CTX_SIZE, API_KEY, HF_ENDPOINT, HF_TOKEN,
+    REMOTE, TOKEN, TOKEN_FILE, HOST_LISTEN,
+)

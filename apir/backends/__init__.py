@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from .base import Backend, BackendError, BufferPurpose, DeviceInfo
+from .base import Backend, BackendError, BufferPurpose, DeviceInfo, Limits, QuotaError
 
-BACKENDS = ("local", "numpy")
+BACKENDS = ("local", "numpy", "remote")
 
 
-def create_backend(name: str = "local", device: str | None = None) -> Backend:
-    """A backend by name: ``local`` (PyTorch on ``device``), ``numpy`` (reference)."""
+def create_backend(name: str = "local", device: str | None = None, remote: str | None = None,
+                   token_file: str | None = None) -> Backend:
+    """A backend by name: ``local`` (PyTorch on ``device``), ``numpy`` (reference), or
+    ``remote`` (forwarded to the host daemon at ``remote``, e.g. ``unix:///run/apir.sock``)."""
     if name == "numpy":
         if device not in (None, "cpu"):
             raise BackendError(f"the numpy backend runs on the cpu only, not {device!r}")
@@ -23,7 +25,14 @@ def create_backend(name: str = "local", device: str | None = None) -> Backend:
                 f"the local backend needs PyTorch ({e}); install it with: pip install 'apir[host]'"
             ) from None
         return LocalBackend(device)
+    if name == "remote":
+        from .remote import RemoteBackend
+
+        return RemoteBackend(remote, device=device, token_file=token_file)
     raise BackendError(f"unknown backend {name!r}: choose one of {', '.join(BACKENDS)}")
 
 
-__all__ = ["Backend", "BackendError", "BufferPurpose", "DeviceInfo", "create_backend", "BACKENDS"]
+__all__ = [
+    "BACKENDS", "Backend", "BackendError", "BufferPurpose", "DeviceInfo", "Limits", "QuotaError",
+    "create_backend",
+]

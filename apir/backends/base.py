@@ -28,6 +28,23 @@ class BackendError(ApirError):
     """A request the backend refuses: bad handle, out-of-range bytes, bad inputs."""
 
 
+class QuotaError(BackendError):
+    """A request past one of the backend's limits (memory, handles, graph size)."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Caps an executor enforces; 0 means unlimited. The host sets them per session."""
+
+    max_memory: int = 0  # bytes of live buffers
+    max_handles: int = 0  # live buffers + graphs
+    max_graph_nodes: int = 1 << 16
+
+    def __post_init__(self) -> None:
+        if min(self.max_memory, self.max_handles) < 0 or self.max_graph_nodes <= 0:
+            raise ValueError(f"bad limits {self}")
+
+
 class BufferPurpose(enum.IntEnum):
     WEIGHTS = 0
     KV = 1
@@ -126,11 +143,13 @@ class Executor(Backend):
     once, so the numpy and torch executors only implement storage and ops, and the host
     daemon serving an untrusted guest inherits the same checks."""
 
-    def __init__(self) -> None:
+    def __init__(self, limits: Limits = Limits()) -> None:
+        self.limits = limits
         self._buffers: dict[int, Buffer] = {}
         self._graphs: dict[int, Registered] = {}
         self._ids = itertools.count(1)
         self.closed = False
+        self.peak_bytes = 0
 
     # ------------------------------------------------------------ devices
     def supports(self, op: Op, dtypes: Sequence[DType] = ()) -> bool:
@@ -139,12 +158,42 @@ class Executor(Backend):
         return all(quantized_ok or not DType(d).is_quantized for d in dtypes)
 
     # ------------------------------------------------------------ buffers
-    def alloc_buffer(self, size: int, purpose: BufferPurpose = BufferPurpose.COMPUTE) -> int:
+    def alloc_buffer(
+        self, size: int, purpose: BufferPurpose = BufferPurpose.COMPUTE, handle: int | None = None
+    ) -> int:
+        """A zeroed buffer of ``size`` bytes. ``handle`` lets a remote guest mint the id."""
         self._check_open()
         if not isinstance(size, int) or size <= 0:
             raise BackendError(f"buffer size must be a positive integer, got {size!r}")
-        handle = next(self._ids)
-        self._buffers[handle] = Buffer(size, BufferPurpose(purpose), self._alloc(size))
+        try:
+            purpose = BufferPurpose(purpose)
+        except ValueError:
+            raise BackendError(f"unknown buffer purpose {purpose!r}") from None
+        handle = self._new_handle(handle, self._buffers)
+        used = self.allocated_bytes()
+        if self.limits.max_memory and used + size > self.limits.max_memory:
+            raise QuotaError(
+                f"allocating {size} bytes would exceed this session's memory limit "
+                f"({used} of {self.limits.max_memory} bytes in use)"
+            )
+        try:
+            storage = self._alloc(size)
+        except (MemoryError, RuntimeError) as e:
+            raise QuotaError(f"the device cannot allocate {size} bytes: {str(e).splitlines()[0]}") from None
+        self._buffers[handle] = Buffer(size, purpose, storage)
+        self.peak_bytes = max(self.peak_bytes, used + size)
+        return handle
+
+    def _new_handle(self, handle: int | None, table: dict) -> int:
+        live = len(self._buffers) + len(self._graphs)
+        if self.limits.max_handles and live >= self.limits.max_handles:
+            raise QuotaError(f"too many live handles ({live}); free buffers or graphs first")
+        if handle is None:
+            return next(self._ids)
+        if not isinstance(handle, int) or not 0 < handle < 1 << 31:
+            raise BackendError(f"handle {handle!r} must be an integer in [1, 2^31)")
+        if handle in table:
+            raise BackendError(f"handle {handle} is already in use")
         return handle
 
     def free_buffer(self, handle: int) -> None:
@@ -184,10 +233,12 @@ class Executor(Backend):
         self.set_tensor(dst, dst_offset, data)
 
     # ------------------------------------------------------------ graphs
-    def register_graph(self, graph: Graph) -> int:
+    def register_graph(self, graph: Graph, gid: int | None = None) -> int:
         """Validate ``graph`` against the op table and this backend's buffers; compile it once."""
         self._check_open()
-        graph.validate()
+        if len(graph.nodes) > self.limits.max_graph_nodes:
+            raise QuotaError(f"graph of {len(graph.nodes)} nodes exceeds the limit of {self.limits.max_graph_nodes}")
+        graph.validate(self.limits.max_graph_nodes)
         for nid, node in enumerate(graph.nodes):
             if node.op in (Op.WEIGHT, Op.STATE):
                 handle, offset = node.attrs
@@ -197,7 +248,7 @@ class Executor(Backend):
                 if offset % ALIGNMENT:
                     raise BackendError(f"{what}: offset {offset} is not {ALIGNMENT}-byte aligned")
                 self._check_range(handle, self._buffers[handle], offset, node.dtype.nbytes(node.shape))
-        gid = next(self._ids)
+        gid = self._new_handle(gid, self._graphs)
         inputs = {name: (n.shape, n.dtype) for name, n in graph.inputs().items()}
         self._graphs[gid] = Registered(graph, self._compile(graph), inputs)
         return gid

@@ -10,11 +10,18 @@ from .model import ContextOverflowError, Model, Progress, SamplingParams
 
 def load(
     model: str | None = None, backend: str | Backend = "local", device: str | None = None,
-    n_ctx: int | None = None, progress: Progress | None = None,
+    n_ctx: int | None = None, progress: Progress | None = None, remote: str | None = None,
+    token_file: str | None = None,
 ) -> Model:
-    """Open ``model`` (a known name, a .gguf path, or None for the default) on ``backend``."""
+    """Open ``model`` (a known name, a .gguf path, or None for the default) on ``backend``.
+
+    ``backend="remote"`` forwards every graph to the host daemon at ``remote``.
+    """
     gguf = GGUFFile(resolve_model(model))
-    be = create_backend(backend, device) if isinstance(backend, str) else backend
+    if isinstance(backend, str):
+        be = create_backend(backend, device, remote=remote, token_file=token_file)
+    else:
+        be = backend
     try:
         return Model(gguf, be, n_ctx=n_ctx, progress=progress)
     except BaseException:

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from ...graph import DType, Graph, Op
-from ..base import BackendError, Buffer, DeviceInfo, Executor, Registered
+from ..base import BackendError, Buffer, DeviceInfo, Executor, Limits, Registered
 from .dequant import dequantize
 from .kernels import KERNELS
 
@@ -61,8 +61,8 @@ class Program:
 class LocalBackend(Executor):
     name = "local"
 
-    def __init__(self, device: str | None = None) -> None:
-        super().__init__()
+    def __init__(self, device: str | None = None, limits: Limits = Limits()) -> None:
+        super().__init__(limits)
         self.torch_device = pick_device(device)
         # Weights computed in f32 on the CPU; on accelerators they keep a 16-bit form.
         self._weights: dict[tuple, tuple[int, torch.Tensor]] = {}
@@ -153,7 +153,7 @@ class LocalBackend(Executor):
                     raise BackendError(f"{reg.graph.nodes[nid].describe(nid)} failed: {e}") from None
             elif step[0] == "input":
                 arr = inputs[step[1]]
-                t = torch.from_numpy(arr).to(dev)
+                t = torch.from_numpy(arr if arr.flags.writeable else arr.copy()).to(dev)
                 if step[2] is DType.BF16:
                     t = t.view(torch.bfloat16)
                 values.append(t.float() if step[2] in (DType.F16, DType.BF16) else t)

@@ -1,0 +1,1 @@
+"""The host daemon: sessions in worker processes, a dispatcher onto the local executor."""

@@ -1,0 +1,82 @@
+"""``apir host``: run the daemon; ``apir host status``: ask a running one."""
+
+from __future__ import annotations
+
+import argparse
+import grp
+import json
+import re
+
+from .. import env
+from ..errors import ApirError
+from ..transport import default_socket_path, parse_address
+
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """'512M', '4G', '1.5G', '1000000' -> bytes."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]?)(i?B)?\s*", text.upper())
+    if not match:
+        raise ApirError(f"bad size {text!r}: use a number with an optional K, M, G or T suffix")
+    return int(float(match.group(1)) * _UNITS[match.group(2)])
+
+
+def cmd_host(args: argparse.Namespace) -> int:
+    from .daemon import HostConfig, run
+
+    if args.action == "status":
+        return cmd_status(args)
+    listen = args.listen or [env.HOST_LISTEN.get() or f"unix://{default_socket_path()}"]
+    token = None
+    if args.token_file:
+        try:
+            token = open(args.token_file).read().strip()
+        except OSError as e:
+            raise ApirError(f"cannot read token file {args.token_file}: {e.strerror}") from None
+        if len(token) < 16:
+            raise ApirError(f"the token in {args.token_file} is too short (use at least 16 characters)")
+    group = None
+    if args.group:
+        try:
+            group = grp.getgrnam(args.group).gr_gid
+        except KeyError:
+            raise ApirError(f"unknown group {args.group!r}") from None
+    config = HostConfig(
+        listen=tuple(parse_address(u) for u in listen), device=args.device, token=token,
+        max_memory=parse_size(args.max_memory) if args.max_memory else 0,
+        max_sessions=args.max_sessions, group=group,
+    )
+    run(config)
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from ..backends.remote import host_status
+
+    url = (args.listen or [None])[0]
+    st = host_status(url, args.token_file)
+    sessions = [
+        {"session": s.session, "pid": s.pid, "peer": s.peer, "allocated": s.allocated, "peak": s.peak}
+        for s in st.sessions
+    ]
+    print(json.dumps({"version": st.version, "device": st.device.name, "max_sessions": st.max_sessions,
+                      "max_memory": st.max_memory, "sessions": sessions}, indent=2))
+    return 0
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("host", help="run the host daemon that executes guests' graphs")
+    p.add_argument("action", nargs="?", choices=("serve", "status"), default="serve",
+                   help="serve (default) or print a running daemon's status")
+    p.add_argument("--listen", action="append", metavar="URL",
+                   help="unix:///PATH (default: the user's socket), tcp://HOST:PORT (needs "
+                        "--token-file), vsock://CID:PORT; repeatable")
+    p.add_argument("--device", choices=("cpu", "cuda", "mps"), default=env.DEVICE.get(),
+                   help="where sessions execute (default: best available)")
+    p.add_argument("--token-file", default=env.TOKEN_FILE.get(),
+                   help="file holding the shared secret guests must present on tcp/vsock")
+    p.add_argument("--max-memory", metavar="SIZE", help="per-session buffer memory cap, e.g. 8G")
+    p.add_argument("--max-sessions", type=int, default=16, help="concurrent sessions (default 16)")
+    p.add_argument("--group", help="make the unix socket usable by this group (mode 0660)")
+    p.set_defaults(func=cmd_host)

@@ -1,0 +1,316 @@
+"""The host daemon: accepts guests, checks their handshake, forks one worker per session.
+
+The parent never executes guest work and never initialises a GPU (it only imports torch,
+so forked workers start warm). A session's worker dies with the parent (PR_SET_PDEATHSIG)
+and its memory goes with it; the parent reaps it and clears its accounting slot. A guest
+that crashes its worker, or misbehaves, affects nobody else.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hmac
+import logging
+import multiprocessing
+import os
+import selectors
+import signal
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..backends.base import Limits
+from ..errors import ApirError
+from ..protocol import PROTOCOL_VERSION, ErrorCode, ProtocolError, op_table_hash
+from ..protocol import messages as m
+from ..protocol.messages import HEADER, decode_body, decode_header, encode
+from ..transport import Address, Channel, listen
+from .session import SessionConfig, run_worker
+
+log = logging.getLogger("apir.host")
+
+HANDSHAKE_MAX = 4096  # bytes a Hello may take
+MAX_SLOTS = 1024
+
+
+@dataclass(frozen=True)
+class HostConfig:
+    listen: tuple[Address, ...]
+    device: str | None = None
+    token: str | None = None  # required from guests on tcp/vsock listeners
+    max_memory: int = 0  # per session, bytes (0: unlimited)
+    max_sessions: int = 16
+    max_handles: int = 65536
+    max_graph_nodes: int = 1 << 16
+    max_arena: int = 1 << 30
+    group: int | None = None
+    handshake_timeout: float = 5.0
+
+    def __post_init__(self) -> None:
+        if not self.listen:
+            raise ApirError("apir host needs at least one --listen address")
+        remote = [a for a in self.listen if a.scheme != "unix"]
+        if remote and not self.token:
+            raise ApirError(
+                f"listening on {remote[0]} requires a token: pass --token-file FILE (the guest "
+                "sets APIR_TOKEN or --token-file with the same secret)"
+            )
+        if self.max_sessions <= 0:
+            raise ApirError("--max-sessions must be positive")
+
+
+@dataclass
+class Pending:
+    sock: socket.socket
+    address: Address
+    peer: str
+    deadline: float
+    buf: bytearray = field(default_factory=bytearray)
+
+
+@dataclass
+class Worker:
+    session: int
+    slot: int
+    peer: str
+    started: float
+
+
+def _die_with_parent() -> None:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+class Daemon:
+    def __init__(self, config: HostConfig) -> None:
+        self.config = config
+        self.listeners: dict[socket.socket, Address] = {}
+        self.pending: dict[socket.socket, Pending] = {}
+        self.workers: dict[int, Worker] = {}  # pid -> worker
+        # per slot: allocated bytes, peak bytes — written by workers, read by the parent
+        self.stats = multiprocessing.RawArray("q", 2 * MAX_SLOTS)
+        self.next_session = 1
+        self.selector = selectors.DefaultSelector()
+        self.stopping = False
+
+    # ------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        for addr in self.config.listen:
+            sock = listen(addr, self.config.group)
+            sock.setblocking(False)
+            self.listeners[sock] = addr
+            self.selector.register(sock, selectors.EVENT_READ)
+            log.info("listening on %s", addr)
+
+    def serve_forever(self) -> None:
+        signal.signal(signal.SIGTERM, lambda *_: self.stop())
+        try:
+            while not self.stopping:
+                for key, _ in self.selector.select(timeout=0.2):
+                    sock = key.fileobj
+                    if sock in self.listeners:
+                        self._accept(sock)
+                    elif sock in self.pending:
+                        self._read_handshake(self.pending[sock])
+                self._expire_handshakes()
+                self._reap()
+        except KeyboardInterrupt:
+            pass
+        finally:
+            self.shutdown()
+
+    def stop(self) -> None:
+        self.stopping = True
+
+    def shutdown(self) -> None:
+        for sock, addr in list(self.listeners.items()):
+            self.selector.unregister(sock)
+            sock.close()
+            if addr.scheme == "unix":
+                Path(addr.path).unlink(missing_ok=True)
+        self.listeners.clear()
+        for p in list(self.pending.values()):
+            self._drop(p)
+        for pid in list(self.workers):
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + 3
+        while self.workers and time.monotonic() < deadline:
+            self._reap()
+            time.sleep(0.05)
+        for pid in list(self.workers):
+            os.kill(pid, signal.SIGKILL)
+        self._reap(block=True)
+
+    # ------------------------------------------------------------ handshake
+    def _accept(self, listener: socket.socket) -> None:
+        try:
+            sock, peer = listener.accept()
+        except BlockingIOError:
+            return
+        sock.setblocking(False)
+        addr = self.listeners[listener]
+        peer_s = f"{addr.scheme}:{peer}" if peer else f"{addr.scheme}:local"
+        self.pending[sock] = Pending(sock, addr, peer_s, time.monotonic() + self.config.handshake_timeout)
+        self.selector.register(sock, selectors.EVENT_READ)
+
+    def _read_handshake(self, p: Pending) -> None:
+        try:
+            data = p.sock.recv(HANDSHAKE_MAX + HEADER.size - len(p.buf))
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self._drop(p)
+            return
+        p.buf += data
+        if len(p.buf) < HEADER.size:
+            return
+        try:
+            header = decode_header(bytes(p.buf[: HEADER.size]), HANDSHAKE_MAX)
+            if m.OPCODES[header.opcode] is not m.Hello:
+                raise ProtocolError(f"expected a Hello handshake first, got {m.OPCODES[header.opcode].__name__}")
+            if len(p.buf) < HEADER.size + header.length:
+                return
+            if len(p.buf) > HEADER.size + header.length:
+                raise ProtocolError("data after the Hello before the Welcome")
+            hello = decode_body(header.opcode, bytes(p.buf[HEADER.size :]))
+        except ProtocolError as e:
+            self._refuse(p, ErrorCode.PROTOCOL, str(e))
+            return
+        self._handle_hello(p, hello)
+
+    def _handle_hello(self, p: Pending, hello: m.Hello) -> None:
+        if hello.version != PROTOCOL_VERSION:
+            self._refuse(p, ErrorCode.VERSION,
+                         f"protocol version mismatch: the guest speaks version {hello.version}, this "
+                         f"host speaks version {PROTOCOL_VERSION}; install the same apir release on both sides")
+            return
+        if hello.op_table != op_table_hash():
+            self._refuse(p, ErrorCode.VERSION,
+                         "op tables differ between guest and host (same protocol version, different "
+                         "apir builds); install the same apir release on both sides")
+            return
+        if p.address.scheme != "unix" and not hmac.compare_digest(
+            hello.token.encode(), (self.config.token or "").encode()
+        ):
+            log.warning("refused %s: bad or missing token", p.peer)
+            self._refuse(p, ErrorCode.AUTH, "authentication failed: the token does not match the host's "
+                         "(set APIR_TOKEN or --token-file to the host's --token-file secret)")
+            return
+        if hello.status_only:
+            self._send_then_close(p, self.status())
+            return
+        if len(self.workers) >= self.config.max_sessions:
+            self._refuse(p, ErrorCode.QUOTA, f"the host is already serving {len(self.workers)} sessions "
+                         "(its --max-sessions limit); try again later")
+            return
+        self._spawn(p, hello)
+
+    def _refuse(self, p: Pending, code: int, message: str) -> None:
+        self._send_then_close(p, m.Error(code, message))
+
+    def _send_then_close(self, p: Pending, msg: object) -> None:
+        try:
+            p.sock.setblocking(True)
+            p.sock.settimeout(1.0)
+            p.sock.sendall(encode(msg))
+        except OSError:
+            pass
+        self._drop(p)
+
+    def _drop(self, p: Pending) -> None:
+        self.pending.pop(p.sock, None)
+        try:
+            self.selector.unregister(p.sock)
+        except (KeyError, ValueError):
+            pass
+        p.sock.close()
+
+    def _expire_handshakes(self) -> None:
+        now = time.monotonic()
+        for p in [p for p in self.pending.values() if p.deadline < now]:
+            log.warning("dropped %s: no handshake within %.0fs", p.peer, self.config.handshake_timeout)
+            self._drop(p)
+
+    # ------------------------------------------------------------ workers
+    def _spawn(self, p: Pending, hello: m.Hello) -> None:
+        session = self.next_session
+        self.next_session += 1
+        used = {w.slot for w in self.workers.values()}
+        slot = next(i for i in range(MAX_SLOTS) if i not in used)
+        self.stats[2 * slot] = self.stats[2 * slot + 1] = 0
+        self.pending.pop(p.sock)
+        self.selector.unregister(p.sock)
+        limits = Limits(self.config.max_memory, self.config.max_handles, self.config.max_graph_nodes)
+        cfg = SessionConfig(self.config.device, limits, self.config.max_arena, session, p.peer)
+        pid = os.fork()
+        if pid == 0:  # the worker
+            code = 0
+            try:
+                _die_with_parent()
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+                for sock in [*self.listeners, *self.pending]:
+                    sock.close()
+                p.sock.setblocking(True)
+
+                def publish(allocated: int, peak: int) -> None:
+                    self.stats[2 * slot], self.stats[2 * slot + 1] = allocated, peak
+
+                run_worker(Channel(p.sock), hello, cfg, publish)
+            except BaseException:  # noqa: BLE001 - a worker must never return into the parent's loop
+                log.exception("session %d worker failed", session)
+                code = 1
+            finally:
+                logging.shutdown()
+                os._exit(code)
+        p.sock.close()
+        self.workers[pid] = Worker(session, slot, p.peer, time.monotonic())
+        log.info("session %d start: peer %s, client %s (worker pid %d)", session, p.peer,
+                 hello.client[:80], pid)
+
+    def _reap(self, block: bool = False) -> None:
+        while self.workers:
+            try:
+                pid, status = os.waitpid(-1, 0 if block else os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            w = self.workers.pop(pid, None)
+            if w is None:
+                continue
+            if os.WIFSIGNALED(status):
+                log.warning("session %d worker died (signal %d); its memory is released", w.session,
+                            os.WTERMSIG(status))
+            elif os.WEXITSTATUS(status):
+                log.warning("session %d worker exited with status %d", w.session, os.WEXITSTATUS(status))
+            self.stats[2 * w.slot] = self.stats[2 * w.slot + 1] = 0
+
+    def status(self) -> m.Status:
+        sessions = tuple(
+            m.SessionInfo(w.session, pid, w.peer, self.stats[2 * w.slot], self.stats[2 * w.slot + 1])
+            for pid, w in sorted(self.workers.items())
+        )
+        dev = self.config.device or "auto"
+        return m.Status(PROTOCOL_VERSION, m.Device(dev, dev, "", 0, 0, ()), sessions,
+                        self.config.max_sessions, self.config.max_memory)
+
+
+def run(config: HostConfig) -> None:
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="apir host: %(message)s")
+    try:
+        import torch  # noqa: F401  - warm the import once; workers fork with it loaded
+    except ImportError:
+        raise ApirError("apir host needs PyTorch: pip install 'apir[host]'") from None
+    daemon = Daemon(config)
+    daemon.start()
+    daemon.serve_forever()

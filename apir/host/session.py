@@ -1,0 +1,236 @@
+"""One guest session, served in its own worker process: a private executor, a private
+arena, and the dispatcher — the single place where guest requests turn into calls.
+
+Everything a guest sends is validated before use: the frame by the protocol decoder, the
+request by the executor (handles, ranges, quotas, graph rules), arena ranges here. Errors
+go back as data; nothing here asserts on guest input.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..backends.base import BackendError, BufferPurpose, Executor, Limits, QuotaError
+from ..errors import ApirError
+from ..graph import DType, GraphError, Op
+from ..graph.dtypes import NUMPY_DTYPES
+from ..protocol import PROTOCOL_VERSION, WANT_REPLY, ErrorCode, ProtocolError
+from ..protocol import messages as m
+from ..transport import Arena, ArenaError, Channel, ConnectionClosed
+
+log = logging.getLogger("apir.host")
+
+INLINE_MAX = 4096  # outputs up to this size travel inline even when an arena exists
+
+
+@dataclass(frozen=True)
+class SessionConfig:
+    device: str | None
+    limits: Limits
+    max_arena: int
+    session: int
+    peer: str
+
+
+def device_message(backend: Executor) -> m.Device:
+    d = backend.device()
+    return m.Device(d.name, d.kind, d.description, d.memory_free, d.memory_total,
+                    tuple(sorted(d.capabilities)))
+
+
+def error_for(exc: BaseException) -> m.Error:
+    """An exception raised while serving a request, as the Error the guest will re-raise."""
+    if isinstance(exc, QuotaError):
+        return m.Error(ErrorCode.QUOTA, str(exc))
+    if isinstance(exc, GraphError):
+        return m.Error(ErrorCode.GRAPH, str(exc))
+    if isinstance(exc, (BackendError, ArenaError)):
+        return m.Error(ErrorCode.INVALID, str(exc))
+    if isinstance(exc, ProtocolError):
+        return m.Error(ErrorCode.PROTOCOL, str(exc))
+    if isinstance(exc, ApirError):
+        return m.Error(ErrorCode.INVALID, str(exc))
+    # Our own bug, not the guest's: say so without leaking paths or addresses.
+    log.exception("internal error while serving a request")
+    return m.Error(ErrorCode.INTERNAL, f"internal host error ({type(exc).__name__}); see the host log")
+
+
+class Session:
+    def __init__(self, chan: Channel, backend: Executor, arena: Arena | None, config: SessionConfig,
+                 publish=None) -> None:
+        self.chan, self.backend, self.arena, self.config = chan, backend, arena, config
+        self.deferred: m.Error | None = None  # first failure of a request nobody waited for
+        self.publish = publish or (lambda allocated, peak: None)
+
+    # ------------------------------------------------------------ loop
+    def serve(self) -> None:
+        """Answer requests until the guest says goodbye or goes away."""
+        while True:
+            try:
+                frame = self.chan.recv()
+            except ConnectionClosed:
+                return
+            except ProtocolError as e:
+                # The stream can no longer be trusted to be in frame: report and end.
+                self._send(m.Error(ErrorCode.PROTOCOL, str(e)), 0)
+                return
+            msg, rid = frame.message, frame.header.request_id
+            for fd in frame.fds:  # guests never send descriptors
+                os.close(fd)
+            if isinstance(msg, m.Goodbye):
+                return
+            try:
+                reply = self.dispatch(msg)
+            except Exception as e:  # noqa: BLE001 - every failure becomes an Error reply
+                reply = error_for(e)
+            self.publish(self.backend.allocated_bytes(), self.backend.peak_bytes)
+            if frame.header.flags & WANT_REPLY:
+                if self.deferred is not None:  # the root cause first
+                    reply, self.deferred = self.deferred, None
+                self._send(reply, rid)
+            elif isinstance(reply, m.Error) and self.deferred is None:
+                self.deferred = m.Error(reply.code, f"an earlier {type(msg).__name__} failed: {reply.message}")
+
+    def _send(self, msg: object, rid: int) -> None:
+        try:
+            self.chan.send(msg, rid)
+        except ConnectionClosed:
+            pass
+
+    # ------------------------------------------------------------ dispatch
+    def dispatch(self, msg: object) -> object:
+        """The one place a request becomes a backend call."""
+        b = self.backend
+        match msg:
+            case m.GetDevices():
+                return m.Devices((device_message(b),))
+            case m.Supports(op=op, dtypes=dtypes):
+                return m.Flag(b.supports(_op(op), [_dtype(d) for d in dtypes]))
+            case m.AllocBuffer(handle=h, size=size, purpose=purpose):
+                b.alloc_buffer(size, _purpose(purpose), handle=h)
+            case m.FreeBuffer(handle=h):
+                b.free_buffer(h)
+            case m.ClearBuffer(handle=h, value=v):
+                b.clear_buffer(h, v)
+            case m.SetTensor(handle=h, offset=off, data=blob):
+                b.set_tensor(h, off, self._blob_bytes(blob))
+            case m.GetTensor(handle=h, offset=off, size=size, arena_offset=dest):
+                return m.Data(self._out_blob(b.get_tensor(h, off, size), dest))
+            case m.CopyTensor(src=s, src_offset=so, dst=d, dst_offset=do, size=n):
+                b.copy_tensor(s, so, d, do, n)
+            case m.RegisterGraph(graph_id=gid, graph=graph):
+                b.register_graph(graph, gid=gid)
+            case m.FreeGraph(graph_id=gid):
+                b.free_graph(gid)
+            case m.Compute(graph_id=gid, inputs=inputs, out_offset=off, out_capacity=cap):
+                return self._compute(gid, inputs, off, cap)
+            case m.Synchronize():
+                b.synchronize()
+            case m.Hello():
+                raise ProtocolError("a second handshake in one session")
+            case _:
+                raise ProtocolError(f"{type(msg).__name__} is not a request")
+        return m.Ok()
+
+    def _compute(self, gid: int, inputs: tuple[m.Tensor, ...], out_offset: int, capacity: int) -> m.Outputs:
+        arrays = {}
+        for t in inputs:
+            dtype = _dtype(t.dtype)
+            if dtype not in NUMPY_DTYPES or len(t.shape) > 8 or any(d < 0 for d in t.shape):
+                raise BackendError(f"input {t.name!r}: bad dtype or shape")
+            raw = self._blob_bytes(t.data)
+            if len(raw) != dtype.nbytes(t.shape):
+                raise BackendError(f"input {t.name!r}: {len(raw)} bytes for shape {t.shape} {dtype.name}")
+            arrays[t.name] = np.frombuffer(raw, NUMPY_DTYPES[dtype]).reshape(t.shape)
+        outs = self.backend.compute(gid, arrays)
+        place = out_offset if self.arena is not None and out_offset >= 0 else -1
+        result = []
+        for i, arr in enumerate(outs):
+            raw = np.ascontiguousarray(arr).tobytes()
+            dtype = DType.BF16 if arr.dtype == np.uint16 else _from_numpy(arr.dtype)
+            if place >= 0 and len(raw) > INLINE_MAX and place + len(raw) <= out_offset + capacity:
+                self.arena.write(place, raw)
+                blob = m.Blob(b"", place, len(raw))
+                place += -(-len(raw) // 64) * 64
+            else:
+                blob = m.Blob(raw, -1, len(raw))
+            result.append(m.Tensor(f"out{i}", int(dtype), tuple(arr.shape), blob))
+        return m.Outputs(tuple(result))
+
+    def _blob_bytes(self, blob: m.Blob) -> bytes:
+        if blob.arena_offset < 0:
+            if blob.size != len(blob.inline):
+                raise ProtocolError("inline data length disagrees with its size field")
+            return blob.inline
+        if self.arena is None:
+            raise ArenaError("this session has no shared arena (TCP?): send data inline")
+        if blob.inline:
+            raise ProtocolError("a blob cannot be both inline and in the arena")
+        return self.arena.read(blob.arena_offset, blob.size)  # a private copy
+
+    def _out_blob(self, data: bytes, dest: int) -> m.Blob:
+        if dest >= 0 and self.arena is not None and len(data) > INLINE_MAX:
+            self.arena.write(dest, data)
+            return m.Blob(b"", dest, len(data))
+        return m.Blob(data, -1, len(data))
+
+
+def _op(code: int) -> Op:
+    try:
+        return Op(code)
+    except ValueError:
+        raise BackendError(f"unknown op {code}") from None
+
+
+def _dtype(code: int) -> DType:
+    try:
+        return DType(code)
+    except ValueError:
+        raise BackendError(f"unknown dtype {code}") from None
+
+
+def _purpose(code: int) -> BufferPurpose:
+    try:
+        return BufferPurpose(code)
+    except ValueError:
+        raise BackendError(f"unknown buffer purpose {code}") from None
+
+
+def _from_numpy(dtype: np.dtype) -> DType:
+    for k, v in NUMPY_DTYPES.items():
+        if v == dtype and k is not DType.BF16:
+            return k
+    raise BackendError(f"output dtype {dtype} cannot be sent")
+
+
+def run_worker(chan: Channel, hello: m.Hello, config: SessionConfig, publish) -> None:
+    """Entry point of a session's worker process (after fork): build, welcome, serve."""
+    started = time.monotonic()
+    from ..backends.local import LocalBackend  # torch: only worker processes execute
+
+    backend = LocalBackend(config.device, limits=config.limits)
+    arena = None
+    fds: tuple[int, ...] = ()
+    if chan.unix and hello.arena_size > 0:
+        arena = Arena.create(min(hello.arena_size, config.max_arena), f"apir-session-{config.session}")
+        fds = (arena.fd,)
+    welcome = m.Welcome(PROTOCOL_VERSION, config.session, device_message(backend),
+                        arena.size if arena else 0, config.limits.max_memory)
+    chan.send(welcome, 0, fds=fds)
+    session = Session(chan, backend, arena, config, publish)
+    try:
+        session.serve()
+    finally:
+        peak = backend.peak_bytes
+        backend.close()
+        if arena:
+            arena.close()
+        chan.close()
+        publish(0, peak)
+        log.info("session %d end: peer %s, %.1fs, peak %.1f MiB", config.session, config.peer,
+                 time.monotonic() - started, peak / 2**20)

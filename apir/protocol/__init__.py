@@ -1,0 +1,20 @@
+"""The wire protocol: messages, opcodes, encoding and validation. No I/O here."""
+
+from .messages import (
+    MAGIC,
+    MAX_BODY,
+    PROTOCOL_VERSION,
+    WANT_REPLY,
+    ErrorCode,
+    FrameHeader,
+    decode_body,
+    decode_header,
+    encode,
+    op_table_hash,
+)
+from .wire import ProtocolError
+
+__all__ = [
+    "MAGIC", "MAX_BODY", "PROTOCOL_VERSION", "WANT_REPLY", "ErrorCode", "FrameHeader",
+    "ProtocolError", "decode_body", "decode_header", "encode", "op_table_hash",
+]

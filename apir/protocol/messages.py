@@ -1,0 +1,374 @@
+"""Every message of the apir protocol: frozen dataclasses with pinned opcodes.
+
+Frame layout (little-endian), the same over every transport:
+
+    offset  size  field
+    0       4     magic       b"APIR"
+    4       2     opcode      a value from OPCODES below
+    6       2     flags       bit 0: WANT_REPLY (the sender waits for an answer)
+    8       4     request id  echoed in the reply
+    12      4     body length at most MAX_BODY
+    16      n     body        the message's fields, in declaration order
+
+Field encodings follow the annotations: int -> i64, float -> f64, bool -> u8, str -> u32
+length + UTF-8, bytes -> u64 length + bytes, tuple[X, ...] -> u32 count + items, nested
+dataclasses field by field, Graph by ``graph_codec``. Decoding is whitelist-driven: the
+opcode picks the class, the class's fields say what to read, nothing else is possible.
+
+Requests the guest does not wait for (no WANT_REPLY) get no answer at all; if one fails,
+the host keeps the error and returns it from the next request that does want a reply.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import struct
+import typing
+from dataclasses import dataclass
+
+from ..graph import OPS, Graph
+from . import graph_codec
+from .wire import MAX_ITEMS, ProtocolError, Reader, Writer
+
+MAGIC = b"APIR"
+PROTOCOL_VERSION = 1
+HEADER = struct.Struct("<4sHHII")
+MAX_BODY = 64 << 20  # one frame; bulk uploads are chunked below this
+WANT_REPLY = 1
+
+
+def op_table_hash() -> bytes:
+    """Digest of the op table (opcodes, arity, attributes): both ends must agree."""
+    h = hashlib.sha256()
+    for op, spec in sorted(OPS.items()):
+        h.update(f"{int(op)}:{op.name}:{spec.arity}:{spec.attrs}\n".encode())
+    return h.digest()
+
+
+# ---------------------------------------------------------------- value types
+
+
+@dataclass(frozen=True)
+class Blob:
+    """Bytes carried inline, or a range of the session's shared arena (inline is empty)."""
+
+    inline: bytes = b""
+    arena_offset: int = -1  # -1: inline
+    size: int = 0
+
+
+@dataclass(frozen=True)
+class Tensor:
+    name: str
+    dtype: int
+    shape: tuple[int, ...]
+    data: Blob
+
+
+@dataclass(frozen=True)
+class Device:
+    name: str
+    kind: str
+    description: str
+    memory_free: int
+    memory_total: int
+    capabilities: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class SessionInfo:
+    session: int
+    pid: int
+    peer: str
+    allocated: int
+    peak: int
+
+
+# ---------------------------------------------------------------- requests
+
+
+@dataclass(frozen=True)
+class Hello:
+    version: int
+    op_table: bytes
+    token: str
+    client: str
+    arena_size: int  # bytes of shared arena wanted (0: none, e.g. over TCP)
+    status_only: bool = False  # ask the daemon for its status instead of a session
+
+
+@dataclass(frozen=True)
+class GetDevices:
+    pass
+
+
+@dataclass(frozen=True)
+class Supports:
+    op: int
+    dtypes: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class AllocBuffer:
+    handle: int  # minted by the guest, so uploads never wait for a reply
+    size: int
+    purpose: int
+
+
+@dataclass(frozen=True)
+class FreeBuffer:
+    handle: int
+
+
+@dataclass(frozen=True)
+class ClearBuffer:
+    handle: int
+    value: int
+
+
+@dataclass(frozen=True)
+class SetTensor:
+    handle: int
+    offset: int
+    data: Blob
+
+
+@dataclass(frozen=True)
+class GetTensor:
+    handle: int
+    offset: int
+    size: int
+    arena_offset: int  # where the host may put the bytes; -1: inline
+
+
+@dataclass(frozen=True)
+class CopyTensor:
+    src: int
+    src_offset: int
+    dst: int
+    dst_offset: int
+    size: int
+
+
+@dataclass(frozen=True)
+class RegisterGraph:
+    graph_id: int  # minted by the guest
+    graph: Graph
+
+
+@dataclass(frozen=True)
+class FreeGraph:
+    graph_id: int
+
+
+@dataclass(frozen=True)
+class Compute:
+    graph_id: int
+    inputs: tuple[Tensor, ...]
+    out_offset: int  # arena range for the outputs; -1: inline
+    out_capacity: int
+
+
+@dataclass(frozen=True)
+class Synchronize:
+    pass
+
+
+@dataclass(frozen=True)
+class Goodbye:
+    pass
+
+
+# ---------------------------------------------------------------- replies
+
+
+@dataclass(frozen=True)
+class Welcome:
+    version: int
+    session: int
+    device: Device
+    arena_size: int  # granted (the arena's fd travels with this frame on unix sockets)
+    max_memory: int
+
+
+@dataclass(frozen=True)
+class Ok:
+    pass
+
+
+@dataclass(frozen=True)
+class Error:
+    code: int
+    message: str
+
+
+@dataclass(frozen=True)
+class Devices:
+    devices: tuple[Device, ...]
+
+
+@dataclass(frozen=True)
+class Flag:
+    value: bool
+
+
+@dataclass(frozen=True)
+class Data:
+    data: Blob
+
+
+@dataclass(frozen=True)
+class Outputs:
+    outputs: tuple[Tensor, ...]
+
+
+@dataclass(frozen=True)
+class Status:
+    version: int
+    device: Device
+    sessions: tuple[SessionInfo, ...]
+    max_sessions: int
+    max_memory: int
+
+
+# Pinned opcodes. Never renumber: add new messages with new values.
+OPCODES: dict[int, type] = {
+    1: Hello,
+    10: GetDevices,
+    11: Supports,
+    20: AllocBuffer,
+    21: FreeBuffer,
+    22: ClearBuffer,
+    30: SetTensor,
+    31: GetTensor,
+    32: CopyTensor,
+    40: RegisterGraph,
+    41: FreeGraph,
+    42: Compute,
+    50: Synchronize,
+    99: Goodbye,
+    101: Welcome,
+    102: Ok,
+    103: Error,
+    110: Devices,
+    111: Flag,
+    131: Data,
+    142: Outputs,
+    160: Status,
+}
+OPCODE_OF: dict[type, int] = {cls: code for code, cls in OPCODES.items()}
+
+
+class ErrorCode:
+    """``Error.code`` values; the guest maps them to exception types."""
+
+    INTERNAL = 1
+    PROTOCOL = 2  # malformed frame or message
+    VERSION = 3  # handshake: versions or op tables differ
+    AUTH = 4  # handshake: bad token
+    INVALID = 5  # a request the backend refuses (handle, range, input)
+    GRAPH = 6  # a graph that breaks the op table's rules
+    QUOTA = 7  # a session limit (memory, handles, nodes, sessions)
+
+
+# ---------------------------------------------------------------- codec
+
+
+def _hints(cls: type) -> dict[str, object]:
+    return typing.get_type_hints(cls, {**globals(), "Graph": Graph})
+
+
+_FIELDS: dict[type, list[tuple[str, object]]] = {}
+
+
+def _fields(cls: type) -> list[tuple[str, object]]:
+    if cls not in _FIELDS:
+        hints = _hints(cls)
+        _FIELDS[cls] = [(f.name, hints[f.name]) for f in dataclasses.fields(cls)]
+    return _FIELDS[cls]
+
+
+def _write(w: Writer, tp: object, value: object) -> None:
+    if tp is int:
+        w.i64(value)
+    elif tp is float:
+        w.f64(value)
+    elif tp is bool:
+        w.u8(1 if value else 0)
+    elif tp is str:
+        w.str(value)
+    elif tp is bytes:
+        w.bytes(value)
+    elif tp is Graph:
+        graph_codec.write_graph(w, value)
+    elif typing.get_origin(tp) is tuple:
+        (item, _) = typing.get_args(tp)
+        w.u32(len(value))
+        for v in value:
+            _write(w, item, v)
+    else:
+        for name, ftp in _fields(tp):
+            _write(w, ftp, getattr(value, name))
+
+
+def _read(r: Reader, tp: object) -> object:
+    if tp is int:
+        return r.i64()
+    if tp is float:
+        return r.f64()
+    if tp is bool:
+        v = r.u8()
+        if v > 1:
+            raise ProtocolError(f"bad boolean {v}")
+        return bool(v)
+    if tp is str:
+        return r.str()
+    if tp is bytes:
+        return r.bytes()
+    if tp is Graph:
+        return graph_codec.read_graph(r)
+    if typing.get_origin(tp) is tuple:
+        (item, _) = typing.get_args(tp)
+        return tuple(_read(r, item) for _ in range(r.count(MAX_ITEMS)))
+    return tp(**{name: _read(r, ftp) for name, ftp in _fields(tp)})
+
+
+def encode(msg: object, request_id: int = 0, flags: int = 0) -> bytes:
+    """A whole frame: header + body."""
+    w = Writer()
+    _write(w, type(msg), msg)
+    body = w.getvalue()
+    if len(body) > MAX_BODY:
+        raise ProtocolError(f"{type(msg).__name__} of {len(body)} bytes exceeds the {MAX_BODY}-byte frame limit")
+    return HEADER.pack(MAGIC, OPCODE_OF[type(msg)], flags, request_id, len(body)) + body
+
+
+@dataclass(frozen=True)
+class FrameHeader:
+    opcode: int
+    flags: int
+    request_id: int
+    length: int
+
+
+def decode_header(raw: bytes, max_body: int = MAX_BODY) -> FrameHeader:
+    if len(raw) != HEADER.size:
+        raise ProtocolError(f"truncated frame header ({len(raw)} of {HEADER.size} bytes)")
+    magic, opcode, flags, rid, length = HEADER.unpack(raw)
+    if magic != MAGIC:
+        raise ProtocolError(f"bad magic {magic!r}: the peer does not speak the apir protocol")
+    if opcode not in OPCODES:
+        raise ProtocolError(f"unknown opcode {opcode}")
+    if flags & ~WANT_REPLY:
+        raise ProtocolError(f"unknown flags {flags:#x}")
+    if length > max_body:
+        raise ProtocolError(f"frame body of {length} bytes exceeds the limit of {max_body}")
+    return FrameHeader(opcode, flags, rid, length)
+
+
+def decode_body(opcode: int, body: bytes | memoryview) -> object:
+    r = Reader(body)
+    msg = _read(r, OPCODES[opcode])
+    r.end()
+    return msg

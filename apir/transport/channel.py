@@ -1,0 +1,102 @@
+"""A framed message channel over a connected stream socket (Unix, TCP or vsock).
+
+Frames are ``apir.protocol`` frames. On Unix sockets a frame may carry file descriptors
+(SCM_RIGHTS); the host uses that to hand the guest its shared arena.
+"""
+
+from __future__ import annotations
+
+import array
+import socket
+from dataclasses import dataclass
+
+from ..errors import ApirError
+from ..protocol import FrameHeader, decode_body, decode_header, encode
+from ..protocol.messages import HEADER, MAX_BODY
+
+MAX_FDS = 4
+
+
+class ConnectionClosed(ApirError):
+    """The peer closed the connection (or died)."""
+
+
+@dataclass(frozen=True)
+class Frame:
+    header: FrameHeader
+    message: object
+    fds: tuple[int, ...] = ()
+
+
+class Channel:
+    def __init__(self, sock: socket.socket, max_body: int = MAX_BODY) -> None:
+        self.sock = sock
+        self.max_body = max_body
+        self.unix = sock.family == socket.AF_UNIX
+        if sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # small frames, no batching
+        self.bytes_sent = 0
+        self.bytes_received = 0
+
+    def send(self, msg: object, request_id: int = 0, flags: int = 0, fds: tuple[int, ...] = ()) -> None:
+        frame = encode(msg, request_id, flags)
+        try:
+            if fds:
+                anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())]
+                sent = self.sock.sendmsg([frame], anc)
+                if sent < len(frame):
+                    self.sock.sendall(frame[sent:])
+            else:
+                self.sock.sendall(frame)
+        except (BrokenPipeError, ConnectionResetError) as e:
+            raise ConnectionClosed(f"connection lost while sending ({e.strerror})") from None
+        self.bytes_sent += len(frame)
+
+    def recv(self) -> Frame:
+        """Read one whole frame; raises ConnectionClosed on EOF, ProtocolError on garbage."""
+        raw, fds = self._recv_exact(HEADER.size, want_fds=self.unix)
+        header = decode_header(raw, self.max_body)
+        body = self._recv_exact(header.length)[0] if header.length else b""
+        self.bytes_received += HEADER.size + header.length
+        return Frame(header, decode_body(header.opcode, body), fds)
+
+    def _recv_exact(self, n: int, want_fds: bool = False) -> tuple[bytes, tuple[int, ...]]:
+        buf = bytearray(n)
+        view = memoryview(buf)
+        got, fds = 0, []
+        while got < n:
+            try:
+                if want_fds and got == 0:
+                    size = socket.CMSG_SPACE(MAX_FDS * array.array("i").itemsize)
+                    k, anc, _, _ = self.sock.recvmsg_into([view[got:]], size)
+                    for level, kind, data in anc:
+                        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                            a = array.array("i")
+                            a.frombytes(data[: len(data) - len(data) % a.itemsize])
+                            fds.extend(a)
+                else:
+                    k = self.sock.recv_into(view[got:])
+            except (ConnectionResetError, BrokenPipeError):
+                k = 0
+            if k == 0:
+                for fd in fds:
+                    _close(fd)
+                where = "between messages" if got == 0 else f"mid-frame ({got} of {n} bytes)"
+                raise ConnectionClosed(f"the peer closed the connection {where}")
+            got += k
+        return bytes(buf), tuple(fds)
+
+    def close(self) -> None:
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+
+def _close(fd: int) -> None:
+    import os
+
+    try:
+        os.close(fd)
+    except OSError:
+        pass
