@@ -3,3 +3,26 @@ from pathlib import Path
 
 # tests import their helpers (tiny_models) as top-level modules
 sys.path.insert(0, str(Path(__file__).parent))
+
+import pytest  # noqa: E402
+
+from hosts import start_host  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def host(tmp_path_factory):
+    """One real daemon (unix + tcp) shared by the test session."""
+    h = start_host(tmp_path_factory.mktemp("host"))
+    yield h
+    h.stop()
+
+
+@pytest.fixture(scope="session")
+def backend_options(host):
+    """apir.load keyword arguments per backend name, remote ones through the daemon."""
+    return {
+        "local": {"backend": "local", "device": "cpu"},
+        "numpy": {"backend": "numpy"},
+        "remote-unix": {"backend": "remote", "remote": host.unix},
+        "remote-tcp": {"backend": "remote", "remote": host.tcp, "token_file": host.token_file},
+    }

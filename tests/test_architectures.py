@@ -38,11 +38,11 @@ def tiny(tmp_path_factory):
 
 
 @pytest.mark.parametrize("arch,wtype", CASES)
-def test_backends_agree_and_incremental_equals_full(tiny, arch, wtype):
+def test_backends_agree_and_incremental_equals_full(tiny, backend_options, arch, wtype):
     path = tiny(arch, wtype)
     results = {}
-    for backend in ("numpy", "local"):
-        with apir.load(str(path), backend=backend) as model:
+    for name in ("numpy", "local", "remote-unix", "remote-tcp"):
+        with apir.load(str(path), **backend_options[name]) as model:
             assert model.arch_name == arch
             full = model.logits(IDS)
             assert full.shape == (len(IDS), model.vocab_size)
@@ -52,9 +52,13 @@ def test_backends_agree_and_incremental_equals_full(tiny, arch, wtype):
             incremental = np.concatenate(steps)
             np.testing.assert_allclose(incremental, full, rtol=1e-4, atol=1e-4)
             greedy = list(model.generate_ids(IDS, SamplingParams(temperature=0, max_tokens=8)))
-            results[backend] = full, greedy
+            results[name] = full, greedy
     np.testing.assert_allclose(results["numpy"][0], results["local"][0], rtol=1e-3, atol=1e-3)
     assert results["numpy"][1] == results["local"][1]
+    # remote runs the same executor on the same device: identical, not just close
+    for name in ("remote-unix", "remote-tcp"):
+        np.testing.assert_array_equal(results[name][0], results["local"][0])
+        assert results[name][1] == results["local"][1]
 
 
 def test_greedy_generation_follows_full_pass_argmax(tiny):
@@ -66,14 +70,17 @@ def test_greedy_generation_follows_full_pass_argmax(tiny):
             seq.append(tid)
 
 
-def test_seeded_sampling_is_reproducible_and_seed_dependent(tiny):
-    with apir.load(str(tiny("llama", "F16")), backend="local") as model:
-        def run(seed):
-            p = SamplingParams(temperature=1.5, top_k=0, top_p=1.0, min_p=0.0, seed=seed, max_tokens=12)
-            return list(model.generate_ids(IDS, p))
+def test_seeded_sampling_is_reproducible_and_seed_dependent(tiny, backend_options):
+    def run(model, seed):
+        p = SamplingParams(temperature=1.5, top_k=0, top_p=0.9, min_p=0.01, seed=seed, max_tokens=12)
+        return list(model.generate_ids(IDS, p))
 
-        assert run(7) == run(7)
-        assert len({tuple(run(s)) for s in range(4)}) > 1
+    with apir.load(str(tiny("llama", "F16")), backend="local") as model:
+        local = [run(model, s) for s in range(4)]
+        assert run(model, 0) == local[0]
+        assert len({tuple(r) for r in local}) > 1
+    with apir.load(str(tiny("llama", "F16")), **backend_options["remote-unix"]) as model:
+        assert [run(model, s) for s in range(4)] == local
 
 
 def test_gemma3_sliding_window_changes_far_attention(tmp_path):

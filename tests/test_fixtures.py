@@ -54,7 +54,7 @@ def first_near_tie(case: dict) -> int:
 _loaded: dict = {}
 
 
-def model(name: str, backend: str):
+def model(name: str, backend: str, options: dict | None = None):
     try:
         resolve_model(name)
     except ModelNotFoundError as e:
@@ -63,7 +63,7 @@ def model(name: str, backend: str):
     if key not in _loaded:
         for old in list(_loaded):  # keep one model resident: CI has 24 GiB, be frugal
             _loaded.pop(old).close()
-        _loaded[key] = apir.load(name, backend=backend)
+        _loaded[key] = apir.load(name, **(options or {}).get(backend, {"backend": backend}))
     return _loaded[key]
 
 
@@ -73,13 +73,16 @@ def teardown_module() -> None:
     _loaded.clear()
 
 
-PARAMS = [("smollm2-135m", "local"), ("smollm2-135m", "numpy"), ("gemma3-270m", "local")]
+PARAMS = [
+    ("smollm2-135m", "local"), ("smollm2-135m", "numpy"), ("smollm2-135m", "remote-unix"),
+    ("smollm2-135m", "remote-tcp"), ("gemma3-270m", "local"), ("gemma3-270m", "remote-unix"),
+]
 
 
 @pytest.mark.parametrize("name,backend", PARAMS)
-def test_tokenizer_matches_llama_cpp(name, backend):
+def test_tokenizer_matches_llama_cpp(name, backend, backend_options):
     fx = fixture(name)
-    m = model(name, backend)
+    m = model(name, backend, backend_options)
     for case in fx["tokenize"]:
         assert m.tokenize(case["text"]) == case["ids"], case["text"]
     for case in fx["generate"]:
@@ -87,9 +90,9 @@ def test_tokenizer_matches_llama_cpp(name, backend):
 
 
 @pytest.mark.parametrize("name,backend", PARAMS)
-def test_teacher_forced_and_greedy_match_llama_cpp(name, backend):
+def test_teacher_forced_and_greedy_match_llama_cpp(name, backend, backend_options):
     fx = fixture(name)
-    m = model(name, backend)
+    m = model(name, backend, backend_options)
     for case in fx["generate"]:
         ids = case["prompt_ids"] + case["greedy_ids"]
         logits = m.logits(ids)
@@ -125,3 +128,17 @@ def test_apir_run_prints_llama_cpp_greedy_text(name):
     want = m.detokenize(case["greedy_ids"][:n])
     assert out.stdout == want + "\n"
     assert "generated" in out.stderr  # the summary line goes to stderr
+
+
+@pytest.mark.parametrize("remote", ["remote-unix", "remote-tcp"])
+def test_remote_logits_and_tokens_identical_to_local(remote, backend_options):
+    """Same executor, same device: remoting must not change a single bit."""
+    fx = fixture("smollm2-135m")
+    case = fx["generate"][0]
+    local = model("smollm2-135m", "local")
+    want_logits = local.logits(case["prompt_ids"])
+    params = SamplingParams(temperature=0.7, seed=11, max_tokens=24)
+    want_ids = list(local.generate_ids(case["prompt_ids"], params))
+    with apir.load("smollm2-135m", **backend_options[remote]) as rm:
+        np.testing.assert_array_equal(rm.logits(case["prompt_ids"]), want_logits)
+        assert list(rm.generate_ids(case["prompt_ids"], params)) == want_ids

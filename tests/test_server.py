@@ -1,0 +1,294 @@
+"""`apir serve` end to end: the official openai client against a real server process
+(SmolLM2-135M on the CPU), plus in-process checks of loading and auth on a tiny model.
+
+The server starts once per module; generations are kept to a few tokens because the CPU
+decodes slowly. Greedy (temperature 0) replies are deterministic, which is what the
+stream-vs-whole and concurrent-vs-alone comparisons rely on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("starlette")
+pytest.importorskip("uvicorn")
+
+from apir.models.errors import ModelNotFoundError  # noqa: E402
+from apir.models.resolve import resolve_model  # noqa: E402
+
+KEY = "test-key-123"
+MODEL = "smollm2-135m"
+N = 5  # tokens per generation: enough to compare, cheap on a CPU
+HELLO = [{"role": "user", "content": "Say hello"}]
+COLOR = [{"role": "user", "content": "Name a color"}]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    try:
+        resolve_model(MODEL)
+    except ModelNotFoundError as e:
+        pytest.skip(str(e))
+    port = _free_port()
+    log = tmp_path_factory.mktemp("serve") / "serve.log"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("APIR_")}
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "apir.cli", "serve", "-m", MODEL, "--backend", "local",
+             "--device", "cpu", "--port", str(port), "--api-key", KEY],
+            stdout=out, stderr=subprocess.STDOUT, env=env,
+        )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert proc.poll() is None, f"server exited:\n{log.read_text()[-3000:]}"
+            assert time.monotonic() < deadline, f"server not healthy:\n{log.read_text()[-3000:]}"
+            try:
+                r = httpx.get(f"{base}/health", timeout=5)
+                if r.status_code == 200:
+                    assert r.json() == {"status": "ok"}
+                    break
+                assert (r.status_code, r.json()) == (503, {"status": "loading"})
+            except httpx.TransportError:
+                pass  # not listening yet
+            time.sleep(0.2)
+        yield base
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server}/v1", api_key=KEY, max_retries=0, timeout=180)
+
+
+def _chat(client, messages, **kw):
+    return client.chat.completions.create(**{"model": MODEL, "messages": messages,
+                                             "temperature": 0, "max_tokens": N, **kw})
+
+
+@pytest.fixture(scope="module")
+def hello(client):
+    """The greedy reply to HELLO, asked alone."""
+    return _chat(client, HELLO)
+
+
+def _metrics(base: str) -> dict[str, float]:
+    r = httpx.get(f"{base}/metrics", timeout=10)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    out = {}
+    for line in r.text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def test_lists_the_model(client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def test_chat_completion(hello):
+    choice = hello.choices[0]
+    assert hello.object == "chat.completion" and hello.model == MODEL
+    assert choice.message.role == "assistant" and choice.message.content
+    assert choice.finish_reason == "length"
+    u = hello.usage
+    assert u.completion_tokens == N and u.prompt_tokens > 5
+    assert u.total_tokens == u.prompt_tokens + u.completion_tokens
+
+
+def test_stream_equals_whole_reply(client, hello):
+    chunks = list(_chat(client, HELLO, stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == hello.choices[0].message.content
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == ["length"]
+    assert chunks[-1].choices == [] and chunks[-1].usage == hello.usage
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_completion_and_stop_strings(client):
+    whole = client.completions.create(model=MODEL, prompt="The capital of France is",
+                                      temperature=0, max_tokens=N)
+    text = whole.choices[0].text
+    assert whole.object == "text_completion" and whole.choices[0].finish_reason == "length"
+    stop = text.split()[1]  # the second word
+    cut = client.completions.create(model=MODEL, prompt="The capital of France is",
+                                    temperature=0, max_tokens=N, stop=[stop, "never seen"])
+    assert cut.choices[0].text == text[: text.index(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+    assert cut.usage.completion_tokens <= N
+
+
+def test_metrics_count_up(server, client):
+    before = _metrics(server)
+    r = client.chat.completions.create(model=MODEL, messages=COLOR, temperature=0, max_tokens=2)
+    after = _metrics(server)
+    key = 'apir_requests_total{endpoint="/v1/chat/completions",status="200"}'
+    assert after[key] == before.get(key, 0) + 1
+    assert after["apir_generated_tokens_total"] - before["apir_generated_tokens_total"] == 2
+    assert after["apir_prompt_tokens_total"] - before["apir_prompt_tokens_total"] == r.usage.prompt_tokens
+    assert after["apir_generation_tokens_per_second"] > 0
+    assert after["apir_remote_round_trip_seconds"] == 0 and after["apir_model_loaded"] == 1
+    assert after["apir_requests_in_flight"] == 0
+
+
+def test_bad_requests_are_refused_and_serving_continues(server, client):
+    auth = {"Authorization": f"Bearer {KEY}"}
+    url = f"{server}/v1/chat/completions"
+    r = httpx.post(url, content=b'{"messages": [', headers=auth, timeout=10)
+    assert r.status_code == 400 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+    r = httpx.post(url, json={"messages": HELLO, "temperature": -1}, headers=auth, timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "temperature"
+    r = httpx.post(url, json={"messages": "hi"}, headers=auth, timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    r = httpx.post(url, json={"messages": HELLO}, timeout=10)
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    with pytest.raises(openai.NotFoundError) as e:
+        client.chat.completions.create(model="gpt-4o", messages=HELLO)
+    assert e.value.code == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=100_000)
+    assert e.value.code == "context_length_exceeded" and "context" in e.value.message
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{server}/v1", api_key="wrong", max_retries=0).models.list()
+    assert _chat(client, COLOR, max_tokens=1).choices[0].message.content  # still serving
+
+
+def test_client_disconnect_cancels_generation(server, client):
+    before = _metrics(server)
+    body = {"model": MODEL, "messages": HELLO, "max_tokens": 200, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{server}/v1/chat/completions", json=body, timeout=60,
+                      headers={"Authorization": f"Bearer {KEY}"}) as r:
+        assert r.status_code == 200
+        contents = 0
+        for line in r.iter_lines():
+            if line.startswith("data: ") and json.loads(line[6:])["choices"][0]["delta"].get("content"):
+                contents += 1
+                if contents == 2:
+                    break  # hang up mid-stream
+    t0 = time.monotonic()
+    assert _chat(client, COLOR, max_tokens=1).choices[0].finish_reason == "length"
+    after = _metrics(server)
+    assert after["apir_generations_cancelled_total"] == before["apir_generations_cancelled_total"] + 1
+    assert after["apir_generated_tokens_total"] - before["apir_generated_tokens_total"] < 50
+    assert time.monotonic() - t0 < 60
+
+
+def test_concurrent_requests_match_alone(client, hello):
+    color = _chat(client, COLOR)
+    with ThreadPoolExecutor(2) as pool:
+        both = [pool.submit(_chat, client, m) for m in (HELLO, COLOR)]
+        a, b = (f.result() for f in both)
+    assert a.choices[0].message.content == hello.choices[0].message.content
+    assert b.choices[0].message.content == color.choices[0].message.content
+    assert (a.usage, b.usage) == (hello.usage, color.usage)
+
+
+# ---------------------------------------------------------------- in process, tiny model
+@pytest.fixture
+def tiny_app(tmp_path):
+    """An app on a tiny random GGUF (numpy backend) whose loading waits for a go."""
+    from starlette.testclient import TestClient
+    from tiny_models import write_tiny_gguf
+
+    import apir
+    from apir.server.app import ServeConfig, create_app
+
+    path = write_tiny_gguf(tmp_path / "tiny.gguf")
+    go = threading.Event()
+
+    def loader():
+        assert go.wait(30)
+        return apir.load(str(path), backend="numpy")
+
+    config = ServeConfig(model=str(path), backend="numpy", api_key="k")
+    with TestClient(create_app(config, loader=loader)) as tc:
+        yield tc, go
+
+
+def _wait_ok(tc) -> None:
+    deadline = time.monotonic() + 30
+    while tc.get("/health").status_code != 200:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+
+
+def test_health_reports_loading_then_ok(tiny_app):
+    tc, go = tiny_app
+    r = tc.get("/health")
+    assert (r.status_code, r.json()) == (503, {"status": "loading"})
+    r = tc.post("/v1/completions", json={"prompt": "hi"}, headers={"Authorization": "Bearer k"})
+    assert r.status_code == 503 and r.json()["error"]["code"] == "model_not_ready"
+    go.set()
+    _wait_ok(tc)
+    assert tc.get("/health").json() == {"status": "ok"}
+
+
+def test_tiny_model_completions_and_auth(tiny_app):
+    tc, go = tiny_app
+    go.set()
+    _wait_ok(tc)
+    body = {"model": "tiny", "prompt": [256, 104, 105], "max_tokens": 3, "temperature": 0}
+    assert tc.post("/v1/completions", json=body).status_code == 401
+    assert tc.post("/v1/completions", json=body, headers={"Authorization": "Bearer no"}).status_code == 401
+    r = tc.post("/v1/completions", json=body, headers={"Authorization": "Bearer k"})
+    assert r.status_code == 200, r.text
+    u = r.json()["usage"]  # a random model may end early
+    assert u["prompt_tokens"] == 3 and u["total_tokens"] == 3 + u["completion_tokens"] <= 6
+    r = tc.post("/v1/completions", json={**body, "prompt": [10**6]}, headers={"Authorization": "Bearer k"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    r = tc.post("/v1/completions", json={**body, "stream": True}, headers={"Authorization": "Bearer k"})
+    lines = [ln for ln in r.text.split("\n\n") if ln]
+    assert lines[-1] == "data: [DONE]" and all(ln.startswith("data: ") for ln in lines)
+    assert tc.get("/health").status_code == 200  # /health and /metrics need no key
+    assert "apir_requests_total" in tc.get("/metrics").text
+
+
+def test_load_failure_is_reported(tmp_path):
+    from starlette.testclient import TestClient
+
+    from apir.server.app import ServeConfig, create_app
+
+    failed = []
+    config = ServeConfig(model=str(tmp_path / "missing.gguf"))
+    with TestClient(create_app(config, on_load_error=failed.append)) as tc:
+        deadline = time.monotonic() + 30
+        while not failed:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        r = tc.get("/health")
+        assert r.status_code == 503 and r.json()["status"] == "error"
+        assert "not found" in r.json()["message"]
+
+
+def test_serve_cli_help():
+    out = subprocess.run([sys.executable, "-m", "apir.cli", "serve", "--help"], capture_output=True,
+                         text=True, check=True, cwd=Path(__file__).parent).stdout
+    for flag in ("--bind", "--port", "--api-key", "--backend", "--remote", "--ctx-size"):
+        assert flag in out
