@@ -118,7 +118,7 @@ class Session:
             case m.ClearBuffer(handle=h, value=v):
                 b.clear_buffer(h, v)
             case m.SetTensor(handle=h, offset=off, data=blob):
-                b.set_tensor(h, off, self._blob_bytes(blob))
+                b.set_tensor(h, off, self._blob_bytes(blob, in_place=True))
             case m.GetTensor(handle=h, offset=off, size=size, arena_offset=dest):
                 return m.Data(self._out_blob(b.get_tensor(h, off, size), dest))
             case m.CopyTensor(src=s, src_offset=so, dst=d, dst_offset=do, size=n):
@@ -162,7 +162,7 @@ class Session:
             result.append(m.Tensor(f"out{i}", int(dtype), tuple(arr.shape), blob))
         return m.Outputs(tuple(result))
 
-    def _blob_bytes(self, blob: m.Blob) -> bytes:
+    def _blob_bytes(self, blob: m.Blob, in_place: bool = False) -> bytes | memoryview:
         if blob.arena_offset < 0:
             if blob.size != len(blob.inline):
                 raise ProtocolError("inline data length disagrees with its size field")
@@ -171,6 +171,8 @@ class Session:
             raise ArenaError("this session has no shared arena (TCP?): send data inline")
         if blob.inline:
             raise ProtocolError("a blob cannot be both inline and in the arena")
+        if in_place:  # opaque tensor bytes, copied once, straight into the buffer
+            return self.arena.window(blob.arena_offset, blob.size)
         return self.arena.read(blob.arena_offset, blob.size)  # a private copy
 
     def _out_blob(self, data: bytes, dest: int) -> m.Blob:

@@ -289,55 +289,68 @@ def _fields(cls: type) -> list[tuple[str, object]]:
     return _FIELDS[cls]
 
 
-def _write(w: Writer, tp: object, value: object) -> None:
-    if tp is int:
-        w.i64(value)
-    elif tp is float:
-        w.f64(value)
-    elif tp is bool:
-        w.u8(1 if value else 0)
-    elif tp is str:
-        w.str(value)
-    elif tp is bytes:
-        w.bytes(value)
-    elif tp is Graph:
-        graph_codec.write_graph(w, value)
+# Codecs are compiled once per type into closures: the decode step runs for every request,
+# so type dispatch happens here, not per field per message.
+_WRITERS: dict[object, typing.Callable] = {}
+_READERS: dict[object, typing.Callable] = {}
+
+
+def _bool(r: Reader) -> bool:
+    v = r.u8()
+    if v > 1:
+        raise ProtocolError(f"bad boolean {v}")
+    return bool(v)
+
+
+def _writer(tp: object) -> typing.Callable[[Writer, object], None]:
+    if tp in _WRITERS:
+        return _WRITERS[tp]
+    simple = {int: Writer.i64, float: Writer.f64, str: Writer.str, bytes: Writer.bytes,
+              bool: lambda w, v: w.u8(1 if v else 0), Graph: graph_codec.write_graph}
+    if tp in simple:
+        fn = simple[tp]
     elif typing.get_origin(tp) is tuple:
-        (item, _) = typing.get_args(tp)
-        w.u32(len(value))
-        for v in value:
-            _write(w, item, v)
+        item = _writer(typing.get_args(tp)[0])
+
+        def fn(w: Writer, value: object) -> None:
+            w.u32(len(value))
+            for v in value:
+                item(w, v)
     else:
-        for name, ftp in _fields(tp):
-            _write(w, ftp, getattr(value, name))
+        fields = [(name, _writer(ftp)) for name, ftp in _fields(tp)]
+
+        def fn(w: Writer, value: object) -> None:
+            for name, write in fields:
+                write(w, getattr(value, name))
+    _WRITERS[tp] = fn
+    return fn
 
 
-def _read(r: Reader, tp: object) -> object:
-    if tp is int:
-        return r.i64()
-    if tp is float:
-        return r.f64()
-    if tp is bool:
-        v = r.u8()
-        if v > 1:
-            raise ProtocolError(f"bad boolean {v}")
-        return bool(v)
-    if tp is str:
-        return r.str()
-    if tp is bytes:
-        return r.bytes()
-    if tp is Graph:
-        return graph_codec.read_graph(r)
-    if typing.get_origin(tp) is tuple:
-        (item, _) = typing.get_args(tp)
-        return tuple(_read(r, item) for _ in range(r.count(MAX_ITEMS)))
-    return tp(**{name: _read(r, ftp) for name, ftp in _fields(tp)})
+def _reader(tp: object) -> typing.Callable[[Reader], object]:
+    if tp in _READERS:
+        return _READERS[tp]
+    simple = {int: Reader.i64, float: Reader.f64, str: Reader.str, bytes: Reader.bytes,
+              bool: _bool, Graph: graph_codec.read_graph}
+    if tp in simple:
+        fn = simple[tp]
+    elif typing.get_origin(tp) is tuple:
+        item = _reader(typing.get_args(tp)[0])
+
+        def fn(r: Reader) -> object:
+            return tuple([item(r) for _ in range(r.count(MAX_ITEMS))])
+    else:
+        readers = [read for _, read in ((n, _reader(ftp)) for n, ftp in _fields(tp))]
+
+        def fn(r: Reader) -> object:
+            return tp(*[read(r) for read in readers])
+    _READERS[tp] = fn
+    return fn
 
 
 def encode(msg: object, request_id: int = 0, flags: int = 0) -> bytes:
     """A whole frame: header + body."""
     w = Writer()
-    _write(w, type(msg), msg)
+    _writer(type(msg))(w, msg)
     body = w.getvalue()
     if len(body) > MAX_BODY:
         raise ProtocolError(f"{type(msg).__name__} of {len(body)} bytes exceeds the {MAX_BODY}-byte frame limit")
@@ -369,6 +382,6 @@ def decode_header(raw: bytes, max_body: int = MAX_BODY) -> FrameHeader:
 
 def decode_body(opcode: int, body: bytes | memoryview) -> object:
     r = Reader(body)
-    msg = _read(r, OPCODES[opcode])
+    msg = _reader(OPCODES[opcode])(r)
     r.end()
     return msg

@@ -30,7 +30,9 @@ class ArenaError(ApirError):
 class Arena:
     def __init__(self, fd: int, size: int) -> None:
         self.fd, self.size = fd, size
-        self.map = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        # MAP_POPULATE: fault every page in now, not one 4 KiB page at a time mid-upload
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        self.map = mmap.mmap(fd, size, flags, mmap.PROT_READ | mmap.PROT_WRITE)
         self.view = memoryview(self.map)
 
     @classmethod
@@ -62,6 +64,12 @@ class Arena:
         """A private copy: the peer may change the arena at any moment (read once, then use)."""
         self.check(offset, size)
         return bytes(self.view[offset : offset + size])
+
+    def window(self, offset: int, size: int) -> memoryview:
+        """The bytes in place, no copy. Only for opaque payloads (tensor contents) whose
+        value nothing checks: anything parsed or validated must use ``read``."""
+        self.check(offset, size)
+        return self.view[offset : offset + size]
 
     def write(self, offset: int, data: bytes | memoryview) -> None:
         self.check(offset, len(data))

@@ -60,7 +60,7 @@ class Channel:
         self.bytes_received += HEADER.size + header.length
         return Frame(header, decode_body(header.opcode, body), fds)
 
-    def _recv_exact(self, n: int, want_fds: bool = False) -> tuple[bytes, tuple[int, ...]]:
+    def _recv_exact(self, n: int, want_fds: bool = False) -> tuple[bytearray, tuple[int, ...]]:
         buf = bytearray(n)
         view = memoryview(buf)
         got, fds = 0, []
@@ -84,7 +84,7 @@ class Channel:
                 where = "between messages" if got == 0 else f"mid-frame ({got} of {n} bytes)"
                 raise ConnectionClosed(f"the peer closed the connection {where}")
             got += k
-        return bytes(buf), tuple(fds)
+        return buf, tuple(fds)
 
     def close(self) -> None:
         try:
