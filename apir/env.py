@@ -46,8 +46,12 @@ REMOTE = EnvVar(
 TOKEN = EnvVar("APIR_TOKEN", None, "guest: the shared secret for tcp/vsock hosts")
 TOKEN_FILE = EnvVar("APIR_TOKEN_FILE", None, "guest: a file holding that secret (wins over APIR_TOKEN)")
 HOST_LISTEN = EnvVar("APIR_HOST_LISTEN", None, "host: default --listen address (default: the user's unix socket)")
+BENCH_HISTORY = EnvVar(
+    "APIR_BENCH_HISTORY", str(Path.home() / ".local" / "share" / "apir" / "bench.jsonl"),
+    "apir bench: the JSONL file every run's records are appended to (--history wins)",
+)
 
 ALL = (
     CACHE_DIR, MODEL, BACKEND, DEVICE, CTX_SIZE, API_KEY, HF_ENDPOINT, HF_TOKEN,
-    REMOTE, TOKEN, TOKEN_FILE, HOST_LISTEN,
+    REMOTE, TOKEN, TOKEN_FILE, HOST_LISTEN, BENCH_HISTORY,
 )

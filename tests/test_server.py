@@ -250,6 +250,7 @@ def test_health_reports_loading_then_ok(tiny_app):
     assert tc.get("/health").json() == {"status": "ok"}
 
 
+@pytest.mark.filterwarnings("ignore:.*ChatML")  # the tiny model has no chat template
 def test_tiny_model_completions_and_auth(tiny_app):
     tc, go = tiny_app
     go.set()
@@ -266,6 +267,12 @@ def test_tiny_model_completions_and_auth(tiny_app):
     r = tc.post("/v1/completions", json={**body, "stream": True}, headers={"Authorization": "Bearer k"})
     lines = [ln for ln in r.text.split("\n\n") if ln]
     assert lines[-1] == "data: [DONE]" and all(ln.startswith("data: ") for ln in lines)
+    chat = {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+            "max_completion_tokens": 2, "temperature": 1.0, "seed": 7}
+    r1, r2 = (tc.post("/v1/chat/completions", json=chat, headers={"Authorization": "Bearer k"})
+              for _ in range(2))
+    assert r1.json()["usage"]["completion_tokens"] <= 2
+    assert r1.json()["choices"] == r2.json()["choices"]  # same seed, same sample
     assert tc.get("/health").status_code == 200  # /health and /metrics need no key
     assert "apir_requests_total" in tc.get("/metrics").text
 
@@ -292,3 +299,32 @@ def test_serve_cli_help():
                          text=True, check=True, cwd=Path(__file__).parent).stdout
     for flag in ("--bind", "--port", "--api-key", "--backend", "--remote", "--ctx-size"):
         assert flag in out
+
+
+def test_request_validation():
+    from apir.server.schemas import RequestError, parse_chat, parse_completion
+
+    msgs = [{"role": "developer", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    req = parse_chat({"messages": msgs, "stop": "x", "max_tokens": 9, "max_completion_tokens": 3})
+    assert req.messages[0] == {"role": "system", "content": "be brief"}
+    assert req.sampling.stop == ("x",) and req.sampling.max_tokens == 3
+    assert parse_completion({"prompt": ["once"]}).prompt == "once"
+    assert parse_completion({"prompt": [1, 2]}).prompt == (1, 2)
+    for body, param in [
+        ({"messages": msgs, "n": 2}, "n"),
+        ({"messages": msgs, "top_p": 1.5}, "top_p"),
+        ({"messages": msgs, "max_tokens": 0}, "max_tokens"),
+        ({"messages": msgs, "stop": [1]}, "stop"),
+        ({"messages": msgs, "seed": "7"}, "seed"),
+        ({"messages": msgs, "stream": "yes"}, "stream"),
+        ({"messages": [{"role": "user"}]}, "messages[0].content"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content"),
+        ({"messages": msgs, "model": 3}, "model"),
+    ]:
+        with pytest.raises(RequestError) as e:
+            parse_chat(body)
+        assert e.value.param == param and e.value.status == 400
+    with pytest.raises(RequestError):
+        parse_completion({"prompt": ["a", "b"]})
+    with pytest.raises(RequestError):
+        parse_chat([1, 2])

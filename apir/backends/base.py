@@ -45,6 +45,9 @@ class Limits:
             raise ValueError(f"bad limits {self}")
 
 
+NO_LIMITS = Limits()
+
+
 class BufferPurpose(enum.IntEnum):
     WEIGHTS = 0
     KV = 1
@@ -143,7 +146,7 @@ class Executor(Backend):
     once, so the numpy and torch executors only implement storage and ops, and the host
     daemon serving an untrusted guest inherits the same checks."""
 
-    def __init__(self, limits: Limits = Limits()) -> None:
+    def __init__(self, limits: Limits = NO_LIMITS) -> None:
         self.limits = limits
         self._buffers: dict[int, Buffer] = {}
         self._graphs: dict[int, Registered] = {}

@@ -15,7 +15,7 @@ import numpy as np
 
 from ..graph import DType, Graph, Op
 from ..graph.dtypes import NUMPY_DTYPES
-from .base import BackendError, Buffer, DeviceInfo, Executor, Limits, Registered
+from .base import NO_LIMITS, BackendError, Buffer, DeviceInfo, Executor, Limits, Registered
 
 
 def to_f32(arr: np.ndarray, dtype: DType, shape: tuple[int, ...]) -> np.ndarray:
@@ -178,7 +178,7 @@ class NumpyBackend(Executor):
 
     name = "numpy"
 
-    def __init__(self, limits: Limits = Limits()) -> None:
+    def __init__(self, limits: Limits = NO_LIMITS) -> None:
         super().__init__(limits)
         self._weights: dict[tuple, tuple[int, np.ndarray]] = {}
 

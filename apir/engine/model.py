@@ -27,6 +27,7 @@ from ..models.weights import KVCache, KVLayout, TensorSlot, Weights, WeightTable
 
 DEFAULT_CTX = 4096  # like llama.cpp: a model's full context is opt-in (it sizes the KV cache)
 PREFILL_CHUNK = 256
+_GREEDY = np.array([0.0, 1, 1.0, 0.0, 0.0], np.float32)  # SAMPLE params: argmax
 
 
 class ContextOverflowError(ApirError):
@@ -70,7 +71,9 @@ class Model:
         self.arch_name = gguf.arch
         self.arch = architecture(gguf.arch)
         self.args = self.arch.args_from_gguf(gguf)
-        self.tokenizer = Tokenizer.from_gguf(gguf.reader)
+        # a source without a GGUF reader (bench's synthetic weights) has no tokenizer: ids only
+        reader = getattr(gguf, "reader", None)
+        self.tokenizer = Tokenizer.from_gguf(reader) if reader is not None else None
         self.n_ctx = min(n_ctx or DEFAULT_CTX, self.args.context_length)
         self.weights = self._upload_weights(progress)
         heads = self.arch.kv_heads(self.args)
@@ -163,6 +166,27 @@ class Model:
         ]
         return np.concatenate(chunks, axis=0).astype(np.float32)
 
+    def prefill(self, ids: Sequence[int]) -> int:
+        """Run ``ids`` from position 0 through the sample graph; returns the greedy next token."""
+        self._check_fits(len(ids))
+        token = None
+        for i in range(0, len(ids), PREFILL_CHUNK):
+            token = self._step(self._sample_graph, ids[i : i + PREFILL_CHUNK], i, _GREEDY)
+        return int(token[0])
+
+    def decode_steps(self, token: int, start: int, n: int) -> list[int]:
+        """``n`` greedy single-token steps: feed ``token`` at ``start``, then each sampled one.
+
+        Ends only after ``n`` steps (no end-of-generation check), so a benchmark always
+        times the same work. Positions before ``start`` must be in the KV cache.
+        """
+        self._check_fits(start + n, "generation")
+        out = []
+        for i in range(n):
+            token = int(self._step(self._sample_graph, [token], start + i, _GREEDY)[0])
+            out.append(token)
+        return out
+
     def generate_ids(self, prompt_ids: Sequence[int], params: SamplingParams) -> Iterator[int]:
         """Yield generated token ids until an end-of-generation token or ``max_tokens``.
 
@@ -181,7 +205,7 @@ class Model:
         n_past = len(prompt_ids)
         for _ in range(params.max_tokens):
             tid = int(token[0])
-            if tid in self.tokenizer.eot_ids:
+            if self.tokenizer is not None and tid in self.tokenizer.eot_ids:
                 return
             yield tid
             if n_past >= self.n_ctx:

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from ...graph import DType, Graph, Op
-from ..base import BackendError, Buffer, DeviceInfo, Executor, Limits, Registered
+from ..base import NO_LIMITS, BackendError, Buffer, DeviceInfo, Executor, Limits, Registered
 from .dequant import dequantize
 from .kernels import KERNELS
 
@@ -61,7 +61,7 @@ class Program:
 class LocalBackend(Executor):
     name = "local"
 
-    def __init__(self, device: str | None = None, limits: Limits = Limits()) -> None:
+    def __init__(self, device: str | None = None, limits: Limits = NO_LIMITS) -> None:
         super().__init__(limits)
         self.torch_device = pick_device(device)
         # Weights computed in f32 on the CPU; on accelerators they keep a 16-bit form.
