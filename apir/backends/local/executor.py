@@ -9,7 +9,7 @@ walks the list.
 from __future__ import annotations
 
 import platform
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -17,7 +17,7 @@ import torch
 from ...graph import DType, Graph, Op
 from ..base import NO_LIMITS, BackendError, Buffer, DeviceInfo, Executor, Limits, Registered
 from .dequant import dequantize
-from .kernels import KERNELS
+from .kernels import DEVICE_KERNELS, KERNELS
 
 TORCH_DTYPES = {
     DType.F32: torch.float32,
@@ -56,6 +56,43 @@ class Step:
 class Program:
     steps: list  # per node: a Step, or ("input", name, dtype) / ("leaf", node) markers
     outputs: tuple[int, ...]
+    # (input name, exclusive limit, what): index operands checked on the host before launch
+    index_checks: tuple[tuple[str, int, str], ...] = ()
+    device_safe: bool = False  # every index operand is an input: no device-side checks needed
+    weight_buffers: tuple[int, ...] = ()
+    captured: dict = field(default_factory=dict)  # n_tokens -> CapturedStep (CUDA only)
+
+
+# Operand positions that index into another operand: op -> ((index operand, indexed operand, what), ...)
+INDEX_OPERANDS = {
+    Op.GET_ROWS: ((1, 0, "GET_ROWS row"),),
+    Op.SET_ROWS: ((2, 0, "SET_ROWS row"),),
+    Op.ATTENTION: ((3, 1, "ATTENTION position"),),
+}
+CAPTURE_MAX_TOKENS = 8  # decode-sized steps are replayed from CUDA graphs; prefill runs eagerly
+
+
+class CapturedStep:
+    """One CUDA graph of a whole program for a fixed token count: static inputs are
+    refilled, the graph replayed, static outputs read. Weights and KV-cache views have
+    fixed addresses, so the capture stays valid until a weight buffer is rewritten."""
+
+    def __init__(self, run, inputs: dict[str, torch.Tensor], versions: tuple[int, ...]) -> None:
+        self.inputs, self.versions = inputs, versions
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm-up off the capture, as PyTorch requires
+            run(self.inputs)
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.outputs = run(self.inputs)
+
+    def __call__(self, inputs: dict[str, np.ndarray]) -> list[torch.Tensor]:
+        for name, arr in inputs.items():
+            self.inputs[name].copy_(torch.from_numpy(arr), non_blocking=False)
+        self.graph.replay()
+        return self.outputs
 
 
 class LocalBackend(Executor):
@@ -128,8 +165,19 @@ class LocalBackend(Executor):
         return cached[1]
 
     def _compile(self, graph: Graph) -> Program:
+        nodes = graph.nodes
+        checks, device_safe = [], True
+        for node in nodes:
+            for idx, target, what in INDEX_OPERANDS.get(node.op, ()):
+                src = nodes[node.inputs[idx]]
+                if src.op is Op.INPUT:
+                    checks.append((src.attrs[0], nodes[node.inputs[target]].shape[0], what))
+                else:
+                    device_safe = False  # computed indices: keep the kernels' own checks
+        accelerated = self.torch_device.type != "cpu" and device_safe
+        table = DEVICE_KERNELS if accelerated else KERNELS
         steps: list = []
-        for node in graph.nodes:
+        for node in nodes:
             if node.op is Op.INPUT:
                 steps.append(("input", node.attrs[0], node.dtype))
             elif node.op in (Op.WEIGHT, Op.STATE):
@@ -137,11 +185,12 @@ class LocalBackend(Executor):
                 if node.op is Op.WEIGHT:
                     self._leaf(node)  # dequantize now, not on the first compute
             else:
-                steps.append(Step(KERNELS[node.op], node.inputs, node.attrs))
-        return Program(steps, graph.outputs)
+                steps.append(Step(table[node.op], node.inputs, node.attrs))
+        weights = tuple(sorted({n.attrs[0] for n in nodes if n.op is Op.WEIGHT}))
+        return Program(steps, graph.outputs, tuple(checks), accelerated, weights)
 
-    def _run(self, reg: Registered, inputs: dict[str, np.ndarray]) -> list[np.ndarray]:
-        dev = self.torch_device
+    def _execute(self, reg: Registered, tensors: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        """Walk the program once; ``tensors`` are the inputs, already on the device."""
         values: list[torch.Tensor] = []
         for nid, step in enumerate(reg.program.steps):
             if isinstance(step, Step):
@@ -152,17 +201,44 @@ class LocalBackend(Executor):
                 except (RuntimeError, ValueError, IndexError) as e:
                     raise BackendError(f"{reg.graph.nodes[nid].describe(nid)} failed: {e}") from None
             elif step[0] == "input":
-                arr = inputs[step[1]]
-                t = torch.from_numpy(arr if arr.flags.writeable else arr.copy()).to(dev)
+                t = tensors[step[1]]
                 if step[2] is DType.BF16:
                     t = t.view(torch.bfloat16)
                 values.append(t.float() if step[2] in (DType.F16, DType.BF16) else t)
             else:
                 values.append(self._leaf(step[1]))
+        return [values[o] for o in reg.program.outputs]
+
+    def _run(self, reg: Registered, inputs: dict[str, np.ndarray]) -> list[np.ndarray]:
+        prog = reg.program
+        for name, limit, what in prog.index_checks:
+            ids = inputs[name]
+            if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= limit):
+                raise BackendError(f"{what} index out of range: input {name!r} must lie in [0, {limit})")
+        n_tokens = next((a.shape[0] for a in inputs.values() if a.ndim), 0)
+        if prog.device_safe and self.torch_device.type == "cuda" and 0 < n_tokens <= CAPTURE_MAX_TOKENS:
+            outs = self._replay(reg, inputs, n_tokens)
+        else:
+            dev = self.torch_device
+            tensors = {
+                name: torch.from_numpy(a if a.flags.writeable else a.copy()).to(dev)
+                for name, a in inputs.items()
+            }
+            outs = self._execute(reg, tensors)
         for node in reg.graph.nodes:
             if node.op is Op.STATE:
                 self._buffers[node.attrs[0]].version += 1
-        return [self._to_numpy(values[o], reg.graph.nodes[o].dtype) for o in reg.graph.outputs]
+        return [self._to_numpy(t, reg.graph.nodes[o].dtype) for t, o in zip(outs, prog.outputs)]
+
+    def _replay(self, reg: Registered, inputs: dict[str, np.ndarray], n_tokens: int) -> list[torch.Tensor]:
+        prog = reg.program
+        versions = tuple(self._buffers[h].version for h in prog.weight_buffers)
+        step = prog.captured.get(n_tokens)
+        if step is None or step.versions != versions:
+            static = {name: torch.from_numpy(a.copy()).to(self.torch_device) for name, a in inputs.items()}
+            step = CapturedStep(lambda t: self._execute(reg, t), static, versions)
+            prog.captured[n_tokens] = step
+        return step(inputs)
 
     @staticmethod
     def _to_numpy(t: torch.Tensor, dtype: DType) -> np.ndarray:

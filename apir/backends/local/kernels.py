@@ -84,25 +84,47 @@ def attention(q, k, v, pos, scale: float, window: int, softcap: float) -> torch.
 
 
 def sample(logits: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
-    temperature, top_k, top_p, min_p, u = (float(p) for p in params.cpu())
-    if temperature <= 0:
-        return logits.argmax(dim=-1).int()
+    """Op.SAMPLE without a host sync (capturable in a CUDA graph): every step of the
+    reference is a tensor op, and the kept sets are always prefixes of the sorted order."""
     rows = logits.reshape(-1, logits.shape[-1]).float()
-    out = torch.empty(rows.shape[0], dtype=torch.int32, device=logits.device)
-    for r in range(rows.shape[0]):
-        vals, order = torch.sort(rows[r], descending=True, stable=True)
-        keep = vals.numel() if top_k <= 0 else min(int(top_k), vals.numel())
-        p = torch.softmax(vals[:keep] / torch.tensor(temperature, dtype=torch.float32), dim=-1)
-        if top_p < 1.0:
-            cum = torch.cumsum(p, 0)
-            keep = min(keep, int(torch.searchsorted(cum, torch.tensor([top_p], device=p.device))) + 1)
-        if min_p > 0.0:
-            keep = min(keep, int((p >= min_p * p[0]).sum()))
-        cdf = torch.cumsum(p[:keep], 0)
-        target = torch.tensor([u], dtype=torch.float32, device=p.device) * cdf[-1]
-        idx = min(int(torch.searchsorted(cdf, target, right=True)), keep - 1)
-        out[r] = order[idx]
-    return out.reshape(logits.shape[:-1])
+    temperature, top_k, top_p, min_p, u = params.float().unbind()
+    vals, order = torch.sort(rows, dim=-1, descending=True, stable=True)
+    rank = torch.arange(vals.shape[-1], device=rows.device)
+    keep = (top_k <= 0) | (rank < top_k)
+    safe_t = torch.where(temperature > 0, temperature, torch.ones_like(temperature))  # greedy: unused
+    p = torch.softmax((vals / safe_t).masked_fill(~keep, -math.inf), dim=-1)
+    # top-p: keep while the mass *before* a token is below top_p (the reference's
+    # "shortest prefix reaching top_p"); an exclusive cumsum, not cum - p, for exactness
+    before = torch.zeros_like(p)
+    before[:, 1:] = torch.cumsum(p, dim=-1)[:, :-1]
+    keep = keep & ((top_p >= 1.0) | (before < top_p)) & (p >= min_p * p[:, :1])
+    kept = torch.where(keep, p, torch.zeros_like(p))
+    cdf = torch.cumsum(kept, dim=-1)
+    pick = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)
+    pick = torch.minimum(pick, keep.sum(dim=-1, keepdim=True) - 1).clamp(min=0)
+    token = torch.gather(order, -1, pick).squeeze(-1)
+    greedy = rows.argmax(dim=-1)
+    return torch.where(temperature <= 0, greedy, token).int().reshape(logits.shape[:-1])
+
+
+def attention_full(q, k, v, pos, scale: float, window: int, softcap: float) -> torch.Tensor:
+    """ATTENTION over the whole cache with a position mask: fixed shapes and no host sync,
+    for accelerators (positions are bounds-checked on the host before the launch)."""
+    j = torch.arange(k.shape[0], device=q.device)[None, :]
+    p = pos.long()[:, None]
+    mask = j <= p
+    if window:
+        mask &= p - j < window
+    qh, kh, vh = q.float().transpose(0, 1), k.float().transpose(0, 1), v.float().transpose(0, 1)
+    if softcap:
+        group = q.shape[1] // k.shape[1]
+        kh, vh = kh.repeat_interleave(group, dim=0), vh.repeat_interleave(group, dim=0)
+        scores = softcap * torch.tanh(torch.matmul(qh, kh.transpose(1, 2)) * scale / softcap)
+        out = torch.matmul(torch.softmax(scores.masked_fill(~mask[None], -math.inf), dim=-1), vh)
+    else:
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask[None], scale=scale,
+                                             enable_gqa=True)
+    return out.transpose(0, 1)
 
 
 def view(x: torch.Tensor, axis: int, start: int, length: int) -> torch.Tensor:
@@ -111,7 +133,7 @@ def view(x: torch.Tensor, axis: int, start: int, length: int) -> torch.Tensor:
 
 
 # op -> f(*inputs, *attrs)
-KERNELS = {
+KERNELS: dict = {
     Op.GET_ROWS: get_rows,
     Op.SET_ROWS: set_rows,
     Op.MATMUL: matmul,
@@ -134,4 +156,13 @@ KERNELS = {
     Op.CONCAT: lambda a, b, axis: torch.cat([a, b], dim=axis),
     Op.ARGMAX: lambda x: x.argmax(dim=-1).int(),
     Op.SAMPLE: sample,
+}
+
+# Accelerators: no kernel may synchronise with the host. Index operands are checked on the
+# host before launch (see Program.index_checks), so these skip the device-side checks.
+DEVICE_KERNELS = {
+    **KERNELS,
+    Op.GET_ROWS: lambda table, ids: table[ids.long()].float(),
+    Op.SET_ROWS: lambda dst, src, ids: dst.index_copy_(0, ids.long(), src.to(dst.dtype)),
+    Op.ATTENTION: attention_full,
 }

@@ -1,0 +1,383 @@
+"""The OpenAI-compatible HTTP API on Starlette.
+
+  GET  /health                 503 {"status": "loading"} until the model is ready, then 200
+  GET  /metrics                Prometheus text
+  GET  /v1/models              the one model served
+  POST /v1/chat/completions    chat, whole or streamed (server-sent events)
+  POST /v1/completions         plain text completion, whole or streamed
+
+The model loads in a background thread once the server is up, so /health answers at
+once. Prompts are tokenized on a thread pool; generation runs on the Runner's single
+thread, one request at a time, in arrival order. A client that goes away cancels its
+generation before the next token.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import json
+import secrets
+import sys
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import anyio
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from ..engine import ContextOverflowError, Model
+from ..models.errors import ChatTemplateError, TokenizerError
+from ..models.resolve import DEFAULT_MODEL
+from . import metrics as prom
+from .runner import Done, Failed, Job, Piece, Runner
+from .schemas import (
+    ChatFormat,
+    ChatRequest,
+    CompletionFormat,
+    CompletionRequest,
+    RequestError,
+    error_body,
+    parse_chat,
+    parse_completion,
+)
+
+MAX_BODY = 32 << 20  # bytes; a prompt this long is far past any context window
+ENDPOINTS = ("/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions")
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """What ``apir serve`` runs: the model, where it computes, and who may ask."""
+
+    model: str | None = None  # a known name, a .gguf path, or None for the default
+    backend: str = "local"
+    device: str | None = None
+    ctx_size: int | None = None
+    remote: str | None = None  # host daemon address, for backend "remote"
+    token_file: str | None = None  # the shared secret of a tcp/vsock host
+    api_key: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8080
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in 0..65535, got {self.port}")
+        if self.ctx_size is not None and self.ctx_size < 1:
+            raise ValueError(f"ctx size must be >= 1, got {self.ctx_size}")
+
+    @property
+    def model_id(self) -> str:
+        """The name clients use: the model's short name, or a .gguf file's stem."""
+        name = self.model or DEFAULT_MODEL
+        return Path(name).stem if name.lower().endswith(".gguf") else name
+
+
+def load_model(config: ServeConfig, path: str | None = None) -> Model:
+    """Open the configured model (``path`` overrides the name, e.g. a registered file)."""
+    from ..engine import load
+
+    return load(path or config.model, backend=config.backend, device=config.device,
+                n_ctx=config.ctx_size, remote=config.remote, token_file=config.token_file)
+
+
+class _State:
+    """What the handlers share: the model once loaded, and how loading went."""
+
+    def __init__(self, config: ServeConfig) -> None:
+        self.config = config
+        self.metrics = prom.Metrics()
+        self.model: Model | None = None
+        self.runner: Runner | None = None
+        self.error: str | None = None
+        self.closed = False
+        self.aliases = {config.model_id}
+        if config.model:
+            self.aliases |= {config.model, Path(config.model).name}
+
+    def close(self) -> None:
+        self.closed = True
+        if self.runner is not None:
+            self.runner.close()
+        if self.model is not None:
+            self.model.close()
+
+
+def _log(message: str) -> None:
+    print(f"apir serve: {message}", file=sys.stderr, flush=True)
+
+
+def create_app(
+    config: ServeConfig,
+    loader: Callable[[], Model] | None = None,
+    on_load_error: Callable[[Exception], None] | None = None,
+) -> Starlette:
+    """The ASGI app serving ``config``. ``loader`` (default: ``load_model(config)``) runs
+    in a background thread at startup; ``on_load_error`` is told if it fails."""
+    state = _State(config)
+    load = loader or (lambda: load_model(config))
+
+    def load_in_background() -> None:
+        t0 = time.perf_counter()
+        try:
+            model = load()
+        except Exception as e:
+            state.error = str(e) or type(e).__name__
+            _log(f"error: could not load {config.model_id}: {state.error}")
+            if on_load_error is not None:
+                on_load_error(e)
+            return
+        if state.closed:
+            model.close()
+            return
+        state.runner = Runner(model, state.metrics)
+        state.model = model
+        _log(f"{config.model_id} ready ({model.arch_name}, {model.backend.name}:"
+             f"{model.backend.device().name}, ctx {model.n_ctx}) in {time.perf_counter() - t0:.1f}s")
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        threading.Thread(target=load_in_background, name="apir-load", daemon=True).start()
+        try:
+            yield
+        finally:
+            await run_in_threadpool(state.close)
+
+    # ------------------------------------------------------------ helpers
+    def authorize(request: Request) -> None:
+        key = config.api_key
+        if not key:
+            return
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), key.encode()):
+            raise RequestError("invalid or missing API key: send 'Authorization: Bearer <key>'",
+                               status=401, code="invalid_api_key")
+
+    def ready_model(name: str | None) -> Model:
+        if name is not None and name not in state.aliases:
+            raise RequestError(f"the model {name!r} does not exist; this server serves "
+                               f"{config.model_id!r}", "model", 404, "model_not_found")
+        if state.model is None:
+            why = f"failed to load: {state.error}" if state.error else "is still loading"
+            raise RequestError(f"the model {why}", None, 503, "model_not_ready", "server_error")
+        return state.model
+
+    async def json_body(request: Request) -> object:
+        body = await request.body()
+        if len(body) > MAX_BODY:
+            raise RequestError(f"the request body is over {MAX_BODY >> 20} MiB", status=413)
+        try:
+            return json.loads(body)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise RequestError(f"the request body is not valid JSON: {e}") from None
+
+    def model_card() -> dict:
+        path = state.model.file.path if state.model is not None else None
+        created = int(path.stat().st_mtime) if path is not None else 0
+        return {"id": config.model_id, "object": "model", "created": created, "owned_by": "apir"}
+
+    # ------------------------------------------------------------ endpoints
+    async def health(request: Request) -> Response:
+        if state.model is not None:
+            return JSONResponse({"status": "ok"})
+        if state.error is not None:
+            return JSONResponse({"status": "error", "message": state.error}, 503)
+        return JSONResponse({"status": "loading"}, 503)
+
+    async def metrics(request: Request) -> Response:
+        backend = state.model.backend if state.model is not None else None
+        rtt = getattr(backend, "round_trip_seconds", None)
+        gauges = prom.Gauges(
+            loaded=state.model is not None,
+            queued=state.runner.queued if state.runner is not None else 0,
+            round_trip_seconds=float(rtt() if callable(rtt) else rtt) if rtt is not None else None,
+        )
+        return Response(state.metrics.render(gauges), media_type=prom.CONTENT_TYPE)
+
+    async def list_models(request: Request) -> Response:
+        authorize(request)
+        return JSONResponse({"object": "list", "data": [model_card()]})
+
+    async def get_model(request: Request) -> Response:
+        authorize(request)
+        name = request.path_params["name"]
+        if name not in state.aliases:
+            raise RequestError(f"the model {name!r} does not exist", "model", 404, "model_not_found")
+        return JSONResponse(model_card())
+
+    async def chat_completions(request: Request) -> Response:
+        authorize(request)
+        req = parse_chat(await json_body(request))
+        model = ready_model(req.model)
+        try:
+            ids = await run_in_threadpool(model.chat_ids, [dict(m) for m in req.messages])
+        except ChatTemplateError as e:
+            raise RequestError(str(e), "messages") from None
+        fmt = ChatFormat(f"chatcmpl-{secrets.token_hex(12)}", int(time.time()), config.model_id,
+                         req.stream and req.include_usage)
+        return await generate(request, model, ids, req, fmt)
+
+    async def completions(request: Request) -> Response:
+        authorize(request)
+        req = parse_completion(await json_body(request))
+        model = ready_model(req.model)
+        if isinstance(req.prompt, str):
+            ids = await run_in_threadpool(model.tokenize, req.prompt)
+        else:
+            bad = [t for t in req.prompt if not 0 <= t < model.vocab_size]
+            if bad:
+                raise RequestError(f"'prompt' has token ids outside [0, {model.vocab_size}): "
+                                   f"{bad[:5]}", "prompt")
+            ids = list(req.prompt)
+        fmt = CompletionFormat(f"cmpl-{secrets.token_hex(12)}", int(time.time()), config.model_id,
+                               req.stream and req.include_usage)
+        return await generate(request, model, ids, req, fmt)
+
+    async def generate(request: Request, model: Model, ids: list[int],
+                       req: ChatRequest | CompletionRequest, fmt: ChatFormat) -> Response:
+        job = Job(ids, req.sampling.params(len(ids), model.n_ctx))
+        if state.closed or state.runner is None:
+            raise RequestError("the server is shutting down", None, 503, None, "server_error")
+        state.runner.submit(job)
+        if req.stream:
+            return StreamingResponse(sse(job, fmt), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        events: list[Piece | Done | Failed] = []
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(cancel_on_disconnect, request, job)
+            try:
+                async for event in job.events():
+                    events.append(event)
+            finally:
+                job.cancel()  # a no-op once done; stops the generation if we are cancelled
+                tg.cancel_scope.cancel()
+        *pieces, last = events
+        if isinstance(last, Failed):
+            raise failure(last)
+        assert isinstance(last, Done)
+        text = "".join(p.text for p in pieces if isinstance(p, Piece))
+        return JSONResponse(fmt.reply(text, last.finish_reason, last.prompt_tokens,
+                                      last.completion_tokens))
+
+    async def sse(job: Job, fmt: ChatFormat) -> AsyncIterator[bytes]:
+        # Starlette cancels this generator when the client disconnects; `finally` then
+        # tells the worker to stop before its next token.
+        try:
+            if (first := fmt.first_chunk()) is not None:
+                yield _data(first)
+            async for event in job.events():
+                if isinstance(event, Piece):
+                    yield _data(fmt.chunk(event.text))
+                elif isinstance(event, Done):
+                    yield _data(fmt.chunk(finish=event.finish_reason))
+                    if fmt.include_usage:
+                        yield _data(fmt.usage_chunk(event.prompt_tokens, event.completion_tokens))
+                else:
+                    yield _data(failure(event).body())
+            yield b"data: [DONE]\n\n"
+        finally:
+            job.cancel()
+
+    app = Starlette(
+        routes=[
+            Route("/health", health),
+            Route("/metrics", metrics),
+            Route("/v1/models", list_models),
+            Route("/v1/models/{name:path}", get_model),
+            Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+            Route("/v1/completions", completions, methods=["POST"]),
+        ],
+        middleware=[Middleware(_CountRequests, metrics=state.metrics)],
+        exception_handlers={
+            RequestError: _request_error,
+            ContextOverflowError: _context_overflow,
+            HTTPException: _http_error,
+            Exception: _server_error,
+        },
+        lifespan=lifespan,
+    )
+    app.state.apir = state
+    return app
+
+
+async def cancel_on_disconnect(request: Request, job: Job) -> None:
+    """Wait for the client to hang up (the body is already read), then cancel ``job``."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            job.cancel()
+            return
+
+
+def failure(event: Failed) -> RequestError:
+    e = event.error
+    if isinstance(e, (ValueError, TokenizerError)):  # bad sampling values, token ids
+        return RequestError(str(e))
+    return RequestError(f"generation failed: {e}", None, 500, None, "server_error")
+
+
+def _data(body: dict) -> bytes:
+    return b"data: " + json.dumps(body, ensure_ascii=False).encode() + b"\n\n"
+
+
+# ---------------------------------------------------------------- errors as OpenAI bodies
+async def _request_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, RequestError)
+    return JSONResponse(exc.body(), exc.status)
+
+
+async def _context_overflow(request: Request, exc: Exception) -> Response:
+    return JSONResponse(error_body(str(exc), "invalid_request_error", None, "context_length_exceeded"), 400)
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+    return JSONResponse(error_body(f"{request.method} {request.url.path}: {exc.detail}", kind),
+                        exc.status_code, headers=exc.headers)
+
+
+async def _server_error(request: Request, exc: Exception) -> Response:
+    return JSONResponse(error_body(f"internal error: {type(exc).__name__}: {exc}", "server_error"), 500)
+
+
+class _CountRequests:
+    """Counts requests by endpoint and status; /v1 requests are also "in flight" until
+    their last byte is sent (a stream's whole length)."""
+
+    def __init__(self, app: ASGIApp, metrics: prom.Metrics) -> None:
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"]
+        endpoint = path if path in ENDPOINTS else "/v1/models" if path.startswith("/v1/models/") else "other"
+        status = 500
+
+        async def send_and_note(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        tracked = path.startswith("/v1/")
+        if tracked:
+            self.metrics.request_started()
+        try:
+            await self.app(scope, receive, send_and_note)
+        finally:
+            if tracked:
+                self.metrics.request_finished(endpoint, status)
+            else:
+                self.metrics.request_counted(endpoint, status)

@@ -1,0 +1,89 @@
+"""The ``apir serve`` subcommand: flags, then uvicorn running ``app.create_app``."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import signal
+import sys
+from collections.abc import Iterator
+
+from .. import env
+from ..errors import ApirError
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    from ..cli import _add_backend  # the same backend flags as `apir run`
+
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/chat/completions, ...)")
+    p.add_argument("-m", "--model", default=env.MODEL.get(),
+                   help="model name, registered name (apir list) or .gguf path (default: smollm2-135m)")
+    p.add_argument("--bind", default="127.0.0.1", metavar="ADDR",
+                   help="address to listen on (default: 127.0.0.1; 0.0.0.0 opens it to the "
+                        "network: set --api-key too)")
+    p.add_argument("--port", type=int, default=8080, help="port to listen on (default: 8080)")
+    p.add_argument("--api-key", default=env.API_KEY.get(), metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on /v1/* (env APIR_API_KEY)")
+    _add_backend(p)
+    p.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    try:
+        import uvicorn
+
+        from .app import ServeConfig, create_app, load_model
+    except ImportError as e:
+        raise ApirError(f"apir serve needs Starlette and uvicorn ({e}): pip install 'apir[serve]'") from None
+    from ..host.autostart import remote_host
+    from ..store import lookup
+
+    if args.backend == "remote" and not args.remote:
+        raise ApirError("--backend remote needs --remote URL (or APIR_REMOTE)")
+    registered = lookup(args.model) if args.model else None
+    with remote_host(args.remote, args.device) as remote:
+        config = ServeConfig(
+            model=args.model, backend="remote" if remote else args.backend, device=args.device,
+            ctx_size=args.ctx_size, remote=remote, token_file=args.token_file,
+            api_key=args.api_key or None, host=args.bind, port=args.port,
+        )
+        failed: list[Exception] = []
+
+        def on_load_error(e: Exception) -> None:
+            failed.append(e)
+            server.should_exit = True
+
+        app = create_app(config, loader=lambda: load_model(config, registered and str(registered)),
+                         on_load_error=on_load_error)
+        log_config = copy.deepcopy(uvicorn.config.LOGGING_CONFIG)
+        log_config["handlers"]["access"]["stream"] = "ext://sys.stderr"  # stdout is for results
+        server = uvicorn.Server(uvicorn.Config(
+            app, host=config.host, port=config.port, log_level="info", log_config=log_config,
+            timeout_graceful_shutdown=5,
+        ))
+        if config.api_key is None and config.host not in ("127.0.0.1", "localhost", "::1"):
+            print(f"apir serve: warning: listening on {config.host} without --api-key", file=sys.stderr)
+        with _exit_on_sigterm():
+            server.run()
+    return 1 if failed else 0
+
+
+@contextlib.contextmanager
+def _exit_on_sigterm() -> Iterator[None]:
+    """After a graceful shutdown uvicorn re-raises the signal that asked for it; SIGTERM's
+    default action would then kill the process on the spot, skipping cleanup (stopping a
+    host daemon started for ``--remote auto``). Make it an exception instead."""
+
+    def terminate(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    try:
+        previous = signal.signal(signal.SIGTERM, terminate)
+    except ValueError:  # not the main thread: signals are not ours to handle
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -1,0 +1,164 @@
+"""One model, one KV cache: generations run one at a time, first come first served.
+
+Requests put a :class:`Job` on a FIFO; a single worker thread takes them in order and
+runs each to the end (generation is synchronous Python) before starting the next, so two
+requests never interleave in the KV cache. Text goes back to the event loop through
+``loop.call_soon_threadsafe`` onto the job's asyncio queue. A job is cancelled (the
+client went away) by setting its flag: a queued job is skipped, a running one stops
+before its next token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+from ..engine import Model, SamplingParams
+from .metrics import Metrics
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Generated text, stop strings already cut out."""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class Done:
+    finish_reason: str  # "stop" (end token or stop string), "length", or "cancelled"
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass(frozen=True)
+class Failed:
+    error: Exception
+
+
+Event = Piece | Done | Failed
+
+
+class Job:
+    """One generation request, created on the event loop that will read its events."""
+
+    def __init__(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
+        self.prompt_ids = list(prompt_ids)
+        self.params = params
+        self._loop = asyncio.get_running_loop()
+        self._events: asyncio.Queue[Event] = asyncio.Queue()
+        self._cancel = threading.Event()
+
+    def cancel(self) -> None:
+        self._cancel.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancel.is_set()
+
+    def emit(self, event: Event) -> None:
+        """Called from the worker thread."""
+        try:
+            self._loop.call_soon_threadsafe(self._events.put_nowait, event)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            self.cancel()
+
+    async def events(self) -> AsyncIterator[Event]:
+        """Pieces, then one Done or Failed."""
+        while True:
+            event = await self._events.get()
+            yield event
+            if not isinstance(event, Piece):
+                return
+
+
+class Runner:
+    """The worker thread that owns ``model`` and serves jobs from a FIFO."""
+
+    def __init__(self, model: Model, metrics: Metrics) -> None:
+        self.model, self.metrics = model, metrics
+        self._jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
+        self._current: Job | None = None
+        self._thread = threading.Thread(target=self._serve, name="apir-generate", daemon=True)
+        self._thread.start()
+
+    @property
+    def queued(self) -> int:
+        return self._jobs.qsize()
+
+    def submit(self, job: Job) -> None:
+        self._jobs.put(job)
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop after the current token; jobs still queued are dropped."""
+        current = self._current
+        if current is not None:
+            current.cancel()
+        self._jobs.put(None)
+        self._thread.join(timeout)
+
+    def _serve(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            if job.cancelled:
+                continue
+            self._current = job
+            try:
+                job.emit(self._run(job))
+            except Exception as e:  # a failed generation fails its request, not the server
+                job.emit(Failed(e))
+            finally:
+                self._current = None
+        # drain: the server is shutting down
+        while not self._jobs.empty():
+            if (job := self._jobs.get()) is not None:
+                job.cancel()
+
+    def _run(self, job: Job) -> Done:
+        """Generate, emitting text as it is safe to: never half a character and never a
+        piece of a stop string (up to the longest stop string's length is held back)."""
+        params, tokenizer = job.params, self.model.tokenizer
+        decoder = tokenizer.stream()
+        hold = max((len(s) for s in params.stop), default=1) - 1
+        text, sent, count = "", 0, 0
+        finish, first = None, None
+        ids = self.model.generate_ids(job.prompt_ids, params)
+        try:
+            for tid in ids:
+                count += 1
+                first = first or time.perf_counter()
+                text += decoder.feed(tid)
+                cut = _find_stop(text, params.stop, sent)
+                if cut >= 0:
+                    text, finish = text[:cut], "stop"
+                    break
+                if job.cancelled:
+                    finish = "cancelled"
+                    break
+                if len(text) - hold > sent:
+                    job.emit(Piece(text[sent : len(text) - hold]))
+                    sent = len(text) - hold
+            else:
+                text += decoder.flush()
+                cut = _find_stop(text, params.stop, sent)
+                if cut >= 0:
+                    text, finish = text[:cut], "stop"
+                else:
+                    finish = "length" if count >= params.max_tokens else "stop"
+        finally:
+            ids.close()
+            decode_seconds = time.perf_counter() - first if first else 0.0
+            self.metrics.generation(len(job.prompt_ids), count, decode_seconds,
+                                    cancelled=finish == "cancelled")
+        if finish != "cancelled" and len(text) > sent:
+            job.emit(Piece(text[sent:]))
+        return Done(finish, len(job.prompt_ids), count)
+
+
+def _find_stop(text: str, stops: Sequence[str], start: int) -> int:
+    """Where the earliest stop string begins in ``text[start:]``, or -1. Text before
+    ``start`` was already checked (and sent), so a match cannot begin there."""
+    return min((i for i in (text.find(s, start) for s in stops) if i >= 0), default=-1)
