@@ -51,6 +51,8 @@ BENCH_HISTORY = EnvVar(
     "apir bench: the JSONL file every run's records are appended to (--history wins)",
 )
 
+CUDA_GRAPHS = EnvVar("APIR_CUDA_GRAPHS", "1", "host: replay decode steps from captured CUDA graphs (0 = eager)")
+
 ALL = (
     CACHE_DIR, MODEL, BACKEND, DEVICE, CTX_SIZE, API_KEY, HF_ENDPOINT, HF_TOKEN,
     REMOTE, TOKEN, TOKEN_FILE, HOST_LISTEN, BENCH_HISTORY,

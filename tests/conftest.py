@@ -25,3 +25,20 @@ def backend_options(host):
         "remote-unix": {"backend": "remote", "remote": host.unix},
         "remote-tcp": {"backend": "remote", "remote": host.tcp, "token_file": host.token_file},
     }
+
+
+def _has_gpu() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def pytest_collection_modifyitems(config, items):
+    if _has_gpu():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (run on the GPU host: pytest -m gpu)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

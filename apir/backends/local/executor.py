@@ -98,9 +98,15 @@ class CapturedStep:
 class LocalBackend(Executor):
     name = "local"
 
-    def __init__(self, device: str | None = None, limits: Limits = NO_LIMITS) -> None:
+    def __init__(self, device: str | None = None, limits: Limits = NO_LIMITS,
+                 cuda_graphs: bool | None = None) -> None:
         super().__init__(limits)
         self.torch_device = pick_device(device)
+        if cuda_graphs is None:
+            from ... import env
+
+            cuda_graphs = env.CUDA_GRAPHS.get() != "0"
+        self.cuda_graphs = cuda_graphs and self.torch_device.type == "cuda"
         # Weights computed in f32 on the CPU; on accelerators they keep a 16-bit form.
         self._weights: dict[tuple, tuple[int, torch.Tensor]] = {}
 
@@ -216,7 +222,7 @@ class LocalBackend(Executor):
             if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= limit):
                 raise BackendError(f"{what} index out of range: input {name!r} must lie in [0, {limit})")
         n_tokens = next((a.shape[0] for a in inputs.values() if a.ndim), 0)
-        if prog.device_safe and self.torch_device.type == "cuda" and 0 < n_tokens <= CAPTURE_MAX_TOKENS:
+        if prog.device_safe and self.cuda_graphs and 0 < n_tokens <= CAPTURE_MAX_TOKENS:
             outs = self._replay(reg, inputs, n_tokens)
         else:
             dev = self.torch_device

@@ -1,0 +1,139 @@
+"""``apir bench`` (run the benchmark) and ``apir bench compare BASE NEW``.
+
+Results go to stdout in the chosen format; progress goes to stderr; every run is also
+appended to the history file (JSONL).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .. import env
+from ..models.resolve import DEFAULT_MODEL
+from .backends import BACKENDS, BackendOptions, parse_backends
+from .errors import BenchInputError
+from .report import FORMATS
+
+DEFAULT_BACKENDS = "native,remote-shm"
+DEFAULT_MAX_REGRESSION = 10.0  # percent
+
+
+def _eprint(*args: object) -> None:
+    print(*args, file=sys.stderr, flush=True)
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected token counts like 512 or 128,512, got {text!r}") from None
+
+
+def _split(values: list[str] | None) -> list[str]:
+    return [v.strip() for item in values or () for v in item.split(",") if v.strip()]
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    if args.bench_action == "compare":
+        return cmd_compare(args)
+    from .report import append_history, history_path, render
+    from .runner import BenchConfig, Source, run
+
+    backends = parse_backends(args.backends)
+    sources = [Source(s) for s in _split(args.model)]
+    sources += [Source(s, synthetic=True) for s in _split(args.synthetic)]
+    if not sources:
+        sources = [Source(env.MODEL.get() or DEFAULT_MODEL)]
+    config = BenchConfig(
+        sources=tuple(sources), backends=tuple(backends), n_prompt=tuple(args.n_prompt),
+        n_gen=tuple(args.n_gen), reps=args.repetitions,
+        options=BackendOptions(args.device, args.remote, args.token_file),
+    )
+    if args.plot:
+        from .plot import require_matplotlib
+
+        require_matplotlib()
+    records = run(config, lambda line: _eprint(f"bench: {line}"))
+    sys.stdout.write(render(records, args.output))
+    sys.stdout.flush()
+    if not args.no_history:
+        path = history_path(args.history)
+        append_history(path, records)
+        _eprint(f"bench: appended {len(records)} records to {path}")
+    if args.plot:
+        from .plot import plot
+
+        plot(records, args.plot)
+        _eprint(f"bench: wrote {args.plot}")
+    return 0
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from .compare import compare, load_records, regressions, render
+
+    try:
+        rows = compare(load_records(args.base), load_records(args.new))
+    except BenchInputError as e:
+        _eprint(f"error: {e}")
+        return 2
+    if not any(r.change is not None for r in rows):
+        _eprint(f"error: {args.base} and {args.new} have no (model, backend, test) in common")
+        return 2
+    sys.stdout.write(render(rows, args.max_regression))
+    bad = regressions(rows, args.max_regression)
+    if bad:
+        names = ", ".join(" ".join(r.key) for r in bad)
+        _eprint(f"{len(bad)} test(s) lost more than {args.max_regression:g}%: {names}")
+        return 1
+    return 0
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """Add ``bench`` (and its ``compare``) to the ``apir`` parser."""
+    p = sub.add_parser(
+        "bench", help="measure prompt (ppN) and generation (tgN) throughput per backend",
+        description="llama-bench-style throughput of one or more models on several backends, "
+                    "interleaved, with % of native. `apir bench compare BASE NEW` compares two "
+                    "result files.",
+    )
+    p.add_argument("-m", "--model", action="append", metavar="MODEL",
+                   help="model name or .gguf path; repeatable or comma-separated "
+                        f"(default: {DEFAULT_MODEL})")
+    p.add_argument("--synthetic", action="append", metavar="SHAPE[:TYPE]",
+                   help="random weights of a real shape, no download: llama-135m, llama-1b, "
+                        "llama-8b (llama-tiny for tests), TYPE f16 (default), bf16, q8_0; "
+                        "repeatable or comma-separated for a size sweep")
+    p.add_argument("-p", "--n-prompt", type=_ints, default=[512], metavar="N[,N...]",
+                   help="prompt tokens of the ppN tests (default 512; 0 = none)")
+    p.add_argument("-n", "--n-gen", type=_ints, default=[128], metavar="N[,N...]",
+                   help="generated tokens of the tgN tests (default 128; 0 = none)")
+    p.add_argument("-r", "--repetitions", type=int, default=5, metavar="N",
+                   help="timed runs per test and backend, after one warm-up (default 5)")
+    p.add_argument("--backends", default=DEFAULT_BACKENDS, metavar="LIST",
+                   help=f"comma-separated, measured side by side: {', '.join(BACKENDS)} "
+                        f"(default: {DEFAULT_BACKENDS})")
+    p.add_argument("--device", choices=("cpu", "cuda", "mps"), default=env.DEVICE.get(),
+                   help="device of native and of a started host daemon (default: best available)")
+    p.add_argument("--remote", metavar="URL",
+                   help="remote-* use the daemon already at URL instead of starting one")
+    p.add_argument("--token-file", default=env.TOKEN_FILE.get(),
+                   help="the shared secret of a tcp/vsock --remote host (or set APIR_TOKEN)")
+    p.add_argument("-o", "--output", choices=FORMATS, default="md", help="stdout format (default md)")
+    p.add_argument("--plot", metavar="FILE.png", help="also draw the results (needs matplotlib)")
+    p.add_argument("--history", metavar="FILE",
+                   help=f"append records here (default: ${env.BENCH_HISTORY.name} or "
+                        f"{env.BENCH_HISTORY.default})")
+    p.add_argument("--no-history", action="store_true", help="do not append to the history file")
+    p.set_defaults(func=cmd_bench, bench_action=None)
+
+    actions = p.add_subparsers(dest="bench_action", metavar="{compare}")
+    c = actions.add_parser("compare", help="compare two result files; exit 1 on a regression",
+                           description="BASE and NEW are files written by -o json / -o jsonl or "
+                                       "the history file (the last run of each test counts).")
+    c.add_argument("base", metavar="BASE")
+    c.add_argument("new", metavar="NEW")
+    c.add_argument("--max-regression", type=float, default=DEFAULT_MAX_REGRESSION, metavar="PCT",
+                   help="fail when a test's t/s dropped by more than PCT percent "
+                        f"(default {DEFAULT_MAX_REGRESSION:g})")
+

@@ -1,0 +1,275 @@
+"""The measurements, as llama-bench makes them.
+
+``ppN``  one forward pass over N prompt tokens from an empty cache (the engine's prefill:
+         chunks of PREFILL_CHUNK through the sample graph), N / seconds.
+``tgN``  after a TG_PROMPT-token prompt (not timed), N single-token greedy decode steps,
+         each feeding back the token sampled on the backend (no end-of-text check),
+         N / seconds.
+
+Every backend runs the same model in the same process run. Per model and test: one
+warm-up run on each backend, then repetition 1 on every backend, repetition 2 on every
+backend, ... so slow drift (thermals, other load) hits all backends alike. The prompt is
+the same random token ids for every backend and repetition.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import importlib.metadata
+import math
+import os
+import platform
+import statistics
+import subprocess
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .. import __version__
+from ..backends import Backend
+from ..engine.model import Model
+from ..models.gguf_file import GGUFFile
+from ..models.resolve import KNOWN_MODELS, resolve_model
+from .backends import BackendOptions, open_backend
+from .errors import BenchError
+from .report import fmt_size
+from .synthetic import SyntheticFile, parse_spec
+
+TG_PROMPT = 4  # tokens prefilled (untimed) before a tg test
+SEED = 1234
+
+Log = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class BenchTest:
+    kind: str  # "pp" | "tg"
+    n: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.kind}{self.n}"
+
+    @property
+    def n_prompt(self) -> int:
+        return self.n if self.kind == "pp" else 0
+
+    @property
+    def n_gen(self) -> int:
+        return self.n if self.kind == "tg" else 0
+
+
+@dataclass(frozen=True)
+class Source:
+    """A model to benchmark: ``spec`` is a model name/path, or a synthetic shape."""
+
+    spec: str
+    synthetic: bool = False
+
+    def validate(self) -> None:
+        """Fail before any backend starts: unknown shape, model not installed, no such file."""
+        if self.synthetic:
+            parse_spec(self.spec)
+        else:
+            resolve_model(self.spec)
+
+    def open(self) -> GGUFFile | SyntheticFile:
+        if self.synthetic:
+            return SyntheticFile.from_spec(self.spec)
+        return GGUFFile(resolve_model(self.spec))
+
+    def label(self, f: GGUFFile | SyntheticFile) -> str:
+        if self.synthetic:
+            return f.name
+        return self.spec if self.spec in KNOWN_MODELS else f.path.name
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    sources: tuple[Source, ...]
+    backends: tuple[str, ...]
+    n_prompt: tuple[int, ...] = (512,)
+    n_gen: tuple[int, ...] = (128,)
+    reps: int = 5
+    options: BackendOptions = BackendOptions()
+
+    def __post_init__(self) -> None:
+        if self.reps < 1:
+            raise BenchError(f"-r must be at least 1, got {self.reps}")
+        if any(n < 0 for n in (*self.n_prompt, *self.n_gen)):
+            raise BenchError("-p and -n take token counts >= 0")
+        if not self.tests:
+            raise BenchError("nothing to measure: -p and -n are both 0")
+        if not self.sources:
+            raise BenchError("no model given: use -m MODEL or --synthetic SHAPE")
+
+    @property
+    def tests(self) -> list[BenchTest]:
+        pp = [BenchTest("pp", n) for n in dict.fromkeys(self.n_prompt) if n > 0]
+        return pp + [BenchTest("tg", n) for n in dict.fromkeys(self.n_gen) if n > 0]
+
+    @property
+    def n_ctx(self) -> int:
+        """The smallest context every test fits in (it sizes the KV cache, as in llama-bench)."""
+        return max(max(self.n_prompt), TG_PROMPT + max(self.n_gen))
+
+
+# ---------------------------------------------------------------- run metadata
+
+
+def git_commit(tree: Path | None = None) -> str | None:
+    """``git rev-parse HEAD`` of the apir source tree, or None (not a checkout, no git)."""
+    tree = tree or Path(__file__).resolve().parents[2]
+    try:
+        out = subprocess.run(["git", "-C", str(tree), "rev-parse", "HEAD"], capture_output=True,
+                             text=True, timeout=5, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    commit = out.stdout.strip()
+    return commit if out.returncode == 0 and len(commit) == 40 else None
+
+
+def torch_version() -> str | None:
+    """The installed torch's version, read from its metadata (torch is not imported)."""
+    try:
+        return importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def cpu_info() -> str:
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def run_metadata() -> dict:
+    """Fields every record of one run shares."""
+    return {
+        "run_id": uuid.uuid4().hex[:16],
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "apir_version": __version__,
+        "apir_commit": git_commit(),
+        "torch_version": torch_version(),
+        "python_version": platform.python_version(),
+        "cpu_info": cpu_info(),
+        "n_cpus": os.cpu_count(),
+    }
+
+
+# ---------------------------------------------------------------- measuring
+
+
+def measure(model: Model, test: BenchTest, prompt: Sequence[int]) -> float:
+    """Seconds of one run of ``test`` (only the timed part)."""
+    if test.kind == "pp":
+        t0 = time.perf_counter()
+        model.prefill(prompt[: test.n])
+        model.backend.synchronize()
+        return time.perf_counter() - t0
+    token = model.prefill(prompt[:TG_PROMPT])
+    model.backend.synchronize()
+    t0 = time.perf_counter()
+    model.decode_steps(token, TG_PROMPT, test.n)
+    model.backend.synchronize()
+    return time.perf_counter() - t0
+
+
+def _record(meta: dict, model: str, f, backend: str, dev, test: BenchTest, n_ctx: int,
+            seconds: list[float]) -> dict:
+    ts = [test.n / s for s in seconds]
+    ns = [round(s * 1e9) for s in seconds]
+    return {
+        **meta,
+        "model": model,
+        "model_type": f"{f.arch} {f.quantization()}",
+        "model_size": f.nbytes,
+        "model_params": n_params(f),
+        "synthetic": isinstance(f, SyntheticFile),
+        "backend": backend,
+        "device": dev.description or dev.name,
+        "device_kind": dev.kind,
+        "n_ctx": n_ctx,
+        "n_prompt": test.n_prompt,
+        "n_gen": test.n_gen,
+        "test": test.name,
+        "n_reps": len(seconds),
+        "avg_ns": round(statistics.fmean(ns)),
+        "stddev_ns": round(statistics.stdev(ns)) if len(ns) > 1 else 0,
+        "avg_ts": statistics.fmean(ts),
+        "stddev_ts": statistics.stdev(ts) if len(ts) > 1 else 0.0,
+        "samples_ns": ns,
+        "samples_ts": ts,
+        "pct_native": None,
+    }
+
+
+def n_params(f: GGUFFile | SyntheticFile) -> int:
+    if isinstance(f, SyntheticFile):
+        return f.n_params  # from the shapes, without making the tensors
+    return sum(math.prod(t.shape) for t in f.tensors.values())
+
+
+def _add_pct_native(records: list[dict]) -> None:
+    native = {(r["model"], r["test"]): r["avg_ts"] for r in records if r["backend"] == "native"}
+    for r in records:
+        base = native.get((r["model"], r["test"]))
+        r["pct_native"] = 100.0 * (r["avg_ts"] / base) if base else None
+
+
+def run(config: BenchConfig, log: Log) -> list[dict]:
+    """Run every test of ``config``; returns one record per (model, backend, test)."""
+    for source in config.sources:
+        source.validate()
+    meta = run_metadata()
+    records: list[dict] = []
+    for source in config.sources:
+        records += _run_source(config, source, meta, log)
+    _add_pct_native(records)
+    return records
+
+
+def _run_source(config: BenchConfig, source: Source, meta: dict, log: Log) -> list[dict]:
+    f = source.open()
+    name = source.label(f)
+    tests, n_ctx = config.tests, config.n_ctx
+    with contextlib.ExitStack() as stack:
+        t0 = time.perf_counter()  # quietly: a backend that fails is the run's only stderr line
+        backends: dict[str, Backend] = {
+            b: stack.enter_context(open_backend(b, config.options)) for b in config.backends
+        }
+        log(f"backends ready in {time.perf_counter() - t0:.1f}s: {', '.join(backends)}")
+        models, devices = {}, {}
+        for b, be in backends.items():
+            t0 = time.perf_counter()
+            models[b] = Model(f, be, n_ctx=n_ctx)
+            devices[b] = be.device()
+            log(f"loaded {name} ({fmt_size(f.nbytes)}) on {b} ({devices[b].name}) "
+                f"in {time.perf_counter() - t0:.1f}s")
+        if models and min(m.n_ctx for m in models.values()) < n_ctx:
+            raise BenchError(f"{name} has a context of {min(m.n_ctx for m in models.values())} "
+                             f"tokens; the tests need {n_ctx}")
+        vocab = next(iter(models.values())).vocab_size
+        prompt = np.random.default_rng(SEED).integers(0, vocab, n_ctx).tolist()
+        seconds: dict[tuple[str, str], list[float]] = {}
+        for test in tests:
+            for b, m in models.items():
+                log(f"{name} {test.name} {b}: warm-up")
+                measure(m, test, prompt)
+            for rep in range(config.reps):
+                for b, m in models.items():
+                    s = measure(m, test, prompt)
+                    seconds.setdefault((b, test.name), []).append(s)
+                    log(f"{name} {test.name} {b}: rep {rep + 1}/{config.reps} {test.n / s:,.2f} t/s")
+        return [
+            _record(meta, name, f, b, devices[b], test, n_ctx, seconds[(b, test.name)])
+            for test in tests
+            for b in models
+        ]

@@ -1,0 +1,66 @@
+"""The CUDA path (run on a GPU host: pytest -m gpu). Skipped where torch sees no GPU."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import apir
+from apir.engine import SamplingParams
+from apir.models.errors import ModelNotFoundError
+from apir.models.resolve import resolve_model
+from tiny_models import TinyConfig, write_tiny_gguf
+
+pytestmark = pytest.mark.gpu
+PROMPT = "The capital of France is"
+
+
+def _models(tmp_path) -> list[str]:
+    out = [str(write_tiny_gguf(tmp_path / "tiny.gguf", TinyConfig(context_length=512), "F16"))]
+    for name in ("smollm2-135m", "gemma3-270m"):
+        try:
+            out.append(str(resolve_model(name)))
+        except ModelNotFoundError:
+            pass
+    return out
+
+
+def _decode(path: str, cuda_graphs: bool) -> tuple[list[int], list[int], np.ndarray]:
+    from apir.backends.local import LocalBackend
+
+    with apir.load(path, backend=LocalBackend("cuda", cuda_graphs=cuda_graphs)) as model:
+        ids = model.tokenize(PROMPT)
+        greedy = list(model.generate_ids(ids, SamplingParams(temperature=0, max_tokens=48)))
+        sampled = list(model.generate_ids(ids, SamplingParams(temperature=0.9, seed=3, max_tokens=48)))
+        return greedy, sampled, model.logits(ids)
+
+
+def test_captured_graph_decode_equals_eager_decode(tmp_path):
+    for path in _models(tmp_path):
+        captured = _decode(path, cuda_graphs=True)
+        eager = _decode(path, cuda_graphs=False)
+        assert captured[0] == eager[0], path
+        assert captured[1] == eager[1], path
+        np.testing.assert_array_equal(captured[2], eager[2])
+
+
+def test_cuda_matches_cpu_reference(tmp_path):
+    path = _models(tmp_path)[0]
+    with apir.load(path, backend="local", device="cuda") as gpu, apir.load(path, backend="numpy") as ref:
+        ids = gpu.tokenize(PROMPT)
+        np.testing.assert_allclose(gpu.logits(ids), ref.logits(ids), rtol=2e-2, atol=2e-2)
+
+
+def test_remote_cuda_is_identical_to_local_cuda(tmp_path):
+    from hosts import start_host
+
+    host = start_host(tmp_path, "--device", "cuda")
+    try:
+        for path in _models(tmp_path)[:2]:
+            with apir.load(path, backend="local", device="cuda") as local:
+                ids = local.tokenize(PROMPT)
+                want = list(local.generate_ids(ids, SamplingParams(temperature=0, max_tokens=32)))
+            with apir.load(path, backend="remote", remote=host.unix) as remote:
+                assert list(remote.generate_ids(ids, SamplingParams(temperature=0, max_tokens=32))) == want
+    finally:
+        host.stop()
