@@ -52,6 +52,9 @@ BENCH_HISTORY = EnvVar(
 )
 
 CUDA_GRAPHS = EnvVar("APIR_CUDA_GRAPHS", "1", "host: replay decode steps from captured CUDA graphs (0 = eager)")
+COMPILE = EnvVar("APIR_COMPILE", "1", "host: torch.compile decode steps before capturing them (0 = capture eager kernels)")
+
+SPIN_US = EnvVar("APIR_SPIN_US", "2000", "guest and host: busy-poll this many microseconds for a reply before sleeping")
 
 ALL = (
     CACHE_DIR, MODEL, BACKEND, DEVICE, CTX_SIZE, API_KEY, HF_ENDPOINT, HF_TOKEN,

@@ -133,6 +133,9 @@ class RemoteBackend(Backend):
             raise BackendError(f"the host executes on {self._device.kind}, not {device!r}; "
                                f"start it with `apir host --device {device}`")
         self.arena = Arena.attach(frame.fds[0], welcome.arena_size) if frame.fds else None
+        from .. import env
+
+        self.chan.spin_seconds = int(env.SPIN_US.get()) / 1e6
         self.ring = ArenaRing(self.arena.size) if self.arena else None
 
     def __repr__(self) -> str:

@@ -37,6 +37,11 @@ def _split(values: list[str] | None) -> list[str]:
 def cmd_bench(args: argparse.Namespace) -> int:
     if args.bench_action == "compare":
         return cmd_compare(args)
+    if args.bench_action == "transport":
+        from .transport import markdown, run
+
+        print(markdown(run(args.remote, args.token_file, args.calls, args.upload_mb, args.device)))
+        return 0
     from .report import append_history, history_path, render
     from .runner import BenchConfig, Source, run
 
@@ -127,7 +132,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-history", action="store_true", help="do not append to the history file")
     p.set_defaults(func=cmd_bench, bench_action=None)
 
-    actions = p.add_subparsers(dest="bench_action", metavar="{compare}")
+    actions = p.add_subparsers(dest="bench_action", metavar="{compare,transport}")
+    t = actions.add_parser("transport", help="null-call and one-token round trips, upload GB/s, "
+                                             "per transport, side by side")
+    t.add_argument("--remote", action="append", metavar="URL",
+                   help="measure these daemons (default: start one on unix + tcp)")
+    t.add_argument("--token-file", help="token for a tcp --remote")
+    t.add_argument("--calls", type=int, default=2000, help="round trips per measurement")
+    t.add_argument("--upload-mb", type=int, default=256, help="bytes uploaded for the GB/s figure")
+    t.add_argument("--device", choices=("cpu", "cuda", "mps"), default="cpu",
+                   help="device of the daemon the bench starts")
     c = actions.add_parser("compare", help="compare two result files; exit 1 on a regression",
                            description="BASE and NEW are files written by -o json / -o jsonl or "
                                        "the history file (the last run of each test counts).")

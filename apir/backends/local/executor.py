@@ -8,6 +8,7 @@ walks the list.
 
 from __future__ import annotations
 
+import logging
 import platform
 from dataclasses import dataclass, field
 
@@ -18,6 +19,8 @@ from ...graph import DType, Graph, Op
 from ..base import NO_LIMITS, BackendError, Buffer, DeviceInfo, Executor, Limits, Registered
 from .dequant import dequantize
 from .kernels import DEVICE_KERNELS, KERNELS
+
+log = logging.getLogger("apir.local")
 
 TORCH_DTYPES = {
     DType.F32: torch.float32,
@@ -60,7 +63,9 @@ class Program:
     index_checks: tuple[tuple[str, int, str], ...] = ()
     device_safe: bool = False  # every index operand is an input: no device-side checks needed
     weight_buffers: tuple[int, ...] = ()
+    state_buffers: tuple[int, ...] = ()  # written by every run: their versions move on
     captured: dict = field(default_factory=dict)  # n_tokens -> CapturedStep (CUDA only)
+    prefill: object = None  # compiled for any token count (CUDA only), or False after a failure
 
 
 # Operand positions that index into another operand: op -> ((index operand, indexed operand, what), ...)
@@ -102,11 +107,12 @@ class LocalBackend(Executor):
                  cuda_graphs: bool | None = None) -> None:
         super().__init__(limits)
         self.torch_device = pick_device(device)
-        if cuda_graphs is None:
-            from ... import env
+        from ... import env
 
+        if cuda_graphs is None:
             cuda_graphs = env.CUDA_GRAPHS.get() != "0"
         self.cuda_graphs = cuda_graphs and self.torch_device.type == "cuda"
+        self.compile = self.cuda_graphs and env.COMPILE.get() != "0"
         # Weights computed in f32 on the CPU; on accelerators they keep a 16-bit form.
         self._weights: dict[tuple, tuple[int, torch.Tensor]] = {}
 
@@ -193,10 +199,13 @@ class LocalBackend(Executor):
             else:
                 steps.append(Step(table[node.op], node.inputs, node.attrs))
         weights = tuple(sorted({n.attrs[0] for n in nodes if n.op is Op.WEIGHT}))
-        return Program(steps, graph.outputs, tuple(checks), accelerated, weights)
+        states = tuple(sorted({n.attrs[0] for n in nodes if n.op is Op.STATE}))
+        return Program(steps, graph.outputs, tuple(checks), accelerated, weights, states)
 
-    def _execute(self, reg: Registered, tensors: dict[str, torch.Tensor]) -> list[torch.Tensor]:
-        """Walk the program once; ``tensors`` are the inputs, already on the device."""
+    def _execute(self, reg: Registered, tensors: dict[str, torch.Tensor],
+                 leaves: dict[int, torch.Tensor] | None = None) -> list[torch.Tensor]:
+        """Walk the program once; ``tensors`` are the inputs, already on the device.
+        ``leaves`` (node id -> tensor) pre-resolves weights and states for tracing."""
         values: list[torch.Tensor] = []
         for nid, step in enumerate(reg.program.steps):
             if isinstance(step, Step):
@@ -212,7 +221,7 @@ class LocalBackend(Executor):
                     t = t.view(torch.bfloat16)
                 values.append(t.float() if step[2] in (DType.F16, DType.BF16) else t)
             else:
-                values.append(self._leaf(step[1]))
+                values.append(leaves[nid] if leaves is not None else self._leaf(step[1]))
         return [values[o] for o in reg.program.outputs]
 
     def _run(self, reg: Registered, inputs: dict[str, np.ndarray]) -> list[np.ndarray]:
@@ -230,11 +239,28 @@ class LocalBackend(Executor):
                 name: torch.from_numpy(a if a.flags.writeable else a.copy()).to(dev)
                 for name, a in inputs.items()
             }
-            outs = self._execute(reg, tensors)
-        for node in reg.graph.nodes:
-            if node.op is Op.STATE:
-                self._buffers[node.attrs[0]].version += 1
+            outs = self._prefill(reg, tensors) if prog.device_safe and self.compile else None
+            if outs is None:
+                outs = self._execute(reg, tensors)
+        for handle in prog.state_buffers:
+            self._buffers[handle].version += 1
         return [self._to_numpy(t, reg.graph.nodes[o].dtype) for t, o in zip(outs, prog.outputs)]
+
+    def _prefill(self, reg: Registered, tensors: dict[str, torch.Tensor]) -> list[torch.Tensor] | None:
+        """Prompt-sized steps: one compile with a symbolic token count (no CUDA graph, the
+        shapes vary), so a prompt chunk is a few fused kernels per layer, not dozens."""
+        prog = reg.program
+        if prog.prefill is False:
+            return None
+        if prog.prefill is None:
+            prog.prefill = torch.compile(lambda t: self._execute(reg, t), dynamic=True)
+        try:
+            return prog.prefill(tensors)
+        except Exception as e:  # noqa: BLE001 - fall back to eager kernels, once
+            log.warning("torch.compile of the prefill failed (%s); running it eagerly",
+                        str(e).splitlines()[0] if str(e) else type(e).__name__)
+            prog.prefill = False
+            return None
 
     def _replay(self, reg: Registered, inputs: dict[str, np.ndarray], n_tokens: int) -> list[torch.Tensor]:
         prog = reg.program
@@ -242,7 +268,23 @@ class LocalBackend(Executor):
         step = prog.captured.get(n_tokens)
         if step is None or step.versions != versions:
             static = {name: torch.from_numpy(a.copy()).to(self.torch_device) for name, a in inputs.items()}
-            step = CapturedStep(lambda t: self._execute(reg, t), static, versions)
+            leaves = {nid: self._leaf(s[1]) for nid, s in enumerate(prog.steps)
+                      if isinstance(s, tuple) and s[0] == "leaf"}
+
+            def run(t: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+                return self._execute(reg, t, leaves)
+
+            step = None
+            if self.compile:
+                # Inductor fuses the elementwise chains (norms, RoPE, gates) into a few
+                # kernels per layer; the CUDA graph then removes the launch overhead.
+                try:
+                    step = CapturedStep(torch.compile(run, dynamic=False), static, versions)
+                except Exception as e:  # noqa: BLE001 - a compiler failure must not fail the step
+                    log.warning("torch.compile failed (%s); capturing eager kernels instead",
+                                str(e).splitlines()[0] if str(e) else type(e).__name__)
+                    self.compile = False
+            step = step or CapturedStep(run, static, versions)
             prog.captured[n_tokens] = step
         return step(inputs)
 
