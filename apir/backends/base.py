@@ -22,6 +22,11 @@ from ..graph.dtypes import NUMPY_DTYPES
 from ..graph.ops import fmt_shape
 
 ALIGNMENT = 32  # tensor offsets inside a buffer; GGUF aligns tensor data the same way
+# Host memory one registered graph node costs (decoded Node + compiled step; measured
+# ~450 B on CPython 3.11): charged to the session's memory limit while the graph lives.
+GRAPH_NODE_BYTES = 512
+# Ops whose result aliases their (first) input instead of allocating: no scratch charged.
+_ALIASING = (Op.RESHAPE, Op.PERMUTE, Op.TRANSPOSE, Op.VIEW, Op.SET_ROWS)
 
 
 class BackendError(ApirError):
@@ -34,9 +39,16 @@ class QuotaError(BackendError):
 
 @dataclass(frozen=True)
 class Limits:
-    """Caps an executor enforces; 0 means unlimited. The host sets them per session."""
+    """Caps an executor enforces; 0 means unlimited. The host sets them per session.
 
-    max_memory: int = 0  # bytes of live buffers
+    ``max_memory`` covers everything a guest can make the executor hold, not only its
+    buffers: dequantized weight copies and graph metadata while they live, and each
+    compute's intermediates (checked before the compute runs). Otherwise a guest within
+    its buffer quota could still make the host allocate without bound (many WEIGHT views
+    of one buffer, a broadcast ADD of two small inputs, a long chain of ops).
+    """
+
+    max_memory: int = 0  # bytes: buffers + derived weights + graph metadata + scratch
     max_handles: int = 0  # live buffers + graphs
     max_graph_nodes: int = 1 << 16
 
@@ -77,6 +89,13 @@ class Registered:
     graph: Graph
     program: object  # executor-specific compiled form
     inputs: dict[str, tuple[tuple[int, ...], DType]] = field(default_factory=dict)
+    # the Buffer objects its WEIGHT/STATE leaves were checked against: a handle freed and
+    # minted again (maybe smaller) is a different buffer, and compute refuses it
+    buffers: dict[int, Buffer] = field(default_factory=dict)
+    # intermediate bytes of one compute as a polynomial in T: {power: bytes}, plus the
+    # largest transient a single op needs (attention scores), same form
+    scratch: dict[int, int] = field(default_factory=dict)
+    transient: tuple[dict[int, int], ...] = ()
 
 
 class Backend(ABC):
@@ -153,6 +172,12 @@ class Executor(Backend):
         self._ids = itertools.count(1)
         self.closed = False
         self.peak_bytes = 0
+        # bytes charged besides buffers: dequantized weight forms by cache key
+        # (handle, offset, dtype, shape), as the executors key their caches
+        self._derived: dict[tuple, int] = {}
+        # running totals, so accounting stays O(1) per request even with 65536 handles
+        self._allocated = 0
+        self._charged_extra = 0  # sum(self._derived.values()) + graph metadata bytes
 
     # ------------------------------------------------------------ devices
     def supports(self, op: Op, dtypes: Sequence[DType] = ()) -> bool:
@@ -174,16 +199,13 @@ class Executor(Backend):
             raise BackendError(f"unknown buffer purpose {purpose!r}") from None
         handle = self._new_handle(handle, self._buffers)
         used = self.allocated_bytes()
-        if self.limits.max_memory and used + size > self.limits.max_memory:
-            raise QuotaError(
-                f"allocating {size} bytes would exceed this session's memory limit "
-                f"({used} of {self.limits.max_memory} bytes in use)"
-            )
+        self._check_quota(size, f"allocating {size} bytes")
         try:
             storage = self._alloc(size)
         except (MemoryError, RuntimeError) as e:
             raise QuotaError(f"the device cannot allocate {size} bytes: {str(e).splitlines()[0]}") from None
         self._buffers[handle] = Buffer(size, purpose, storage)
+        self._allocated += size
         self.peak_bytes = max(self.peak_bytes, used + size)
         return handle
 
@@ -202,6 +224,10 @@ class Executor(Backend):
     def free_buffer(self, handle: int) -> None:
         buf = self._buffer(handle)
         del self._buffers[handle]
+        self._allocated -= buf.size
+        dropped = [k for k in self._derived if k[0] == handle]
+        for k in dropped:
+            self._charged_extra -= self._derived.pop(k)
         self._release(buf)
 
     def clear_buffer(self, handle: int, value: int = 0) -> None:
@@ -215,7 +241,34 @@ class Executor(Backend):
         return self._buffer(handle).size
 
     def allocated_bytes(self) -> int:
-        return sum(b.size for b in self._buffers.values())
+        """Bytes of live buffers (what ``host status`` reports)."""
+        return self._allocated
+
+    def charged_bytes(self) -> int:
+        """What counts against ``Limits.max_memory`` between computes: buffers, derived
+        weight forms, and graph metadata."""
+        return self._allocated + self._charged_extra
+
+    def _check_quota(self, extra: int, what: str) -> None:
+        limit = self.limits.max_memory
+        if limit:
+            used = self.charged_bytes()
+            if used + extra > limit:
+                raise QuotaError(
+                    f"{what} would exceed this session's memory limit "
+                    f"({used} of {limit} bytes in use, counting buffers, dequantized weights "
+                    "and graph metadata)"
+                )
+
+    def _derived_nbytes(self, dtype: DType, shape: tuple[int, ...]) -> int:
+        """Bytes an executor's cached form of a WEIGHT takes beyond its buffer bytes.
+        F32 and I32 weights are used in place; others are widened, at most to f32."""
+        if dtype in (DType.F32, DType.I32):
+            return 0
+        n = 1
+        for d in shape:
+            n *= d
+        return 4 * n
 
     # ------------------------------------------------------------ tensor bytes
     def set_tensor(self, handle: int, offset: int, data: bytes | memoryview | np.ndarray) -> None:
@@ -242,6 +295,8 @@ class Executor(Backend):
         if len(graph.nodes) > self.limits.max_graph_nodes:
             raise QuotaError(f"graph of {len(graph.nodes)} nodes exceeds the limit of {self.limits.max_graph_nodes}")
         graph.validate(self.limits.max_graph_nodes)
+        used: dict[int, Buffer] = {}
+        derived: dict[tuple, int] = {}
         for nid, node in enumerate(graph.nodes):
             if node.op in (Op.WEIGHT, Op.STATE):
                 handle, offset = node.attrs
@@ -251,22 +306,38 @@ class Executor(Backend):
                 if offset % ALIGNMENT:
                     raise BackendError(f"{what}: offset {offset} is not {ALIGNMENT}-byte aligned")
                 self._check_range(handle, self._buffers[handle], offset, node.dtype.nbytes(node.shape))
+                used[handle] = self._buffers[handle]
+                key = (handle, offset, node.dtype, node.shape)
+                if node.op is Op.WEIGHT and key not in self._derived:
+                    derived[key] = self._derived_nbytes(node.dtype, node.shape)
         gid = self._new_handle(gid, self._graphs)
+        # charged before compiling: compiling is what dequantizes the weights
+        self._check_quota(sum(derived.values()) + GRAPH_NODE_BYTES * len(graph.nodes),
+                          f"registering a graph of {len(graph.nodes)} nodes")
         inputs = {name: (n.shape, n.dtype) for name, n in graph.inputs().items()}
-        self._graphs[gid] = Registered(graph, self._compile(graph), inputs)
+        scratch, transient = _scratch_of(graph)
+        program = self._compile(graph)
+        self._derived.update(derived)
+        self._charged_extra += sum(derived.values()) + GRAPH_NODE_BYTES * len(graph.nodes)
+        self._graphs[gid] = Registered(graph, program, inputs, used, scratch, transient)
         return gid
 
     def free_graph(self, gid: int) -> None:
-        self._graph(gid)
+        reg = self._graph(gid)
         del self._graphs[gid]
+        self._charged_extra -= GRAPH_NODE_BYTES * len(reg.graph.nodes)
 
     def compute(self, gid: int, inputs: Mapping[str, np.ndarray]) -> list[np.ndarray]:
         """Bind ``inputs`` by name and run graph ``gid``; returns its outputs as numpy arrays."""
         reg = self._graph(gid)
-        bound = self._bind(reg, inputs)
-        for node in reg.graph.nodes:
-            if node.op in (Op.WEIGHT, Op.STATE) and node.attrs[0] not in self._buffers:
-                raise BackendError(f"graph {gid} uses buffer {node.attrs[0]}, which was freed")
+        bound, n_tokens = self._bind(reg, inputs)
+        for handle, buf in reg.buffers.items():
+            if self._buffers.get(handle) is not buf:
+                raise BackendError(f"graph {gid} uses buffer {handle}, which was freed")
+        if self.limits.max_memory:
+            t = n_tokens or 1
+            need = _poly(reg.scratch, t) + max((_poly(p, t) for p in reg.transient), default=0)
+            self._check_quota(need, f"computing graph {gid} with T={t} (about {need} bytes of intermediates)")
         try:
             return self._run(reg, bound)
         except (BackendError, GraphError):
@@ -282,6 +353,8 @@ class Executor(Backend):
         for handle in list(self._buffers):
             self.free_buffer(handle)
         self._graphs.clear()
+        self._derived.clear()
+        self._charged_extra = 0
         self.closed = True
 
     # ------------------------------------------------------------ checks
@@ -313,8 +386,8 @@ class Executor(Backend):
             )
 
     @staticmethod
-    def _bind(reg: Registered, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Check every input's name, dtype and shape; work out T. Returns the arrays."""
+    def _bind(reg: Registered, inputs: Mapping[str, np.ndarray]) -> tuple[dict[str, np.ndarray], int | None]:
+        """Check every input's name, dtype and shape; work out T. Returns the arrays and T."""
         missing = set(reg.inputs) - set(inputs)
         extra = set(inputs) - set(reg.inputs)
         if missing or extra:
@@ -337,7 +410,7 @@ class Executor(Backend):
                 elif want != got:
                     raise BackendError(f"input {name!r} must have shape {fmt_shape(shape)}, got {arr.shape}")
             out[name] = np.ascontiguousarray(arr)
-        return out
+        return out, n_tokens
 
     # ------------------------------------------------------------ executor hooks
     @abstractmethod
@@ -360,3 +433,54 @@ class Executor(Backend):
 
     @abstractmethod
     def _run(self, reg: Registered, inputs: dict[str, np.ndarray]) -> list[np.ndarray]: ...
+
+
+# ---------------------------------------------------------------- scratch estimate
+
+
+def _term(shape: Sequence[int], factor: int = 4) -> dict[int, int]:
+    """``factor`` * numel(shape) as {power of T: coefficient}."""
+    coef, power = factor, 0
+    for d in shape:
+        if d == T:
+            power += 1
+        else:
+            coef *= d
+    return {power: coef}
+
+
+def _add(total: dict[int, int], term: dict[int, int]) -> None:
+    for p, c in term.items():
+        total[p] = total.get(p, 0) + c
+
+
+def _poly(poly: Mapping[int, int], t: int) -> int:
+    return sum(c * t**p for p, c in poly.items())
+
+
+def _scratch_of(graph: Graph) -> tuple[dict[int, int], tuple[dict[int, int], ...]]:
+    """Bytes one compute of ``graph`` holds, as polynomials in T (upper bounds).
+
+    The executors keep every node's value until the end of a compute, so the sum over
+    nodes (4 bytes an element: values are held as f32 at most) is what a compute peaks
+    at; ops that return a view of their input add nothing. ``transient`` lists what a
+    single op needs besides its result (attention scores, SAMPLE's sorted copies); only
+    the largest one is live at a time.
+    """
+    total: dict[int, int] = {}
+    transient: dict[frozenset, dict[int, int]] = {}
+    for node in graph.nodes:
+        if node.op in (Op.WEIGHT, Op.STATE) or node.op in _ALIASING:
+            continue
+        _add(total, _term(node.shape))
+        extra: dict[int, int] = {}
+        if node.op is Op.ATTENTION:
+            q, k = (graph.nodes[i].shape for i in node.inputs[:2])
+            # scores and probabilities (Hq, Tq, S), keys and values repeated to Hq heads
+            _add(extra, _term((q[1], q[0], k[0]), 8))
+            _add(extra, _term((k[0], q[1], max(q[2], graph.nodes[node.inputs[2]].shape[2])), 8))
+        elif node.op is Op.SAMPLE:
+            _add(extra, _term(graph.nodes[node.inputs[0]].shape, 32))  # sort, softmax, cumsums
+        if extra:
+            transient[frozenset(extra.items())] = extra
+    return total, tuple(transient.values())

@@ -53,11 +53,15 @@ def check_index(ids: np.ndarray, limit: int, what: str) -> None:
 
 
 def gelu(x: np.ndarray) -> np.ndarray:
-    return 0.5 * x * (1.0 + np.tanh(np.float32(0.7978845608028654) * (x + 0.044715 * x**3)))
+    # x**3 overflows to +-inf for |x| > ~7e12; tanh then saturates to the right limit
+    with np.errstate(over="ignore"):
+        return 0.5 * x * (1.0 + np.tanh(np.float32(0.7978845608028654) * (x + 0.044715 * x**3)))
 
 
 def silu(x: np.ndarray) -> np.ndarray:
-    return x / (1.0 + np.exp(-x))
+    # exp(-x) overflows to inf for x < ~-88 (f32); x / inf = -0, the right limit
+    with np.errstate(over="ignore"):
+        return x / (1.0 + np.exp(-x))
 
 
 def softmax(x: np.ndarray) -> np.ndarray:
@@ -114,7 +118,7 @@ def sample(logits: np.ndarray, params: np.ndarray) -> np.ndarray:
     for r, row in enumerate(rows):
         order = np.argsort(-row, kind="stable")
         scaled = row[order].astype(np.float32) / np.float32(temperature)
-        keep = len(order) if top_k <= 0 else min(int(top_k), len(order))
+        keep = len(order) if top_k <= 0 else int(min(top_k, len(order)))  # inf: all; nan: ValueError
         p = softmax(scaled[:keep])
         if top_p < 1.0:
             keep = min(keep, int(np.searchsorted(np.cumsum(p), np.float32(top_p))) + 1)
@@ -127,9 +131,12 @@ def sample(logits: np.ndarray, params: np.ndarray) -> np.ndarray:
 
 def _view(x, axis, start, length):
     # a basic slice, so a VIEW of a STATE is a window on it (SET_ROWS writes through)
-    start = start % x.shape[axis]
-    if start + length > x.shape[axis]:
-        raise BackendError(f"VIEW [{start}:{start + length}] outside axis of size {x.shape[axis]}")
+    n = x.shape[axis]
+    if not -n <= start < n:  # on the T axis only known now; must not wrap around
+        raise BackendError(f"VIEW start {start} outside axis of size {n}")
+    start = start % n
+    if start + length > n:
+        raise BackendError(f"VIEW [{start}:{start + length}] outside axis of size {n}")
     index = [slice(None)] * x.ndim
     index[axis] = slice(start, start + length)
     return x[tuple(index)]

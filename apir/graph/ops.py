@@ -176,7 +176,7 @@ def broadcast(a: Sequence[int], b: Sequence[int]) -> tuple[int, ...]:
 
 
 def _leaf(ins, attrs):  # leaves carry their own spec; the builder fills it in
-    raise AssertionError("leaves have no rule")
+    raise _fail("leaves (INPUT, WEIGHT, STATE) have no inputs to infer from")  # never an assert
 
 
 def _get_rows(ins, attrs):
@@ -191,6 +191,8 @@ def _set_rows(ins, attrs):
     _float(src, "SET_ROWS src")
     _i32(ids, "SET_ROWS ids")
     _rank(ids, 1, "SET_ROWS ids")
+    if not src[0] or not dst[0]:
+        raise _fail("SET_ROWS destination and rows need at least one dim")
     if dst[1].is_quantized:
         raise _fail("SET_ROWS destination cannot be quantized")
     if len(src[0]) != len(dst[0]) or tuple(src[0][1:]) != tuple(dst[0][1:]):
@@ -204,6 +206,8 @@ def _matmul(ins, attrs):
     x, w = ins
     _float(x, "MATMUL input")
     _rank(w, 2, "MATMUL weight")
+    if not x[0]:
+        raise _fail("MATMUL input needs at least one dim")
     if x[0][-1] != w[0][1]:
         raise _fail(f"MATMUL inner dims differ: input {fmt_shape(x[0])}, weight {fmt_shape(w[0])}")
     return (*x[0][:-1], w[0][0]), DType.F32
@@ -404,6 +408,11 @@ def infer(op: Op, inputs: Sequence[Spec], attrs: tuple) -> Spec:
         return spec.rule(inputs, attrs)
     except GraphError as e:
         raise GraphError(f"{op.name}: {e}") from None
+    except (IndexError, TypeError, ValueError):
+        # a rule that forgot a check must still refuse with a GraphError, never raise
+        # something the host would report as its own failure
+        shapes = ", ".join(f"{fmt_shape(s)} {d.name}" for s, d in inputs)
+        raise GraphError(f"{op.name}: inputs {shapes} do not fit the op") from None
 
 
 def leaf_spec_check(op: Op, shape: tuple[int, ...], dtype: DType) -> None:

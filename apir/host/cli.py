@@ -42,10 +42,17 @@ def cmd_host(args: argparse.Namespace) -> int:
             group = grp.getgrnam(args.group).gr_gid
         except KeyError:
             raise ApirError(f"unknown group {args.group!r}") from None
+    limits = {  # per-session caps; a flag left out keeps HostConfig's default
+        "max_handles": args.max_handles, "max_graph_nodes": args.max_graph_nodes,
+        "max_arena": parse_size(args.max_arena) if args.max_arena else None,
+        "max_message": parse_size(args.max_message) if args.max_message else None,
+        "io_timeout": args.io_timeout, "handshake_timeout": args.handshake_timeout,
+    }
     config = HostConfig(
         listen=tuple(parse_address(u) for u in listen), device=args.device, token=token,
         max_memory=parse_size(args.max_memory) if args.max_memory else 0,
         max_sessions=args.max_sessions, group=group,
+        **{k: v for k, v in limits.items() if v is not None},
     )
     run(config)
     return 0
@@ -76,7 +83,20 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="where sessions execute (default: best available)")
     p.add_argument("--token-file", default=env.TOKEN_FILE.get(),
                    help="file holding the shared secret guests must present on tcp/vsock")
-    p.add_argument("--max-memory", metavar="SIZE", help="per-session buffer memory cap, e.g. 8G")
+    p.add_argument("--max-memory", metavar="SIZE",
+                   help="per-session memory cap (buffers, dequantized weights, graphs, compute "
+                        "scratch), e.g. 8G; set it when serving untrusted guests (default: none)")
     p.add_argument("--max-sessions", type=int, default=16, help="concurrent sessions (default 16)")
+    p.add_argument("--max-handles", type=int, metavar="N",
+                   help="live buffers + graphs per session (default 65536)")
+    p.add_argument("--max-graph-nodes", type=int, metavar="N", help="nodes per graph (default 65536)")
+    p.add_argument("--max-arena", metavar="SIZE", help="shared arena per session (default 1G)")
+    p.add_argument("--max-message", metavar="SIZE",
+                   help="largest frame a guest may send (default 64M; tcp guests send 8M chunks)")
+    p.add_argument("--io-timeout", type=float, metavar="S",
+                   help="seconds a started frame may stall, or a reply wait to be read, before "
+                        "the session is closed (default 60)")
+    p.add_argument("--handshake-timeout", type=float, metavar="S",
+                   help="seconds a new connection has to complete its handshake (default 5)")
     p.add_argument("--group", help="make the unix socket usable by this group (mode 0660)")
     p.set_defaults(func=cmd_host)

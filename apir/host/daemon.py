@@ -25,7 +25,7 @@ from ..backends.base import Limits
 from ..errors import ApirError
 from ..protocol import PROTOCOL_VERSION, ErrorCode, ProtocolError, op_table_hash
 from ..protocol import messages as m
-from ..protocol.messages import HEADER, decode_body, decode_header, encode
+from ..protocol.messages import HEADER, MAX_BODY, decode_body, decode_header, encode
 from ..transport import Address, Channel, listen
 from .session import SessionConfig, run_worker
 
@@ -33,6 +33,7 @@ log = logging.getLogger("apir.host")
 
 HANDSHAKE_MAX = 4096  # bytes a Hello may take
 MAX_SLOTS = 1024
+MAX_PENDING = 256  # connections still in their handshake; more are closed at once
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,8 @@ class HostConfig:
     max_handles: int = 65536
     max_graph_nodes: int = 1 << 16
     max_arena: int = 1 << 30
+    max_message: int = MAX_BODY  # largest frame a session's guest may send, bytes
+    io_timeout: float = 60.0  # a started frame must complete, a reply must drain (seconds)
     group: int | None = None
     handshake_timeout: float = 5.0
 
@@ -57,8 +60,14 @@ class HostConfig:
                 f"listening on {remote[0]} requires a token: pass --token-file FILE (the guest "
                 "sets APIR_TOKEN or --token-file with the same secret)"
             )
-        if self.max_sessions <= 0:
-            raise ApirError("--max-sessions must be positive")
+        if not 0 < self.max_sessions <= MAX_SLOTS:
+            raise ApirError(f"--max-sessions must be in 1..{MAX_SLOTS}")
+        if self.max_handles < 0 or self.max_graph_nodes <= 0 or self.max_arena < 0:
+            raise ApirError("--max-handles, --max-graph-nodes and --max-arena must not be negative")
+        if not 1 << 16 <= self.max_message <= MAX_BODY:
+            raise ApirError(f"--max-message must be between 64K and {MAX_BODY >> 20}M")
+        if not self.io_timeout > 0 or not self.handshake_timeout > 0:
+            raise ApirError("--io-timeout must be positive")
 
 
 @dataclass
@@ -154,6 +163,14 @@ class Daemon:
         try:
             sock, peer = listener.accept()
         except BlockingIOError:
+            return
+        except OSError as e:  # EMFILE, ENFILE, ECONNABORTED...: never fatal to the daemon
+            log.warning("accept failed: %s", e.strerror or e)
+            time.sleep(0.01)  # the listener stays readable; do not spin
+            return
+        if len(self.pending) >= MAX_PENDING:  # a flood of idle connections
+            log.warning("dropped a connection: %d handshakes already pending", len(self.pending))
+            sock.close()
             return
         sock.setblocking(False)
         addr = self.listeners[listener]
@@ -251,7 +268,8 @@ class Daemon:
         self.pending.pop(p.sock)
         self.selector.unregister(p.sock)
         limits = Limits(self.config.max_memory, self.config.max_handles, self.config.max_graph_nodes)
-        cfg = SessionConfig(self.config.device, limits, self.config.max_arena, session, p.peer)
+        cfg = SessionConfig(self.config.device, limits, self.config.max_arena, session, p.peer,
+                            self.config.io_timeout)
         pid = os.fork()
         if pid == 0:  # the worker
             code = 0
@@ -265,7 +283,7 @@ class Daemon:
                 def publish(allocated: int, peak: int) -> None:
                     self.stats[2 * slot], self.stats[2 * slot + 1] = allocated, peak
 
-                run_worker(Channel(p.sock), hello, cfg, publish)
+                run_worker(Channel(p.sock, self.config.max_message), hello, cfg, publish)
             except BaseException:  # noqa: BLE001 - a worker must never return into the parent's loop
                 log.exception("session %d worker failed", session)
                 code = 1
@@ -274,8 +292,8 @@ class Daemon:
                 os._exit(code)
         p.sock.close()
         self.workers[pid] = Worker(session, slot, p.peer, time.monotonic())
-        log.info("session %d start: peer %s, client %s (worker pid %d)", session, p.peer,
-                 hello.client[:80], pid)
+        log.info("session %d start: peer %s, client %r (worker pid %d)", session, p.peer,
+                 hello.client[:80], pid)  # %r: a guest's string never forges log lines
 
     def _reap(self, block: bool = False) -> None:
         while self.workers:

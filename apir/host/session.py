@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import logging
 import os
+import re
+import select
 import time
 from dataclasses import dataclass
 
@@ -26,6 +28,9 @@ from ..transport import Arena, ArenaError, Channel, ConnectionClosed
 log = logging.getLogger("apir.host")
 
 INLINE_MAX = 4096  # outputs up to this size travel inline even when an arena exists
+MAX_ERROR = 2048  # characters of an error message sent back
+_ADDRESS = re.compile(r"0x[0-9a-fA-F]{5,}")
+_PATH = re.compile(r"(?<![\w.:/])(?:/[\w.+@-]+){2,}/?")
 
 
 @dataclass(frozen=True)
@@ -35,6 +40,7 @@ class SessionConfig:
     max_arena: int
     session: int
     peer: str
+    io_timeout: float = 60.0  # a started frame must keep arriving, a reply must drain
 
 
 def device_message(backend: Executor) -> m.Device:
@@ -43,18 +49,28 @@ def device_message(backend: Executor) -> m.Device:
                     tuple(sorted(d.capabilities)))
 
 
+def scrub(text: str) -> str:
+    """An error message as a guest may see it: one line, no host paths, no addresses.
+
+    Our own messages never contain either; this guards against text from torch or numpy
+    carried inside them (C++ frames with "0x7f..." addresses, source paths)."""
+    line = text.strip().splitlines()[0] if text.strip() else text
+    line = _PATH.sub("<path>", _ADDRESS.sub("0x…", line))
+    return line if len(line) <= MAX_ERROR else line[:MAX_ERROR] + "…"
+
+
 def error_for(exc: BaseException) -> m.Error:
     """An exception raised while serving a request, as the Error the guest will re-raise."""
     if isinstance(exc, QuotaError):
-        return m.Error(ErrorCode.QUOTA, str(exc))
+        return m.Error(ErrorCode.QUOTA, scrub(str(exc)))
     if isinstance(exc, GraphError):
-        return m.Error(ErrorCode.GRAPH, str(exc))
+        return m.Error(ErrorCode.GRAPH, scrub(str(exc)))
     if isinstance(exc, (BackendError, ArenaError)):
-        return m.Error(ErrorCode.INVALID, str(exc))
+        return m.Error(ErrorCode.INVALID, scrub(str(exc)))
     if isinstance(exc, ProtocolError):
-        return m.Error(ErrorCode.PROTOCOL, str(exc))
+        return m.Error(ErrorCode.PROTOCOL, scrub(str(exc)))
     if isinstance(exc, ApirError):
-        return m.Error(ErrorCode.INVALID, str(exc))
+        return m.Error(ErrorCode.INVALID, scrub(str(exc)))
     # Our own bug, not the guest's: say so without leaking paths or addresses.
     log.exception("internal error while serving a request")
     return m.Error(ErrorCode.INTERNAL, f"internal host error ({type(exc).__name__}); see the host log")
@@ -70,14 +86,27 @@ class Session:
     # ------------------------------------------------------------ loop
     def serve(self) -> None:
         """Answer requests until the guest says goodbye or goes away."""
+        # Idle between requests is fine (a chat waits on its user); once a frame has
+        # started, every read must make progress within io_timeout, and every reply must
+        # drain within it, so a stalled or non-reading guest ends its own session.
+        self.chan.sock.settimeout(self.config.io_timeout)
+        idle = select.poll()
+        idle.register(self.chan.sock, select.POLLIN)
         while True:
             try:
+                idle.poll()
                 frame = self.chan.recv()
             except ConnectionClosed:
                 return
             except ProtocolError as e:
                 # The stream can no longer be trusted to be in frame: report and end.
-                self._send(m.Error(ErrorCode.PROTOCOL, str(e)), 0)
+                self._send(m.Error(ErrorCode.PROTOCOL, scrub(str(e))), 0)
+                return
+            except TimeoutError:
+                log.warning("session %d: a frame stalled for %.0fs; closing the session",
+                            self.config.session, self.config.io_timeout)
+                self._send(m.Error(ErrorCode.PROTOCOL, f"frame not completed within "
+                                   f"{self.config.io_timeout:g}s; closing the session"), 0)
                 return
             msg, rid = frame.message, frame.header.request_id
             for fd in frame.fds:  # guests never send descriptors
@@ -92,15 +121,26 @@ class Session:
             if frame.header.flags & WANT_REPLY:
                 if self.deferred is not None:  # the root cause first
                     reply, self.deferred = self.deferred, None
-                self._send(reply, rid)
+                if not self._send(reply, rid):
+                    return
             elif isinstance(reply, m.Error) and self.deferred is None:
                 self.deferred = m.Error(reply.code, f"an earlier {type(msg).__name__} failed: {reply.message}")
 
-    def _send(self, msg: object, rid: int) -> None:
+    def _send(self, msg: object, rid: int) -> bool:
+        """Send a reply; False when the guest is gone or stopped reading (end the session)."""
         try:
-            self.chan.send(msg, rid)
+            try:
+                self.chan.send(msg, rid)
+            except ProtocolError as e:  # a reply too large for one frame (inline, no arena)
+                self.chan.send(m.Error(ErrorCode.INVALID, f"the reply cannot be sent: {scrub(str(e))}; "
+                                       "read in smaller pieces or through the shared arena"), rid)
         except ConnectionClosed:
-            pass
+            return False
+        except (TimeoutError, OSError):
+            log.warning("session %d: the guest stopped reading replies; closing the session",
+                        self.config.session)
+            return False
+        return True
 
     # ------------------------------------------------------------ dispatch
     def dispatch(self, msg: object) -> object:
@@ -223,9 +263,16 @@ def run_worker(chan: Channel, hello: m.Hello, config: SessionConfig, publish) ->
         fds = (arena.fd,)
     welcome = m.Welcome(PROTOCOL_VERSION, config.session, device_message(backend),
                         arena.size if arena else 0, config.limits.max_memory)
-    chan.send(welcome, 0, fds=fds)
+    from .. import env
+
+    chan.spin_seconds = int(env.SPIN_US.get()) / 1e6  # the next decode step is usually µs away
     session = Session(chan, backend, arena, config, publish)
     try:
+        chan.sock.settimeout(config.io_timeout)
+        try:
+            chan.send(welcome, 0, fds=fds)
+        except (ConnectionClosed, OSError):
+            return  # the guest went away during its handshake
         session.serve()
     finally:
         peak = backend.peak_bytes

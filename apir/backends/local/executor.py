@@ -65,7 +65,6 @@ class Program:
     weight_buffers: tuple[int, ...] = ()
     state_buffers: tuple[int, ...] = ()  # written by every run: their versions move on
     captured: dict = field(default_factory=dict)  # n_tokens -> CapturedStep (CUDA only)
-    prefill: object = None  # compiled for any token count (CUDA only), or False after a failure
 
 
 # Operand positions that index into another operand: op -> ((index operand, indexed operand, what), ...)
@@ -239,28 +238,10 @@ class LocalBackend(Executor):
                 name: torch.from_numpy(a if a.flags.writeable else a.copy()).to(dev)
                 for name, a in inputs.items()
             }
-            outs = self._prefill(reg, tensors) if prog.device_safe and self.compile else None
-            if outs is None:
-                outs = self._execute(reg, tensors)
+            outs = self._execute(reg, tensors)
         for handle in prog.state_buffers:
             self._buffers[handle].version += 1
         return [self._to_numpy(t, reg.graph.nodes[o].dtype) for t, o in zip(outs, prog.outputs)]
-
-    def _prefill(self, reg: Registered, tensors: dict[str, torch.Tensor]) -> list[torch.Tensor] | None:
-        """Prompt-sized steps: one compile with a symbolic token count (no CUDA graph, the
-        shapes vary), so a prompt chunk is a few fused kernels per layer, not dozens."""
-        prog = reg.program
-        if prog.prefill is False:
-            return None
-        if prog.prefill is None:
-            prog.prefill = torch.compile(lambda t: self._execute(reg, t), dynamic=True)
-        try:
-            return prog.prefill(tensors)
-        except Exception as e:  # noqa: BLE001 - fall back to eager kernels, once
-            log.warning("torch.compile of the prefill failed (%s); running it eagerly",
-                        str(e).splitlines()[0] if str(e) else type(e).__name__)
-            prog.prefill = False
-            return None
 
     def _replay(self, reg: Registered, inputs: dict[str, np.ndarray], n_tokens: int) -> list[torch.Tensor]:
         prog = reg.program

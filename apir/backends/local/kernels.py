@@ -128,8 +128,10 @@ def attention_full(q, k, v, pos, scale: float, window: int, softcap: float) -> t
 
 
 def view(x: torch.Tensor, axis: int, start: int, length: int) -> torch.Tensor:
-    start = start % x.shape[axis]
-    return x.narrow(axis, start, length)
+    n = x.shape[axis]
+    if not -n <= start < n:  # on the T axis only known now; must not wrap around
+        raise BackendError(f"VIEW start {start} outside axis of size {n}")
+    return x.narrow(axis, start % n, length)  # narrow refuses start + length > n
 
 
 # op -> f(*inputs, *attrs)
@@ -149,7 +151,7 @@ KERNELS: dict = {
     Op.ROPE: rope,
     Op.ATTENTION: attention,
     Op.RESHAPE: lambda x, shape: x.reshape(shape),
-    Op.PERMUTE: lambda x, axes: x.permute(axes),
+    Op.PERMUTE: lambda x, axes: x.permute(axes) if axes else x,  # torch refuses () on a 0-d tensor
     Op.TRANSPOSE: lambda x, a, b: x.transpose(a, b),
     Op.VIEW: view,
     Op.CONTIGUOUS: lambda x: x.contiguous(),
