@@ -168,6 +168,7 @@ def _chat_loop(model, params) -> int:
         messages.append({"role": "user", "content": line})
         ids = model.chat_ids(messages)
         reply, _ = _generate(model, ids, params)
+        sys.stdout.write("\n")
         messages.append({"role": "assistant", "content": reply})
 
 
@@ -258,6 +259,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    import warnings
+
+    # Library warnings (e.g. a model without a chat template) are one line, not a stack frame.
+    warnings.showwarning = lambda message, *_args, **_kw: _eprint(f"warning: {message}")
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     args.argv = argv
