@@ -8,9 +8,9 @@ import sys
 
 import gguf
 import pytest
+from tiny_models import TinyConfig, write_tiny_gguf
 
 from apir.models.resolve import resolve_model
-from tiny_models import TinyConfig, write_tiny_gguf
 
 
 def apir(*args: str, **kw) -> subprocess.CompletedProcess:

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from tiny_models import TinyConfig, write_tiny_gguf
 
 import apir
 from apir.engine import SamplingParams
 from apir.models.errors import ModelNotFoundError
 from apir.models.resolve import resolve_model
-from tiny_models import TinyConfig, write_tiny_gguf
 
 pytestmark = pytest.mark.gpu
 PROMPT = "The capital of France is"
