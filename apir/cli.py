@@ -41,20 +41,71 @@ def _add_backend(p: argparse.ArgumentParser) -> None:
                    help="context window in tokens (default: min(4096, the model's))")
 
 
+def _size(n: float) -> str:
+    for unit in ("B", "kB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    raise AssertionError("unreachable")
+
+
 def _progress_bar(label: str):
+    """A progress callback drawing ``label: [####----] 41.2/98.1 MB  310 MB/s  ETA 0:01`` on
+    stderr: redrawn in place (at most 10 times a second) on a terminal, else once at the end."""
     start = time.perf_counter()
     tty = sys.stderr.isatty()
+    last = [0.0]
 
     def report(done: int, total: int) -> None:
-        if not tty and done < total:
+        now = time.perf_counter()
+        finished = done >= total
+        if not finished and (not tty or now - last[0] < 0.1):
             return
-        mb, total_mb = done / 1e6, total / 1e6
-        rate = mb / max(time.perf_counter() - start, 1e-9)
-        end = "\n" if done >= total else ""
-        print(f"\r{label}: {mb:7.1f}/{total_mb:.1f} MB ({rate:,.0f} MB/s)", end=end,
+        last[0] = now
+        elapsed = max(now - start, 1e-9)
+        rate = done / elapsed
+        filled = round(20 * done / total) if total else 20
+        line = f"{label}: [{'#' * filled}{'-' * (20 - filled)}] {_size(done)}/{_size(total)}  {_size(rate)}/s"
+        if finished:
+            line += f"  in {elapsed:.1f}s"
+        elif rate > 0:
+            eta = int((total - done) / rate)
+            line += f"  ETA {eta // 60}:{eta % 60:02d}"
+        print(("\r" if tty else "") + line + ("\x1b[K" if tty else ""), end="\n" if finished else "",
               file=sys.stderr, flush=True)
 
     return report
+
+
+class _Spinner:
+    """Passed to ``remote_host`` as its ``spinner``: called every ~0.1 s while an
+    auto-started daemon comes up. Spins on a terminal; elsewhere says it once."""
+
+    FRAMES = "|/-\\"
+
+    def __init__(self, label: str) -> None:
+        self.label = label
+        self.calls = 0
+        self.start = time.perf_counter()
+        self.tty = sys.stderr.isatty()
+
+    def __call__(self) -> None:
+        if self.tty:
+            frame = self.FRAMES[self.calls % len(self.FRAMES)]
+            print(f"\r{frame} {self.label} ({time.perf_counter() - self.start:.0f}s)",
+                  end="", file=sys.stderr, flush=True)
+        elif self.calls == 0:
+            _eprint(f"{self.label}...")
+        self.calls += 1
+
+    def done(self) -> None:
+        """Erase the spinner's line (call once the daemon answers)."""
+        if self.tty and self.calls:
+            print("\r\x1b[K", end="", file=sys.stderr, flush=True)
+            self.calls = 0
+
+
+AUTO_HOST = "starting an apir host for --remote auto (none answers at the default socket)"
 
 
 def _load(args: argparse.Namespace, remote: str | None = None):
@@ -71,8 +122,11 @@ def _load(args: argparse.Namespace, remote: str | None = None):
     where = f"{model.backend.name}:{dev.name}" + (f" via {remote}" if remote else "")
     _eprint(f"loaded {model.file.path.name} ({model.arch_name}, {model.file.quantization()}) "
             f"on {where} in {time.perf_counter() - t0:.1f}s")
-    if args.device is None and dev.kind == "cpu" and backend != "numpy":
-        _eprint("note: no GPU found; running on the CPU")
+    from .doctor import cpu_fallback_note
+
+    note = cpu_fallback_note(backend, args.device, dev.kind, remote)
+    if note:
+        _eprint(note)
     return model
 
 
@@ -116,7 +170,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     params = _sampling(args)
     if args.sandbox and not sandbox.inside():
         return _run_sandboxed(args)
-    with remote_host(args.remote, args.device) as remote:
+    spinner = _Spinner(AUTO_HOST)
+    with remote_host(args.remote, args.device, spinner=spinner) as remote:
+        spinner.done()
         return _run(args, _load(args, remote), params)
 
 
@@ -128,7 +184,9 @@ def _run_sandboxed(args: argparse.Namespace) -> int:
     from .host.autostart import remote_host
     from .transport import parse_address
 
-    with remote_host(args.remote or "auto", args.device) as remote:
+    spinner = _Spinner(AUTO_HOST)
+    with remote_host(args.remote or "auto", args.device, spinner=spinner) as remote:
+        spinner.done()
         address = parse_address(remote)
         if address.scheme != "unix":
             raise ApirError(f"--sandbox reaches the host through a unix socket, not {address}")
@@ -182,7 +240,46 @@ def cmd_tokenize(args: argparse.Namespace) -> int:
     return 0
 
 
+def _flags_given(args: argparse.Namespace, flags: dict[str, tuple[str, ...]]) -> dict[str, object]:
+    """The values of the flags in ``flags`` (config key -> option strings) that appear on
+    the command line itself, as opposed to defaults taken from the environment or config."""
+    given = {}
+    words = getattr(args, "argv", [])
+    for key, options in flags.items():
+        for word in words:
+            if word == "--":
+                break
+            if any(word == o or word.startswith(o + "=") or (not o.startswith("--") and word.startswith(o))
+                   for o in options):
+                given[key] = getattr(args, key)
+    return given
+
+
+RUN_FLAGS = {  # config key (= dest) -> its flags, for `apir info --config`
+    "model": ("-m", "--model"), "backend": ("--backend",), "remote": ("--remote",),
+    "token_file": ("--token-file",), "device": ("--device",), "ctx_size": ("-c", "--ctx-size"),
+}
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    """The effective configuration: each variable, its value and where it came from."""
+    rows = env.describe(_flags_given(args, RUN_FLAGS))
+    if args.json:
+        print(json.dumps({"config_file": str(env.config_path()),
+                          "config_file_exists": env.config_path().is_file(), "variables": rows},
+                         indent=2))
+        return 0
+    path = env.config_path()
+    print(f"# config file: {path}" + ("" if path.is_file() else " (none)"))
+    for r in rows:
+        value = "-" if r["value"] is None else r["value"]
+        print(f"{r['name']:20} {value}  [{r['source']}]")
+    return 0
+
+
 def cmd_info(args: argparse.Namespace) -> int:
+    if args.config:
+        return cmd_config(args)
     from .models.gguf_file import GGUFFile
     from .models.registry import architecture
     from .models.resolve import resolve_model
@@ -239,9 +336,14 @@ def build_parser() -> argparse.ArgumentParser:
     tok.add_argument("text")
     tok.set_defaults(func=cmd_tokenize)
 
-    info = sub.add_parser("info", help="architecture, size, quantization, context length")
+    info = sub.add_parser("info", help="architecture, size, quantization, context length; "
+                          "--config: the effective configuration")
     _add_model(info)
+    _add_backend(info)
     info.add_argument("--json", action="store_true")
+    info.add_argument("--config", action="store_true",
+                      help="print every setting, its value and where it came from (flag, env, "
+                           "config file or default) instead of the model's details")
     info.set_defaults(func=cmd_info)
     from .host.cli import add_parser as add_host
 
@@ -255,6 +357,12 @@ def build_parser() -> argparse.ArgumentParser:
     from .store import add_parsers as add_store
 
     add_store(sub)
+    from .doctor import add_parser as add_doctor
+
+    add_doctor(sub)
+    from .vm.cli import add_parser as add_vm
+
+    add_vm(sub)
     return p
 
 
@@ -264,7 +372,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Library warnings (e.g. a model without a chat template) are one line, not a stack frame.
     warnings.showwarning = lambda message, *_args, **_kw: _eprint(f"warning: {message}")
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)  # flag defaults read the environment and config
+    except env.ConfigError as e:
+        _eprint(f"error: {e}")
+        return 2
     args.argv = argv
     try:
         return args.func(args)

@@ -1,6 +1,15 @@
 """Every environment variable apir reads, declared once: name, type, default, meaning.
 
-Precedence everywhere: command-line flag > environment variable > built-in default.
+Precedence everywhere: command-line flag > environment variable > the user config file >
+built-in default. The config file (``~/.config/apir/config.toml``, or ``$APIR_CONFIG``) is
+TOML whose keys are the variables' names, lowercased, without the ``APIR_`` prefix::
+
+    model = "gemma3-270m"
+    remote = "auto"
+    device = "cuda"
+    ctx_size = 8192
+
+Flags take their defaults from ``EnvVar.get()``, so every caller sees all three layers.
 """
 
 from __future__ import annotations
@@ -9,16 +18,40 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from .errors import ApirError
+
+SECRET = "(set)"  # what describe() shows instead of a secret's value
+
+
+class ConfigError(ApirError):
+    """The user config file cannot be used: one line naming the file and what is wrong."""
+
 
 @dataclass(frozen=True)
 class EnvVar:
     name: str
     default: str | None
     help: str
+    secret: bool = False  # never printed by `apir info --config`
+
+    @property
+    def key(self) -> str:
+        """This variable's key in the config file: ``APIR_CTX_SIZE`` -> ``ctx_size``."""
+        return self.name.lower().removeprefix("apir_")
 
     def get(self) -> str | None:
+        return self.lookup()[0]
+
+    def lookup(self) -> tuple[str | None, str]:
+        """(value, where it came from: "env", "config" or "default")."""
         value = os.environ.get(self.name)
-        return value if value not in (None, "") else self.default
+        if value not in (None, ""):
+            return value, "env"
+        if self.name != CONFIG.name:
+            file = read_config()
+            if self.key in file:
+                return file[self.key], "config"
+        return self.default, "default"
 
 
 CACHE_DIR = EnvVar(
@@ -32,18 +65,20 @@ CTX_SIZE = EnvVar("APIR_CTX_SIZE", None, "context window in tokens (default: min
 API_KEY = EnvVar(
     "APIR_API_KEY", None,
     "apir serve: require 'Authorization: Bearer KEY' on /v1/* (default: no key needed)",
+    secret=True,
 )
 HF_ENDPOINT = EnvVar(
     "HF_ENDPOINT", "https://huggingface.co",
     "apir pull hf://...: the Hugging Face Hub (or a mirror) to download from",
 )
-HF_TOKEN = EnvVar("HF_TOKEN", None, "apir pull hf://...: access token for gated or private repos")
+HF_TOKEN = EnvVar("HF_TOKEN", None, "apir pull hf://...: access token for gated or private repos",
+                  secret=True)
 
 REMOTE = EnvVar(
     "APIR_REMOTE", None,
     "guest: the host daemon's address (unix://PATH, tcp://HOST:PORT, vsock://CID:PORT, auto)",
 )
-TOKEN = EnvVar("APIR_TOKEN", None, "guest: the shared secret for tcp/vsock hosts")
+TOKEN = EnvVar("APIR_TOKEN", None, "guest: the shared secret for tcp/vsock hosts", secret=True)
 TOKEN_FILE = EnvVar("APIR_TOKEN_FILE", None, "guest: a file holding that secret (wins over APIR_TOKEN)")
 HOST_LISTEN = EnvVar("APIR_HOST_LISTEN", None, "host: default --listen address (default: the user's unix socket)")
 BENCH_HISTORY = EnvVar(
@@ -56,7 +91,79 @@ COMPILE = EnvVar("APIR_COMPILE", "1", "host: torch.compile decode steps before c
 
 SPIN_US = EnvVar("APIR_SPIN_US", "2000", "guest and host: busy-poll this many microseconds for a reply before sleeping")
 
-ALL = (
-    CACHE_DIR, MODEL, BACKEND, DEVICE, CTX_SIZE, API_KEY, HF_ENDPOINT, HF_TOKEN,
-    REMOTE, TOKEN, TOKEN_FILE, HOST_LISTEN, BENCH_HISTORY,
+CONFIG = EnvVar(
+    "APIR_CONFIG",
+    str(Path(os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config") / "apir" / "config.toml"),
+    "the user config file (TOML; keys are these variables' names, lowercased, without APIR_)",
 )
+
+ALL = (
+    CONFIG, MODEL, BACKEND, DEVICE, CTX_SIZE, REMOTE, TOKEN, TOKEN_FILE, HOST_LISTEN, API_KEY,
+    CACHE_DIR, HF_ENDPOINT, HF_TOKEN, BENCH_HISTORY, CUDA_GRAPHS, COMPILE, SPIN_US,
+)
+
+_cached: tuple[tuple, dict[str, str]] = ((), {})  # (path, mtime, size) -> parsed values
+
+
+def config_path() -> Path:
+    return Path(CONFIG.get() or CONFIG.default or "").expanduser()
+
+
+def read_config() -> dict[str, str]:
+    """The config file's values by key, as strings (booleans as "1"/"0"); {} when there is
+    no file. Re-read only when the file changes. Raises ConfigError, one line."""
+    global _cached
+    path = config_path()
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        if os.environ.get(CONFIG.name):
+            raise ConfigError(f"{path}: no such config file (named by {CONFIG.name})") from None
+        return {}
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read the config file: {e.strerror}") from None
+    stamp = (str(path), st.st_mtime_ns, st.st_size)
+    if _cached[0] == stamp:
+        return _cached[1]
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # requires-python is >=3.10; tomllib arrived in 3.11
+        raise ConfigError(f"{path}: reading the config file needs Python >= 3.11 (tomllib); "
+                          f"remove it or set the APIR_* variables instead") from None
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: invalid TOML: {e}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: cannot read the config file: {e}") from None
+    known = {var.key for var in ALL if var is not CONFIG}
+    values: dict[str, str] = {}
+    for key, value in data.items():
+        if key not in known:
+            raise ConfigError(f"{path}: unknown key {key!r}; known keys: {', '.join(sorted(known))}")
+        if isinstance(value, bool):
+            value = "1" if value else "0"
+        elif isinstance(value, (int, float, str)):
+            value = str(value)
+        else:
+            raise ConfigError(f"{path}: {key} must be a string, number or boolean, "
+                              f"not a {type(value).__name__}")
+        if value != "":
+            values[key] = value
+    _cached = (stamp, values)
+    return values
+
+
+def describe(flags: dict[str, object] | None = None) -> list[dict[str, str | None]]:
+    """Every variable's effective value and where it came from: flag, env, config or
+    default. ``flags`` maps config keys to the values of flags given on the command line.
+    Secrets show as "(set)"."""
+    rows = []
+    for var in ALL:
+        value, source = var.lookup()
+        if flags and flags.get(var.key) is not None:
+            value, source = str(flags[var.key]), "flag"
+        if var.secret and value is not None:
+            value = SECRET
+        rows.append({"name": var.name, "key": var.key, "value": value, "source": source})
+    return rows

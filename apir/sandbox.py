@@ -7,8 +7,8 @@ socket, bound in at the same path. The shared arena arrives over that socket as 
 descriptor, so bulk data still moves through shared memory.
 
 The equivalent container, for reference (README "Running in a container"):
-    podman run --rm --network none -v /run/user/$UID/apir:/run/apir \\
-        -e APIR_REMOTE=unix:///run/apir/apir.sock apir-guest apir run -p "Hello"
+    podman run --rm --network none --read-only -v "$XDG_RUNTIME_DIR/apir:/run/apir" \\
+        apir-guest run -p "Hello"   # entrypoint apir; APIR_REMOTE set in the image
 """
 
 from __future__ import annotations

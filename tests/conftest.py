@@ -42,3 +42,19 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _no_user_config(tmp_path_factory):
+    """Tests never read the developer's ~/.config/apir/config.toml (subprocesses inherit this)."""
+    import os
+
+    empty = tmp_path_factory.mktemp("config") / "config.toml"
+    empty.write_text("")
+    old = os.environ.get("APIR_CONFIG")
+    os.environ["APIR_CONFIG"] = str(empty)
+    yield
+    if old is None:
+        os.environ.pop("APIR_CONFIG", None)
+    else:
+        os.environ["APIR_CONFIG"] = old

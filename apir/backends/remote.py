@@ -19,7 +19,7 @@ import numpy as np
 from .. import __version__
 from ..errors import ApirError
 from ..graph import DType, Graph, GraphError, Op, T
-from ..graph.dtypes import NUMPY_DTYPES
+from ..graph.dtypes import NUMPY_DTYPES, from_numpy
 from ..protocol import PROTOCOL_VERSION, WANT_REPLY, ErrorCode, ProtocolError, op_table_hash
 from ..protocol import messages as m
 from ..transport import Arena, ArenaRing, Channel, ConnectionClosed, Frame, connect, parse_address
@@ -106,15 +106,23 @@ class RemoteBackend(Backend):
     def __init__(self, url: str | None = None, device: str | None = None,
                  token_file: str | None = None, arena_size: int = DEFAULT_ARENA,
                  timeout: float | None = None) -> None:
-        self.address = parse_address(url)
-        self.chan = connect(self.address)
-        self.chan.sock.settimeout(timeout)
+        injected = None
+        if url is not None and url.split("://", 1)[0] == "ivshmem":  # a VM's shared memory
+            from ..transport.ivshmem import guest_connect
+
+            injected = guest_connect(url, timeout)  # (channel, arena, region)
+            self.address = url
+            self.chan = injected[0]
+        else:
+            self.address = parse_address(url)
+            self.chan = connect(self.address)
+            self.chan.sock.settimeout(timeout)
         self._ids = itertools.count(1)
         self._rids = itertools.count(1)
         self._graphs: dict[int, Graph] = {}
         self.closed = False
         self.round_trip_seconds = 0.0  # of the last request that waited for the host
-        want_arena = arena_size if self.address.scheme == "unix" else 0
+        want_arena = arena_size if injected or self.address.scheme == "unix" else 0
         hello = m.Hello(PROTOCOL_VERSION, op_table_hash(), read_token(token_file),
                         f"apir {__version__} pid {os.getpid()} on {socket.gethostname()}", want_arena)
         try:
@@ -133,6 +141,12 @@ class RemoteBackend(Backend):
             raise BackendError(f"the host executes on {self._device.kind}, not {device!r}; "
                                f"start it with `apir host --device {device}`")
         self.arena = Arena.attach(frame.fds[0], welcome.arena_size) if frame.fds else None
+        if injected is not None:
+            self.arena, self._region = injected[1], injected[2]
+            if welcome.arena_size != self.arena.size:
+                self.close()
+                raise ProtocolError(f"the host granted a {welcome.arena_size}-byte arena, the "
+                                    f"shared region holds {self.arena.size}")
         from .. import env
 
         self.chan.spin_seconds = int(env.SPIN_US.get()) / 1e6
@@ -257,7 +271,10 @@ class RemoteBackend(Backend):
         tensors, n_tokens = [], None
         for name, arr in inputs.items():
             arr = np.ascontiguousarray(arr)
-            dtype = DType.BF16 if arr.dtype == np.uint16 else _dtype_of(arr.dtype)
+            try:
+                dtype = DType.BF16 if arr.dtype == np.uint16 else from_numpy(arr.dtype)
+            except ValueError as e:
+                raise BackendError(f"input {name!r}: {e}") from None
             tensors.append(m.Tensor(name, int(dtype), tuple(arr.shape), self._blob(memoryview(arr).cast("B"))))
             n_tokens = n_tokens or (arr.shape[0] if arr.ndim else None)
         out_off, cap = -1, 0
@@ -289,13 +306,8 @@ class RemoteBackend(Backend):
         if self.arena is not None:
             self.arena.close()
             self.arena = None
-
-
-def _dtype_of(dtype: np.dtype) -> DType:
-    for k, v in NUMPY_DTYPES.items():
-        if v == dtype and k is not DType.BF16:
-            return k
-    raise BackendError(f"numpy dtype {dtype} cannot be sent (use float32, float16 or int32)")
+        if getattr(self, "_region", None) is not None:
+            self._region.close()
 
 
 def _nbytes(node, n_tokens: int | None) -> int:

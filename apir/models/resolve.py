@@ -19,11 +19,6 @@ from .errors import ModelNotFoundError
 
 DEFAULT_MODEL = "smollm2-135m"
 
-# Where assembled models are cached. APIR_CACHE_DIR (a directory) replaces the default
-# ~/.cache/apir/models; the file name inside it stays the same.
-CACHE_DIR_ENV = "APIR_CACHE_DIR"
-
-
 @dataclass(frozen=True)
 class ModelFile:
     """One file of a known model: ``relpath`` inside the directory of package ``module``."""
@@ -101,8 +96,9 @@ def resolve_model(spec: str | None) -> Path:
 
 def cache_dir() -> Path:
     """The directory assembled models are written to (not created here)."""
-    env = os.environ.get(CACHE_DIR_ENV)
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "apir" / "models"
+    from .. import env  # APIR_CACHE_DIR, or cache_dir in the config file
+
+    return Path(env.CACHE_DIR.get() or env.CACHE_DIR.default or "").expanduser()
 
 
 def _resolve_known(model: KnownModel) -> Path:

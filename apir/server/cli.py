@@ -41,8 +41,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     if args.backend == "remote" and not args.remote:
         raise ApirError("--backend remote needs --remote URL (or APIR_REMOTE)")
+    from ..cli import AUTO_HOST, _Spinner
+
     registered = lookup(args.model) if args.model else None
-    with remote_host(args.remote, args.device) as remote:
+    spinner = _Spinner(AUTO_HOST)
+    with remote_host(args.remote, args.device, spinner=spinner) as remote:
+        spinner.done()
         config = ServeConfig(
             model=args.model, backend="remote" if remote else args.backend, device=args.device,
             ctx_size=args.ctx_size, remote=remote, token_file=args.token_file,
