@@ -4,5 +4,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh --test
 . .venv/bin/activate
+# The suite runs several torch processes at once (pytest, host daemons, their workers) on
+# a 2-core CI machine: one OpenMP thread each stops them spinning against each other.
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 ruff check apir tests
 python -m pytest -q "$@"

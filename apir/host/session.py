@@ -89,12 +89,16 @@ class Session:
         # Idle between requests is fine (a chat waits on its user); once a frame has
         # started, every read must make progress within io_timeout, and every reply must
         # drain within it, so a stalled or non-reading guest ends its own session.
-        self.chan.sock.settimeout(self.config.io_timeout)
+        # A channel without a socket (ivshmem) waits and times out inside recv itself.
+        sock = getattr(self.chan, "sock", None)
         idle = select.poll()
-        idle.register(self.chan.sock, select.POLLIN)
+        if sock is not None:
+            sock.settimeout(self.config.io_timeout)
+            idle.register(sock, select.POLLIN)
         while True:
             try:
-                idle.poll()
+                if sock is not None:
+                    self._wait_for_frame(idle)
                 frame = self.chan.recv()
             except ConnectionClosed:
                 return
@@ -125,6 +129,15 @@ class Session:
                     return
             elif isinstance(reply, m.Error) and self.deferred is None:
                 self.deferred = m.Error(reply.code, f"an earlier {type(msg).__name__} failed: {reply.message}")
+
+    def _wait_for_frame(self, idle: select.poll) -> None:
+        """Block (no timeout) until the next frame starts, after the channel's short spin:
+        a blocking poll here must not undo the latency ``Channel.spin_seconds`` buys."""
+        deadline = time.perf_counter() + getattr(self.chan, "spin_seconds", 0.0)
+        while not idle.poll(0):
+            if time.perf_counter() >= deadline:
+                idle.poll()
+                return
 
     def _send(self, msg: object, rid: int) -> bool:
         """Send a reply; False when the guest is gone or stopped reading (end the session)."""
@@ -250,15 +263,16 @@ def _from_numpy(dtype: np.dtype) -> DType:
     raise BackendError(f"output dtype {dtype} cannot be sent")
 
 
-def run_worker(chan: Channel, hello: m.Hello, config: SessionConfig, publish) -> None:
-    """Entry point of a session's worker process (after fork): build, welcome, serve."""
+def run_worker(chan: Channel, hello: m.Hello, config: SessionConfig, publish,
+               arena: Arena | None = None) -> None:
+    """Entry point of a session's worker process (after fork): build, welcome, serve.
+    ``arena``: one the transport already shares with the guest (ivshmem), instead of a memfd."""
     started = time.monotonic()
     from ..backends.local import LocalBackend  # torch: only worker processes execute
 
     backend = LocalBackend(config.device, limits=config.limits)
-    arena = None
     fds: tuple[int, ...] = ()
-    if chan.unix and hello.arena_size > 0:
+    if arena is None and chan.unix and hello.arena_size > 0:
         arena = Arena.create(min(hello.arena_size, config.max_arena), f"apir-session-{config.session}")
         fds = (arena.fd,)
     welcome = m.Welcome(PROTOCOL_VERSION, config.session, device_message(backend),
@@ -268,7 +282,8 @@ def run_worker(chan: Channel, hello: m.Hello, config: SessionConfig, publish) ->
     chan.spin_seconds = int(env.SPIN_US.get()) / 1e6  # the next decode step is usually µs away
     session = Session(chan, backend, arena, config, publish)
     try:
-        chan.sock.settimeout(config.io_timeout)
+        if getattr(chan, "sock", None) is not None:
+            chan.sock.settimeout(config.io_timeout)
         try:
             chan.send(welcome, 0, fds=fds)
         except (ConnectionClosed, OSError):
