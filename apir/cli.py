@@ -176,6 +176,12 @@ def cmd_run(args: argparse.Namespace) -> int:
         return _run(args, _load(args, remote), params)
 
 
+def _config_files() -> tuple[str, ...]:
+    """The config file, when there is one, so the guest in the sandbox reads the same."""
+    path = env.config_path()
+    return (str(path.resolve()),) if path.is_file() else ()
+
+
 def _run_sandboxed(args: argparse.Namespace) -> int:
     """Re-run this command as a guest inside bubblewrap, talking to a host outside it."""
     import subprocess
@@ -194,7 +200,7 @@ def _run_sandboxed(args: argparse.Namespace) -> int:
 
         model = str(resolve_model(args.model).resolve())  # /tmp is private in there: bind it
         argv = sandbox.guest_argv([*args.argv, "--remote", str(address)])
-        cmd = sandbox.sandbox_command(address.path, argv, read_only=(model,))
+        cmd = sandbox.sandbox_command(address.path, argv, read_only=(model, *_config_files()))
         _eprint(f"sandbox: guest in bubblewrap (no network, no GPU devices, read-only root) -> {address}")
         return subprocess.run(cmd).returncode
 
