@@ -23,6 +23,9 @@ from ..graph.dtypes import NUMPY_DTYPES, from_numpy
 from ..protocol import PROTOCOL_VERSION, WANT_REPLY, ErrorCode, ProtocolError, op_table_hash
 from ..protocol import messages as m
 from ..transport import Arena, ArenaRing, Channel, ConnectionClosed, Frame, connect, parse_address
+from ..transport.arena import check_sealed
+from ..transport.doorbell import Doorbell
+from ..transport.ivshmem import Region, RingChannel
 from .base import Backend, BackendError, BufferPurpose, DeviceInfo, QuotaError
 
 CHUNK = 8 << 20  # upload pieces: well under the frame limit, big enough to stream fast
@@ -140,7 +143,12 @@ class RemoteBackend(Backend):
             self.close()
             raise BackendError(f"the host executes on {self._device.kind}, not {device!r}; "
                                f"start it with `apir host --device {device}`")
-        self.arena = Arena.attach(frame.fds[0], welcome.arena_size) if frame.fds else None
+        self.arena = None
+        if len(frame.fds) == 3:  # a Unix session: ring region + doorbells (see host/session.py)
+            self.arena = self._attach_region(frame.fds, welcome.arena_size)
+        else:
+            for fd in frame.fds:
+                os.close(fd)
         if injected is not None:
             self.arena, self._region = injected[1], injected[2]
             if welcome.arena_size != self.arena.size:
@@ -154,6 +162,25 @@ class RemoteBackend(Backend):
 
     def __repr__(self) -> str:
         return f"RemoteBackend({self.address}, session {self.session})"
+
+    def _attach_region(self, fds: tuple[int, ...], arena_size: int) -> Arena:
+        """Switch to the session's shared rings; frames stop travelling on the socket."""
+        region_fd, to_host, to_guest = fds
+        try:
+            check_sealed(region_fd)
+            self._region = Region.open_fd(region_fd, "the host's shared region")
+        except ApirError:
+            for fd in (to_host, to_guest):
+                os.close(fd)
+            self.chan.close()
+            raise
+        if self._region.arena_size != arena_size:
+            raise ProtocolError(f"the host granted a {arena_size}-byte arena, the region holds "
+                                f"{self._region.arena_size}")
+        self._doorbell = Doorbell(notify_fd=to_host, wait_fd=to_guest, sock=self.chan.sock)
+        self._socket_chan = self.chan
+        self.chan = RingChannel(self._region, "guest", doorbell=self._doorbell)
+        return self._region.arena()
 
     # ------------------------------------------------------------ plumbing
     def _post(self, msg: object) -> None:
@@ -308,6 +335,9 @@ class RemoteBackend(Backend):
             self.arena = None
         if getattr(self, "_region", None) is not None:
             self._region.close()
+        if getattr(self, "_doorbell", None) is not None:
+            self._doorbell.close()
+            self._socket_chan.close()
 
 
 def _nbytes(node, n_tokens: int | None) -> int:

@@ -8,10 +8,13 @@ go back as data; nothing here asserts on guest input.
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import re
 import select
+import socket
+import threading
 import time
 from dataclasses import dataclass
 
@@ -24,6 +27,9 @@ from ..graph.dtypes import NUMPY_DTYPES
 from ..protocol import PROTOCOL_VERSION, WANT_REPLY, ErrorCode, ProtocolError
 from ..protocol import messages as m
 from ..transport import Arena, ArenaError, Channel, ConnectionClosed
+from ..transport.arena import SEALS
+from ..transport.doorbell import Doorbell
+from ..transport.ivshmem import Region, RingChannel
 
 log = logging.getLogger("apir.host")
 
@@ -78,10 +84,13 @@ def error_for(exc: BaseException) -> m.Error:
 
 class Session:
     def __init__(self, chan: Channel, backend: Executor, arena: Arena | None, config: SessionConfig,
-                 publish=None) -> None:
+                 publish=None, liveness: socket.socket | None = None) -> None:
         self.chan, self.backend, self.arena, self.config = chan, backend, arena, config
+        # the guest's socket, watched for a hang-up (with rings, frames no longer use it)
+        self.liveness = liveness if liveness is not None else getattr(chan, "sock", None)
         self.deferred: m.Error | None = None  # first failure of a request nobody waited for
         self.publish = publish or (lambda allocated, peak: None)
+        self.busy = False  # a request is being served (see _watch_hangup)
 
     # ------------------------------------------------------------ loop
     def serve(self) -> None:
@@ -95,11 +104,16 @@ class Session:
         if sock is not None:
             sock.settimeout(self.config.io_timeout)
             idle.register(sock, select.POLLIN)
+        if self.liveness is not None:
+            threading.Thread(target=self._watch_hangup, args=(self.liveness,), name="hangup",
+                             daemon=True).start()
         while True:
             try:
+                self.busy = False
                 if sock is not None:
                     self._wait_for_frame(idle)
                 frame = self.chan.recv()
+                self.busy = True
             except ConnectionClosed:
                 return
             except ProtocolError as e:
@@ -130,6 +144,25 @@ class Session:
             elif isinstance(reply, m.Error) and self.deferred is None:
                 self.deferred = m.Error(reply.code, f"an earlier {type(msg).__name__} failed: {reply.message}")
 
+    def _watch_hangup(self, sock: socket.socket) -> None:
+        """A guest that dies (or hangs up) while its request runs, or with requests still
+        queued, ends this worker at once: its memory must not wait for a long compute or
+        for leftovers nobody will read. Idle, the main loop sees EOF and ends cleanly.
+        (A guest that only shuts down its sending side counts as gone.)"""
+        watch = select.poll()
+        watch.register(sock, select.POLLRDHUP)  # not POLLIN: no wake-up per frame
+        watch.poll()
+        try:
+            pending = sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except (BlockingIOError, InterruptedError):
+            pending = b""
+        except OSError:
+            pending = b"x"  # reset: treat as gone
+        if self.busy or pending:
+            log.info("session %d: the guest went away mid-request; ending its worker now",
+                     self.config.session)
+            os._exit(0)
+
     def _wait_for_frame(self, idle: select.poll) -> None:
         """Block (no timeout) until the next frame starts, after the channel's short spin:
         a blocking poll here must not undo the latency ``Channel.spin_seconds`` buys."""
@@ -147,6 +180,9 @@ class Session:
             except ProtocolError as e:  # a reply too large for one frame (inline, no arena)
                 self.chan.send(m.Error(ErrorCode.INVALID, f"the reply cannot be sent: {scrub(str(e))}; "
                                        "read in smaller pieces or through the shared arena"), rid)
+        except ProtocolError as e:  # the guest corrupted the reply ring's counters
+            log.warning("session %d: %s; closing the session", self.config.session, scrub(str(e)))
+            return False
         except ConnectionClosed:
             return False
         except (TimeoutError, OSError):
@@ -263,6 +299,17 @@ def _from_numpy(dtype: np.dtype) -> DType:
     raise BackendError(f"output dtype {dtype} cannot be sent")
 
 
+def _unix_region(arena_size: int, session: int) -> tuple[Region, tuple[int, int, int]]:
+    """A sealed memfd laid out as a ring region (control rings + bulk arena) and the two
+    doorbell eventfds: (region fd, guest->host eventfd, host->guest eventfd)."""
+    size = 1 << (max(arena_size, 4 << 20) - 1).bit_length()  # a power of two; rings come off the top
+    fd = os.memfd_create(f"apir-session-{session}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    region = Region.create_fd(fd, size)
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)  # the guest can never resize it under us
+    to_host, to_guest = Doorbell.pair()
+    return region, (fd, to_host, to_guest)
+
+
 def run_worker(chan: Channel, hello: m.Hello, config: SessionConfig, publish,
                arena: Arena | None = None) -> None:
     """Entry point of a session's worker process (after fork): build, welcome, serve.
@@ -272,20 +319,29 @@ def run_worker(chan: Channel, hello: m.Hello, config: SessionConfig, publish,
 
     backend = LocalBackend(config.device, limits=config.limits)
     fds: tuple[int, ...] = ()
+    socket_chan, region, doorbell = chan, None, None
     if arena is None and chan.unix and hello.arena_size > 0:
-        arena = Arena.create(min(hello.arena_size, config.max_arena), f"apir-session-{config.session}")
-        fds = (arena.fd,)
+        region, fds = _unix_region(min(hello.arena_size, config.max_arena), config.session)
+        arena = region.arena()
     welcome = m.Welcome(PROTOCOL_VERSION, config.session, device_message(backend),
                         arena.size if arena else 0, config.limits.max_memory)
     from .. import env
 
     chan.spin_seconds = int(env.SPIN_US.get()) / 1e6  # the next decode step is usually µs away
-    session = Session(chan, backend, arena, config, publish)
+    if region is not None:
+        # From here on frames travel through the region's rings; the socket stays open only
+        # so each side notices when the other is gone.
+        doorbell = Doorbell(notify_fd=fds[2], wait_fd=fds[1], sock=chan.sock)
+        # the session's limits hold on the rings too: frame size, stalled frames
+        chan = RingChannel(region, "host", max_body=socket_chan.max_body, io_timeout=config.io_timeout,
+                           doorbell=doorbell)
+        chan.spin_seconds = socket_chan.spin_seconds
+    session = Session(chan, backend, arena, config, publish, liveness=getattr(socket_chan, "sock", None))
     try:
-        if getattr(chan, "sock", None) is not None:
-            chan.sock.settimeout(config.io_timeout)
+        if getattr(socket_chan, "sock", None) is not None:
+            socket_chan.sock.settimeout(config.io_timeout)
         try:
-            chan.send(welcome, 0, fds=fds)
+            socket_chan.send(welcome, 0, fds=fds)
         except (ConnectionClosed, OSError):
             return  # the guest went away during its handshake
         session.serve()
@@ -295,6 +351,10 @@ def run_worker(chan: Channel, hello: m.Hello, config: SessionConfig, publish,
         if arena:
             arena.close()
         chan.close()
+        if region is not None:
+            region.close()
+            doorbell.close()
+            socket_chan.close()
         publish(0, peak)
         log.info("session %d end: peer %s, %.1fs, peak %.1f MiB", config.session, config.peer,
                  time.monotonic() - started, peak / 2**20)

@@ -1,9 +1,9 @@
-"""The shared-memory arena: one sealed memfd per session, mapped by host and guest.
+"""The shared-memory arena: the bulk part of a session's shared region.
 
-The host creates it (so the guest can never shrink it under the host's feet: the file is
-sealed against shrinking and growing, and a truncated mapping would SIGBUS the worker),
-and sends its fd with the Welcome frame over the Unix socket. Bulk bytes (weight uploads,
-large inputs and outputs) are written into it once, and messages carry (offset, size).
+The host creates the region (a sealed memfd for Unix guests, so the guest can never
+shrink it under the host's feet — a truncated mapping would SIGBUS the worker — or an
+ivshmem file for VMs; see ``apir.transport.ivshmem``). Bulk bytes (weight uploads, large
+inputs and outputs) are written into the arena once, and messages carry (offset, size).
 
 The guest allocates from it as a ring (``ArenaRing``). A region is reusable once the host
 has processed the request that named it; the host handles requests in order, so after
@@ -14,8 +14,6 @@ reply (a synchronize) — the only time an upload stream waits.
 from __future__ import annotations
 
 import fcntl
-import mmap
-import os
 
 from ..errors import ApirError
 
@@ -27,34 +25,22 @@ class ArenaError(ApirError):
     """An arena that cannot be created, mapped or trusted."""
 
 
+def check_sealed(fd: int) -> None:
+    """Refuse shared memory the peer could still shrink (a mapping past EOF is a SIGBUS)."""
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError:
+        seals = 0
+    want = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+    if seals & want != want:
+        raise ArenaError("shared memory is not sealed against resizing")
+
+
 class Arena:
-    def __init__(self, fd: int, size: int) -> None:
-        self.fd, self.size = fd, size
-        # MAP_POPULATE: fault every page in now, not one 4 KiB page at a time mid-upload
-        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-        self.map = mmap.mmap(fd, size, flags, mmap.PROT_READ | mmap.PROT_WRITE)
-        self.view = memoryview(self.map)
+    """Bounds-checked access to the bulk part of a session's shared region."""
 
-    @classmethod
-    def create(cls, size: int, name: str = "apir-arena") -> Arena:
-        fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-        os.ftruncate(fd, size)
-        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
-        return cls(fd, size)
-
-    @classmethod
-    def attach(cls, fd: int, size: int) -> Arena:
-        """Map an arena received from the peer, after checking it cannot change size."""
-        st = os.fstat(fd)
-        if st.st_size != size:
-            raise ArenaError(f"arena is {st.st_size} bytes, the handshake said {size}")
-        try:
-            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
-        except OSError:
-            seals = 0
-        if seals & (fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW) != fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW:
-            raise ArenaError("arena memfd is not sealed against resizing")
-        return cls(fd, size)
+    def __init__(self, view: memoryview) -> None:
+        self.view, self.size = view, len(view)
 
     def check(self, offset: int, size: int) -> None:
         if offset < 0 or size < 0 or offset + size > self.size:
@@ -77,8 +63,6 @@ class Arena:
 
     def close(self) -> None:
         self.view.release()
-        self.map.close()
-        os.close(self.fd)
 
 
 class ArenaRing:

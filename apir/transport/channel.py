@@ -7,6 +7,7 @@ Frames are ``apir.protocol`` frames. On Unix sockets a frame may carry file desc
 from __future__ import annotations
 
 import array
+import select
 import socket
 import time
 from dataclasses import dataclass
@@ -46,15 +47,11 @@ class Channel:
         spin on the hot path (a decode step's reply, the next step's request) avoids that.
         Costs one core while it spins; gives up and blocks after ``spin_seconds``."""
         deadline = time.perf_counter() + self.spin_seconds
-        peek = socket.MSG_PEEK | socket.MSG_DONTWAIT
         while time.perf_counter() < deadline:
-            try:
-                self.sock.recv(1, peek)
+            # select with a zero timeout, not a peeking recv: a socket with a timeout set
+            # would make recv wait for data instead of returning at once
+            if select.select([self.sock], [], [], 0)[0]:
                 return  # data (or EOF) is there: the blocking read returns at once
-            except (BlockingIOError, InterruptedError):
-                continue
-            except OSError:
-                return
 
     def send(self, msg: object, request_id: int = 0, flags: int = 0, fds: tuple[int, ...] = ()) -> None:
         frame = encode(msg, request_id, flags)

@@ -1,0 +1,413 @@
+"""VM shared memory: apir frames and the bulk arena in one region shared with a QEMU guest.
+
+A VM shares no kernel with its host, so neither memfd nor eventfd can cross; what can is
+a file mapped on the host and exposed to the guest as an ``ivshmem-plain`` PCI device
+(BAR2). The host creates the file (``Region.create``) and hands it to QEMU:
+
+    -object memory-backend-file,id=shm,share=on,mem-path=FILE,size=S
+    -device ivshmem-plain,memdev=shm
+
+and the guest maps the BAR from sysfs (``find_device`` + ``Region.open``).
+
+Region layout (little-endian; S is a power of two, a PCI BAR's requirement):
+
+    offset     size   field                                   written by
+    0x0000     8      magic b"APIRSHM1"                       host, at creation
+    0x0008     8      layout version (1)                      host, at creation
+    0x0010     8      region size S                           host, at creation
+    0x0018     8      ring size R (each direction)            host, at creation
+    0x0020     8      arena offset A                          host, at creation
+    0x0028     8      arena size                              host, at creation
+    0x0100     8      host closed (0 open, 1 closed)          host
+    0x0140     8      guest closed                            guest
+    0x0180     8      guest exit status + 1 (0: not yet)      guest (apir vm's init)
+    0x1000     8      requests.head   bytes ever written      guest
+    0x1040     8      requests.tail   bytes ever read         host
+    0x1080     8      replies.head                            host
+    0x10c0     8      replies.tail                            guest
+    0x2000     R      requests data (guest -> host)
+    0x2000+R   R      replies data (host -> guest)
+    A          S-A    the session's bulk arena (Blob.arena_offset is relative to A)
+
+Each ring is a single-producer single-consumer byte stream: ``head`` and ``tail`` are
+monotonic u64 byte counts, the data of byte ``i`` lives at ``i % R``. Frames are the same
+``apir.protocol`` frames as on a socket and may be larger than R: they stream through.
+Every counter sits on its own cache line, so each side writes lines the other only reads.
+
+Memory ordering. The producer copies the payload into the ring (one ``memoryview`` slice
+assignment, a memcpy), then publishes the new ``head``; the consumer loads ``head``, then
+copies the payload out, then publishes ``tail``. Counters are loaded and stored through
+``ctypes.c_uint64`` views: one aligned 8-byte mov each, atomic on x86-64 (``struct``
+would write byte by byte, and the peer could read a torn value). We rely on x86-64 TSO:
+stores become visible in program order and loads are not reordered with older loads, so
+a published head never overtakes its payload. The two stores happen in separate C calls
+the compiler cannot merge or reorder. Guest and host on one x86-64 machine (KVM) share
+coherent caches. Other architectures (arm64) would need explicit barriers.
+
+Trust. The peer can write anything anywhere in the region at any time. Each side keeps
+its own counters privately and never reads them back from shared memory; the peer's
+counter is checked on every load (it must lie in ``[mine - R, mine + R]`` in the
+direction the protocol allows, else ``ProtocolError``). Payload bytes are copied out
+before they are decoded, and frame headers are checked by ``decode_header`` as on any
+socket. Arena ranges are checked by ``Arena``.
+
+Wake-ups: there is no doorbell (ivshmem-plain has no interrupts); a waiting side spins
+for ``spin_seconds`` and then sleeps with a doubling backoff (capped at ``MAX_SLEEP``);
+every wait has a deadline and notices the peer's "closed" flag.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from ..errors import ApirError
+from ..protocol import FrameHeader, ProtocolError, decode_body, decode_header, encode
+from ..protocol.messages import HEADER, MAX_BODY
+from .arena import Arena
+from .channel import ConnectionClosed, Frame
+
+MAGIC = b"APIRSHM1"
+LAYOUT_VERSION = 1
+HEADER_SIZE = 0x1000
+COUNTERS = 0x1000
+DATA = 0x2000
+DEFAULT_RING = 1 << 20
+ARENA_ALIGN = 1 << 20
+PCI_VENDOR, PCI_DEVICE = 0x1AF4, 0x1110  # Red Hat, Inc. Inter-VM shared memory
+MIN_SLEEP, MAX_SLEEP = 20e-6, 1e-3
+MAX_DOORBELL_WAIT = 0.5  # a sleeping side re-checks the peer's liveness this often
+
+# header fields (byte offsets)
+_SIZE, _RING, _ARENA_OFF, _ARENA_SIZE = 0x10, 0x18, 0x20, 0x28
+HOST_CLOSED, GUEST_CLOSED, GUEST_EXIT = 0x100, 0x140, 0x180
+_REQ_HEAD, _REQ_TAIL, _REP_HEAD, _REP_TAIL = 0x1000, 0x1040, 0x1080, 0x10C0
+
+
+class IvshmemError(ApirError):
+    """A shared-memory region that cannot be created, found, mapped or trusted."""
+
+
+def parse_size(text: str) -> int:
+    """``64M``, ``1G``, ``65536`` -> bytes."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    t = text.strip().upper().removesuffix("B").removesuffix("I")
+    try:
+        return int(t[:-1]) * units[t[-1]] if t and t[-1] in units else int(t)
+    except (ValueError, IndexError):
+        raise IvshmemError(f"bad size {text!r}: use e.g. 64M or 1G") from None
+
+
+class Region:
+    """A mapped shared-memory region with the layout above."""
+
+    def __init__(self, fd: int, size: int) -> None:
+        self.fd, self.size = fd, size
+        self.map = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        self.view = memoryview(self.map)
+        self._words: dict[int, ctypes.c_uint64] = {}
+        self.ring_size = self.arena_offset = self.arena_size = 0
+
+    # ------------------------------------------------------------ creation / attach
+    @classmethod
+    def create(cls, path: str | Path, size: int, ring_size: int = DEFAULT_RING) -> Region:
+        """Host side: a new region file (replacing any old one), laid out and zeroed."""
+        path = Path(path)
+        path.unlink(missing_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        return cls.create_fd(fd, size, ring_size)
+
+    @classmethod
+    def create_fd(cls, fd: int, size: int, ring_size: int = DEFAULT_RING) -> Region:
+        """Lay a region out in an empty file descriptor (a file, or a memfd for Unix guests)."""
+        if size <= 0 or size & (size - 1):
+            raise IvshmemError(f"region size {size} must be a power of two (a PCI BAR's size)")
+        if ring_size <= 0 or ring_size & (ring_size - 1):
+            raise IvshmemError(f"ring size {ring_size} must be a power of two")
+        arena_off = -(-(DATA + 2 * ring_size) // ARENA_ALIGN) * ARENA_ALIGN
+        if arena_off + ARENA_ALIGN > size:
+            raise IvshmemError(f"region of {size} bytes too small for two {ring_size}-byte rings and an arena")
+        os.ftruncate(fd, size)
+        r = cls(fd, size)
+        r.view[:HEADER_SIZE + 0x1000] = bytes(HEADER_SIZE + 0x1000)
+        r.view[:8] = MAGIC
+        for off, value in ((8, LAYOUT_VERSION), (_SIZE, size), (_RING, ring_size),
+                           (_ARENA_OFF, arena_off), (_ARENA_SIZE, size - arena_off)):
+            r.store(off, value)
+        r._layout()
+        return r
+
+    @classmethod
+    def open(cls, path: str | Path) -> Region:
+        """Map an existing region (the guest's BAR2, or a host file in tests) and check it."""
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        except OSError as e:
+            raise IvshmemError(f"cannot open shared memory {path}: {e.strerror}") from None
+        return cls.open_fd(fd, str(path))
+
+    @classmethod
+    def open_fd(cls, fd: int, name: str = "the shared region") -> Region:
+        """Map a region received as a descriptor and check its header (takes ``fd`` over)."""
+        size = os.fstat(fd).st_size
+        if size < HEADER_SIZE * 2:
+            os.close(fd)
+            raise IvshmemError(f"{name} is {size} bytes, too small to be an apir region")
+        r = cls(fd, size)
+        try:
+            if bytes(r.view[:8]) != MAGIC:
+                raise IvshmemError(f"{name} is not an apir region (bad magic)")
+            if r.load(8) != LAYOUT_VERSION:
+                raise IvshmemError(f"{name}: region layout {r.load(8)}, this apir knows {LAYOUT_VERSION}")
+            if r.load(_SIZE) != size:
+                raise IvshmemError(f"{name}: region says {r.load(_SIZE)} bytes, the mapping has {size}")
+            r._layout()
+        except BaseException:
+            r.close()
+            raise
+        return r
+
+    def _layout(self) -> None:
+        """Read the layout once into private fields, checking it fits (never re-read)."""
+        ring, a_off, a_size = self.load(_RING), self.load(_ARENA_OFF), self.load(_ARENA_SIZE)
+        if not (ring > 0 and DATA + 2 * ring <= a_off and a_off % mmap.PAGESIZE == 0
+                and a_off + a_size <= self.size and a_size > 0):
+            raise IvshmemError("the region's layout does not fit inside it")
+        self.ring_size, self.arena_offset, self.arena_size = ring, a_off, a_size
+
+    # ------------------------------------------------------------ u64 words
+    def _word(self, off: int) -> ctypes.c_uint64:
+        w = self._words.get(off)
+        if w is None:
+            w = self._words[off] = ctypes.c_uint64.from_buffer(self.map, off)
+        return w
+
+    def load(self, off: int) -> int:
+        """One aligned 8-byte load (atomic on x86-64)."""
+        return self._word(off).value
+
+    def store(self, off: int, value: int) -> None:
+        """One aligned 8-byte store (atomic on x86-64)."""
+        self._word(off).value = value
+
+    def arena(self) -> Arena:
+        return Arena(self.view[self.arena_offset : self.arena_offset + self.arena_size])
+
+    def close(self) -> None:
+        if self.map.closed:
+            return
+        self._words.clear()  # ctypes views pin the mapping
+        self.view.release()
+        self.map.close()
+        os.close(self.fd)
+
+
+def _pause(spins_until: float, sleep: float) -> float:
+    """Spin while before ``spins_until``, then sleep ``sleep``; returns the next sleep."""
+    if time.perf_counter() < spins_until:
+        return sleep
+    time.sleep(sleep)
+    return min(sleep * 2, MAX_SLEEP)
+
+
+class RingChannel:
+    """A ``Channel``-compatible frame channel over a region's two rings.
+
+    ``side`` is "guest" (sends requests, reads replies) or "host". ``timeout`` bounds
+    every wait: for the next frame (None: wait while ``alive()`` and the peer is open),
+    and always for the rest of a started frame (``io_timeout``) and for ring space."""
+
+    unix = False
+
+    def __init__(self, region: Region, side: str, max_body: int = MAX_BODY, timeout: float | None = None,
+                 io_timeout: float = 60.0, alive: Callable[[], bool] | None = None,
+                 doorbell=None) -> None:
+        if side not in ("guest", "host"):
+            raise ValueError(f"side must be guest or host, not {side!r}")
+        self.region, self.side, self.max_body = region, side, max_body
+        self.timeout, self.io_timeout = timeout, io_timeout
+        # Where both sides share a kernel (Unix guests), an eventfd doorbell replaces the
+        # backoff sleeps: see apir.transport.doorbell.
+        self.doorbell = doorbell
+        self.alive = alive or (doorbell.alive if doorbell else (lambda: True))
+        self.spin_seconds = 0.0
+        self.bytes_sent = self.bytes_received = 0
+        self.R = region.ring_size
+        req, rep = DATA, DATA + self.R
+        if side == "guest":
+            self._out, self._out_head, self._out_tail = req, _REQ_HEAD, _REQ_TAIL
+            self._in, self._in_head, self._in_tail = rep, _REP_HEAD, _REP_TAIL
+            self._mine, self._peer = GUEST_CLOSED, HOST_CLOSED
+        else:
+            self._out, self._out_head, self._out_tail = rep, _REP_HEAD, _REP_TAIL
+            self._in, self._in_head, self._in_tail = req, _REQ_HEAD, _REQ_TAIL
+            self._mine, self._peer = HOST_CLOSED, GUEST_CLOSED
+        # Private copies of the counters this side owns; starting from whatever is there
+        # lets a fresh channel pick up a region whose previous user left cleanly.
+        self.head = region.load(self._out_head)  # bytes this side has written
+        self.tail = region.load(self._in_tail)  # bytes this side has read
+        self.closed = False
+
+    # ------------------------------------------------------------ checks
+    def _peer_gone(self) -> bool:
+        return self.region.load(self._peer) != 0 or not self.alive()
+
+    def _readable(self) -> int:
+        """Bytes the peer has published and we have not read; checks the peer's counter."""
+        head = self.region.load(self._in_head)
+        n = head - self.tail
+        if not 0 <= n <= self.R:
+            raise ProtocolError(f"shared-memory ring: the peer's head {head} is out of range "
+                                f"(tail {self.tail}, ring {self.R} bytes)")
+        return n
+
+    def _writable(self) -> int:
+        tail = self.region.load(self._out_tail)
+        used = self.head - tail
+        if not 0 <= used <= self.R:
+            raise ProtocolError(f"shared-memory ring: the peer's tail {tail} is out of range "
+                                f"(head {self.head}, ring {self.R} bytes)")
+        return self.R - used
+
+    def _wait(self, ready: Callable[[], int], deadline: float | None, what: str) -> int:
+        n = ready()
+        if n:
+            return n
+        spin_until = time.perf_counter() + self.spin_seconds
+        sleep = MIN_SLEEP
+        while True:
+            n = ready()
+            if n:
+                return n
+            if self._peer_gone():
+                n = ready()  # bytes published right before closing still count
+                if n:
+                    return n
+                raise ConnectionClosed(f"the peer closed the shared-memory channel {what}")
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"shared-memory channel: timed out {what}")
+            if self.doorbell is not None and time.perf_counter() >= spin_until:
+                self.doorbell.wait(MAX_DOORBELL_WAIT)  # rung, or the socket said something
+            else:
+                sleep = _pause(spin_until, sleep)
+
+    # ------------------------------------------------------------ bytes
+    def _write(self, data: bytes | memoryview) -> None:
+        view, done = memoryview(data), 0
+        deadline = time.monotonic() + self.io_timeout
+        while done < len(view):
+            free = self._wait(self._writable, deadline, "waiting for ring space (the peer stopped reading)")
+            pos = self.head % self.R
+            n = min(free, len(view) - done, self.R - pos)
+            base = self._out + pos
+            self.region.view[base : base + n] = view[done : done + n]  # 1. payload
+            self.head += n
+            self.region.store(self._out_head, self.head)  # 2. then publish it
+            if self.doorbell is not None:
+                self.doorbell.ring()  # 3. and wake the reader if it sleeps
+            done += n
+
+    def _read(self, n: int, deadline: float | None, what: str) -> bytes:
+        out, got = bytearray(n), 0
+        while got < n:
+            avail = self._wait(self._readable, deadline, what)  # 1. the peer's head
+            pos = self.tail % self.R
+            k = min(avail, n - got, self.R - pos)
+            base = self._in + pos
+            out[got : got + k] = self.region.view[base : base + k]  # 2. then its payload (a copy)
+            self.tail += k
+            self.region.store(self._in_tail, self.tail)  # 3. then free the space
+            if self.doorbell is not None and avail == self.R:
+                self.doorbell.ring()  # the ring was full: the writer may be waiting for space
+            got += k
+            deadline = time.monotonic() + self.io_timeout  # progress: the frame continues
+        return bytes(out)
+
+    # ------------------------------------------------------------ frames
+    def send(self, msg: object, request_id: int = 0, flags: int = 0, fds: tuple[int, ...] = ()) -> None:
+        if fds:
+            raise IvshmemError("file descriptors cannot cross a VM boundary")
+        if self.closed:
+            raise ConnectionClosed("the shared-memory channel is closed")
+        frame = encode(msg, request_id, flags)
+        self._write(frame)
+        self.bytes_sent += len(frame)
+
+    def recv(self) -> Frame:
+        """One whole frame: ConnectionClosed when the peer is gone, TimeoutError when
+        nothing (or only part of a frame) arrives in time, ProtocolError on garbage."""
+        if self.closed:
+            raise ConnectionClosed("the shared-memory channel is closed")
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        raw = self._read(HEADER.size, deadline, "waiting for a frame")
+        header: FrameHeader = decode_header(raw, self.max_body)
+        body = self._read(header.length, time.monotonic() + self.io_timeout,
+                          "mid-frame (the peer stalled)") if header.length else b""
+        self.bytes_received += HEADER.size + header.length
+        return Frame(header, decode_body(header.opcode, body))
+
+    def close(self) -> None:
+        """Tell the peer we are gone (the region itself belongs to whoever opened it)."""
+        if not self.closed and not self.region.map.closed:
+            self.region.store(self._mine, 1)
+            if self.doorbell is not None:
+                self.doorbell.ring()
+        self.closed = True
+
+
+# ---------------------------------------------------------------- guest: the PCI device
+
+SYSFS_PCI = Path("/sys/bus/pci/devices")
+
+
+def find_devices(root: Path = SYSFS_PCI) -> list[Path]:
+    """The BAR2 files of every ivshmem PCI device, in bus order."""
+    found = []
+    for dev in sorted(root.glob("*")):
+        try:
+            vendor = int((dev / "vendor").read_text(), 16)
+            device = int((dev / "device").read_text(), 16)
+        except (OSError, ValueError):
+            continue
+        if (vendor, device) == (PCI_VENDOR, PCI_DEVICE) and (dev / "resource2").exists():
+            enable = dev / "enable"
+            try:  # memory decoding on, so the BAR is backed (best effort: usually on already)
+                if enable.read_text().strip() == "0":
+                    enable.write_text("1")
+            except OSError:
+                pass
+            found.append(dev / "resource2")
+    return found
+
+
+def find_region(root: Path = SYSFS_PCI) -> Path:
+    """The ivshmem device whose BAR2 holds an apir region (magic ``APIRSHM1``)."""
+    devices = find_devices(root)
+    for bar in devices:
+        try:
+            with open(bar, "rb", buffering=0) as f:
+                m = mmap.mmap(f.fileno(), mmap.PAGESIZE, mmap.MAP_SHARED, mmap.PROT_READ)
+                magic = m[:8]
+                m.close()
+        except OSError:
+            continue
+        if magic == MAGIC:
+            return bar
+    if not devices:
+        raise IvshmemError("no ivshmem PCI device (1af4:1110) in this machine: start the VM with "
+                           "-device ivshmem-plain,memdev=... (apir vm run does)")
+    raise IvshmemError(f"none of the {len(devices)} ivshmem devices holds an apir region")
+
+
+def guest_connect(url: str, timeout: float | None = None) -> tuple[RingChannel, Arena, Region]:
+    """``ivshmem`` / ``ivshmem://`` (find the PCI device) or ``ivshmem:///PATH`` (a region
+    file or BAR2 path): the guest's channel, arena and region."""
+    _, _, rest = url.partition("://")
+    path = rest.split("?", 1)[0] if rest else ""
+    region = Region.open(path or find_region())
+    chan = RingChannel(region, "guest", timeout=timeout)
+    return chan, region.arena(), region
