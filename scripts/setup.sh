@@ -29,3 +29,13 @@ if ! command -v bwrap >/dev/null 2>&1; then
     echo "setup: install bubblewrap (sudo apt-get install bubblewrap) to use --sandbox" >&2
   fi
 fi
+# apir vm (tests/test_vm.py, marked vm): QEMU for the guest VM, and Debian's kernel for it,
+# fetched as a .deb and unpacked into ~/.cache/apir/vm/kernel (not installed: no hooks run
+# in a container). `apir vm build` then assembles the initramfs from this venv (seconds).
+if [ "${1:-}" = "--test" ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  if ! command -v qemu-system-x86_64 >/dev/null 2>&1; then
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+      qemu-system-x86) >/dev/null 2>&1 || echo "setup: could not install qemu-system-x86; apir vm unavailable" >&2
+  fi
+  python -m apir.cli vm build >/dev/null 2>&1 || echo "setup: apir vm build failed (run it to see why)" >&2
+fi

@@ -1,0 +1,77 @@
+"""The host end of a VM's shared-memory region: one session, the daemon's rules.
+
+``serve_region`` waits for the guest's Hello in the region's request ring, checks it as
+the daemon checks every handshake (size, message type, protocol version, op table), and
+then runs the same session worker (``run_worker``: dispatcher, executor, quotas) with the
+region's arena in place of a memfd. Who may talk to this region is decided by who can map
+it: the file is 0600 and handed to exactly one QEMU, so there is no token to check.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from ..backends.base import Limits
+from ..protocol import PROTOCOL_VERSION, ErrorCode, ProtocolError, op_table_hash
+from ..protocol import messages as m
+from ..transport import ConnectionClosed
+from ..transport.ivshmem import Region, RingChannel
+
+log = logging.getLogger("apir.host")
+
+HANDSHAKE_MAX = 4096  # bytes a Hello may take (as in the daemon)
+
+
+def hello_error(hello: object) -> m.Error | None:
+    """Why this first frame cannot open a session (None: it can)."""
+    if not isinstance(hello, m.Hello):
+        return m.Error(ErrorCode.PROTOCOL, f"expected a Hello handshake first, got {type(hello).__name__}")
+    if hello.version != PROTOCOL_VERSION:
+        return m.Error(ErrorCode.VERSION,
+                       f"protocol version mismatch: the guest speaks version {hello.version}, this host "
+                       f"speaks version {PROTOCOL_VERSION}; install the same apir release on both sides")
+    if hello.op_table != op_table_hash():
+        return m.Error(ErrorCode.VERSION, "op tables differ between guest and host (same protocol version, "
+                       "different apir builds); install the same apir release on both sides")
+    if hello.status_only:
+        return m.Error(ErrorCode.INVALID, "a VM's shared-memory channel serves one session, no status")
+    return None
+
+
+def serve_region(region: Region, device: str | None = None, alive: Callable[[], bool] | None = None,
+                 handshake_timeout: float = 300.0, io_timeout: float = 60.0,
+                 limits: Limits | None = None) -> bool:
+    """Serve the one session of ``region``; False when no valid handshake came (the guest
+    never connected in time, died, or sent something else first)."""
+    from ..host.session import SessionConfig, run_worker  # torch is imported by the worker
+
+    chan = RingChannel(region, "host", max_body=HANDSHAKE_MAX, timeout=handshake_timeout,
+                       io_timeout=io_timeout, alive=alive)
+    try:
+        frame = chan.recv()
+    except (ConnectionClosed, TimeoutError) as e:
+        log.warning("no guest handshake on the shared region: %s", e)
+        chan.close()
+        return False
+    except ProtocolError as e:
+        _refuse(chan, m.Error(ErrorCode.PROTOCOL, str(e)))
+        return False
+    err = hello_error(frame.message)
+    if err is not None:
+        _refuse(chan, err)
+        return False
+    chan.max_body, chan.timeout = m.MAX_BODY, None  # idle waits end when the guest or VM does
+    config = SessionConfig(device, limits or Limits(), region.arena_size, 1, "ivshmem:vm", io_timeout)
+    log.info("session 1 start: peer ivshmem:vm, client %r", frame.message.client[:80])
+    run_worker(chan, frame.message, config, lambda allocated, peak: None, arena=region.arena())
+    return True
+
+
+def _refuse(chan: RingChannel, err: m.Error) -> None:
+    log.warning("refused the guest: %s", err.message)
+    try:
+        chan.send(err)
+    except (ConnectionClosed, TimeoutError, ProtocolError):
+        pass
+    chan.close()

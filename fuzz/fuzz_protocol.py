@@ -1,0 +1,118 @@
+"""Coverage-guided fuzz target (atheris/libFuzzer) for everything a guest controls.
+
+Each input is a stream of frames, fed exactly as the host reads them: header decode,
+body decode, then ``Session.dispatch`` on a real host executor (PyTorch on the CPU, with
+per-session limits). A finding is any exception other than the protocol's own refusals,
+and any refusal the host would report as its own INTERNAL error.
+
+    pip install atheris
+    python fuzz/fuzz_protocol.py --seed-corpus fuzz/corpus           # write the seeds once
+    python fuzz/fuzz_protocol.py fuzz/corpus -max_total_time=3600 -rss_limit_mb=4096 \
+        -max_len=65536 -timeout=20 -jobs=2 -workers=2                # a one-hour campaign
+
+libFuzzer writes crashing inputs as ``crash-*`` in the working directory; replay one with
+``python fuzz/fuzz_protocol.py crash-<hash>``. The CI counterpart (bounded, hypothesis)
+is tests/test_fuzz.py; figures from campaigns are in SECURITY.md.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import atheris
+import numpy as np
+
+with atheris.instrument_imports(include=["apir"]):
+    from apir.backends.base import Limits
+    from apir.backends.local import LocalBackend
+    from apir.graph import DType, GraphBuilder, T
+    from apir.host.session import Session, SessionConfig, error_for
+    from apir.protocol import ProtocolError
+    from apir.protocol import messages as m
+
+LIMITS = Limits(max_memory=16 << 20, max_handles=128, max_graph_nodes=512)
+MAX_FRAMES = 32
+
+
+class Finding(Exception):
+    """The host would have reported an internal error for this input."""
+
+
+def serve(data: bytes) -> None:
+    """What ``Session.serve`` does with a byte stream, minus the socket."""
+    backend = LocalBackend("cpu", limits=LIMITS)
+    session = Session(None, backend, None, SessionConfig("cpu", LIMITS, 0, 1, "fuzz"))
+    pos = 0
+    try:
+        for _ in range(MAX_FRAMES):
+            if len(data) - pos < m.HEADER.size:
+                return
+            try:
+                header = m.decode_header(data[pos : pos + m.HEADER.size], 1 << 20)
+                body = data[pos + m.HEADER.size : pos + m.HEADER.size + header.length]
+                if len(body) < header.length:
+                    return  # the host would wait for the rest
+                msg = m.decode_body(header.opcode, body)
+            except ProtocolError:
+                return  # the host answers PROTOCOL and ends the session
+            pos += m.HEADER.size + header.length
+            if isinstance(msg, m.Goodbye):
+                return
+            try:
+                session.dispatch(msg)
+            except Exception as e:  # noqa: BLE001 - exactly what Session.serve does
+                err = error_for(e)
+                if err.code == m.ErrorCode.INTERNAL:
+                    raise Finding(f"{type(msg).__name__}: {type(e).__name__}: {e}") from e
+            if backend.allocated_bytes() > LIMITS.max_memory:
+                raise Finding(f"quota exceeded: {backend.allocated_bytes()} bytes")
+    finally:
+        backend.close()
+
+
+def test_one_input(data: bytes) -> None:
+    serve(data)
+
+
+def seeds() -> list[bytes]:
+    """Well-formed sessions for the fuzzer to start from."""
+    g = GraphBuilder()
+    x = g.input("x", (T, 32))
+    w = g.weight(1, 0, (8, 32), DType.F32)
+    ids = g.input("ids", (T,), DType.I32)
+    x = g.add(x, g.get_rows(w, ids))  # (T, 32)
+    h = g.rms_norm(g.matmul(x, w), 1e-5)  # (T, 8)
+    kv = g.set_rows(g.state(2, 0, (16, 8), DType.F32), h, ids)
+    out = g.sample(g.softmax(h), g.input("params", (5,)))
+    graph = g.build(out, kv)
+
+    def tensor(name, arr, dtype):
+        raw = arr.tobytes()
+        return m.Tensor(name, int(dtype), arr.shape, m.Blob(raw, -1, len(raw)))
+
+    inputs = (tensor("x", np.ones((2, 32), np.float32), DType.F32),
+              tensor("ids", np.array([1, 3], np.int32), DType.I32),
+              tensor("params", np.array([0.8, 4, 0.9, 0.05, 0.5], np.float32), DType.F32))
+    session = [
+        m.AllocBuffer(1, 4096, 0), m.SetTensor(1, 0, m.Blob(bytes(range(256)) * 4, -1, 1024)),
+        m.AllocBuffer(2, 512, 1), m.RegisterGraph(3, graph), m.Compute(3, inputs, -1, 0),
+        m.GetTensor(2, 0, 64, -1), m.CopyTensor(1, 0, 2, 32, 32), m.FreeGraph(3), m.FreeBuffer(1),
+    ]
+    full = b"".join(m.encode(msg, i, m.WANT_REPLY) for i, msg in enumerate(session))
+    return [full, b"".join(m.encode(msg, 1) for msg in session[:3]), m.encode(m.GetDevices(), 1, 1)]
+
+
+def main() -> None:
+    if len(sys.argv) == 3 and sys.argv[1] == "--seed-corpus":
+        os.makedirs(sys.argv[2], exist_ok=True)
+        for i, seed in enumerate(seeds()):
+            with open(os.path.join(sys.argv[2], f"seed-{i}"), "wb") as f:
+                f.write(seed)
+        return
+    atheris.Setup(sys.argv, test_one_input)
+    atheris.Fuzz()
+
+
+if __name__ == "__main__":
+    main()

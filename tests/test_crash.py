@@ -1,0 +1,294 @@
+"""Crash behaviour, measured: guests killed at every stage give all their memory back
+within a second; a killed worker costs only its own guest; eight guests soak one daemon.
+
+Every test prints what it measured (run with ``-s`` to see it). Longer runs:
+``APIR_CRASH_ITERATIONS=200`` (kills per point, default 20) and ``APIR_SOAK_SECONDS=600``
+(default 20). The figures from such runs are recorded in SECURITY.md.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import statistics
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hosts import start_host
+from tiny_models import TinyConfig, write_tiny_gguf
+
+import apir
+from apir.backends.remote import HostGoneError, RemoteBackend
+from apir.engine import SamplingParams
+from apir.graph import DType, GraphBuilder, T
+from apir.protocol import messages as m
+
+ITERATIONS = int(os.environ.get("APIR_CRASH_ITERATIONS", "20"))
+SOAK_SECONDS = float(os.environ.get("APIR_SOAK_SECONDS", "20"))
+MAX_MEMORY = 64 << 20
+
+
+@pytest.fixture(scope="module")
+def host(tmp_path_factory):
+    h = start_host(tmp_path_factory.mktemp("crash"), "--max-memory", "64M", "--max-sessions", "12")
+    yield h
+    h.stop()
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("tiny") / "tiny.gguf"
+    return str(write_tiny_gguf(path, TinyConfig(context_length=512), "F16", seed=3))
+
+
+def rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmRSS")
+
+
+def gone(pid: int) -> bool:
+    """Exited and reaped by the daemon: not even a zombie left."""
+    return not os.path.exists(f"/proc/{pid}")
+
+
+def released(host, seen: set[int], timeout: float = 5.0) -> float:
+    """Seconds until the daemon lists no session and every worker pid seen is gone."""
+    t0 = time.monotonic()
+    while True:
+        sessions = host.status().sessions
+        seen.update(s.pid for s in sessions)
+        if not sessions and all(gone(p) for p in seen):
+            return time.monotonic() - t0
+        if time.monotonic() - t0 > timeout:
+            raise AssertionError(f"not released after {timeout}s: {sessions}")
+        time.sleep(0.005)
+
+
+# ---------------------------------------------------------------- guests to kill
+
+
+def at_handshake(host, ready, i: int) -> None:
+    import socket
+
+    s = socket.socket(socket.AF_UNIX)
+    s.connect(host.unix.removeprefix("unix://"))
+    hello = m.encode(m.Hello(m.PROTOCOL_VERSION, m.op_table_hash(), "", "doomed", 1 << 20), 1, 1)
+    s.sendall(hello if i % 2 else hello[:20])  # a whole Hello, or half of one
+    ready()
+    time.sleep(60)
+
+
+def mid_upload(host, ready, i: int) -> None:
+    be = RemoteBackend(host.unix)
+    h = be.alloc_buffer(48 << 20, 0)
+    chunk = np.full(4 << 20, i % 251, np.uint8)
+    n = 0
+    while True:
+        be.set_tensor(h, (n % 12) * chunk.nbytes, chunk)
+        n += 1
+        if n == 2:
+            be.synchronize()  # the session surely exists now
+            ready()
+
+
+def mid_compute(host, ready, i: int, tiny: str = "") -> None:
+    model = apir.load(tiny, backend="remote", remote=host.unix)
+    ids = model.tokenize("Once upon a time")
+    first = True
+    while True:
+        model.logits(ids)
+        if first:
+            ready()
+            first = False
+        list(model.generate_ids(ids, SamplingParams(temperature=0, max_tokens=32)))
+
+
+def holding_quota(host, ready, i: int) -> None:
+    be = RemoteBackend(host.unix)
+    h = be.alloc_buffer(MAX_MEMORY - (8 << 20), 0)  # most of the quota, every byte written
+    be.set_tensor(h, 0, np.full(MAX_MEMORY - (8 << 20), 7, np.uint8))
+    be.synchronize()
+    ready()
+    time.sleep(60)
+
+
+def spawn(fn, *args) -> tuple[int, int]:
+    """Fork a guest running ``fn``; returns (pid, fd that becomes readable when it is ready)."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the guest: never returns into pytest
+        code = 0
+        try:
+            os.close(r)
+            os.environ["TOKENIZERS_PARALLELISM"] = "false"
+            fn(*args[:1], lambda: os.write(w, b"!"), *args[1:])
+        except BaseException:  # noqa: BLE001
+            code = 1
+        finally:
+            os._exit(code)
+    os.close(w)
+    return pid, r
+
+
+POINTS = {"handshake": at_handshake, "upload": mid_upload, "compute": mid_compute, "quota": holding_quota}
+
+
+def test_killed_guests_release_everything_within_a_second(host, tiny):
+    host.wait_idle()
+    released(host, set())
+    rss0 = rss_kib(host.proc.pid)
+    figures: dict[str, list[float]] = {}
+    rng = np.random.default_rng(0)
+    for name, fn in POINTS.items():
+        times = figures.setdefault(name, [])
+        for i in range(ITERATIONS):
+            args = (host, i, tiny) if fn is mid_compute else (host, i)
+            pid, ready = spawn(fn, *args)
+            ok, _, _ = select.select([ready], [], [], 60)
+            assert ok and os.read(ready, 1) == b"!", f"{name}: the guest never got ready"
+            os.close(ready)
+            seen = {s.pid for s in host.status().sessions}
+            if name != "handshake":
+                assert len(seen) == 1
+                if name == "quota":
+                    assert host.status().sessions[0].allocated == MAX_MEMORY - (8 << 20)
+            time.sleep(float(rng.uniform(0, 0.05)))  # land at a different moment each time
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            times.append(released(host, seen))
+    rss1 = rss_kib(host.proc.pid)
+    print(f"\nkilled {ITERATIONS} guests at each of {len(POINTS)} points; release time (s):")
+    for name, times in figures.items():
+        print(f"  {name:9s} max {max(times):.3f}  median {statistics.median(times):.3f}")
+    print(f"  daemon RSS {rss0 / 1024:.1f} MiB -> {rss1 / 1024:.1f} MiB over {ITERATIONS * len(POINTS)} kills")
+    for name, times in figures.items():
+        assert max(times) < 1.0, f"{name}: released in {max(times):.2f}s"
+    assert rss1 - rss0 < 8 * 1024, "the daemon's memory grows with every killed guest"
+    assert host.proc.poll() is None
+
+
+def _matmul_graph(be, n: int = 384, depth: int = 6):
+    rng = np.random.default_rng(1)
+    w = (rng.standard_normal((n, n)) / np.sqrt(n)).astype(np.float32)
+    h = be.alloc_buffer(w.nbytes)
+    be.set_tensor(h, 0, w)
+    g = GraphBuilder()
+    x = g.input("x", (T, n))
+    y = x
+    for _ in range(depth):
+        y = g.matmul(y, g.weight(h, 0, (n, n), DType.F32))
+    gid = be.register_graph(g.build(y))
+
+    def want(x):
+        for _ in range(depth):
+            x = x @ w.T
+        return x
+
+    return gid, want
+
+
+def _hammer(be, gid, x, started: threading.Event, failure: list) -> None:
+    """Compute back to back until the host goes away; record when and how."""
+    try:
+        while True:
+            be.compute(gid, {"x": x})
+            started.set()
+    except BaseException as e:  # noqa: BLE001
+        failure.append((time.monotonic(), e))
+        started.set()
+
+
+def test_killed_worker_fails_only_its_guest(host):
+    host.wait_idle()
+    daemon_pid = host.proc.pid
+    delays = []
+    for round_ in range(5):
+        victim, bystander = RemoteBackend(host.unix), RemoteBackend(host.unix)
+        gid_v, _ = _matmul_graph(victim)
+        gid_b, want = _matmul_graph(bystander)
+        x = np.random.default_rng(round_).standard_normal((256, 384)).astype(np.float32)
+        failure: list[tuple[float, BaseException]] = []
+        started = threading.Event()
+
+        t = threading.Thread(target=_hammer, args=(victim, gid_v, x, started, failure), daemon=True)
+        t.start()
+        assert started.wait(30)
+        worker = next(s.pid for s in host.status().sessions if s.session == victim.session)
+        time.sleep(0.02)  # mid-request: the victim computes back to back
+        killed = time.monotonic()
+        os.kill(worker, signal.SIGKILL)
+        for _ in range(10):  # meanwhile the other guest carries on, with right answers
+            (out,) = bystander.compute(gid_b, {"x": x})
+            np.testing.assert_allclose(out, want(x), rtol=2e-4, atol=2e-4)
+        t.join(5)
+        assert failure, "the victim's guest saw no error"
+        when, exc = failure[0]
+        assert isinstance(exc, HostGoneError) and "went away during Compute" in str(exc), exc
+        delays.append(when - killed)
+        sessions = host.status().sessions
+        assert [s.session for s in sessions] == [bystander.session]  # nothing restarted
+        bystander.close()
+        victim.close()
+        assert host.proc.pid == daemon_pid and host.proc.poll() is None
+    print(f"\nkilled worker -> guest error in max {max(delays) * 1000:.0f} ms "
+          f"(median {statistics.median(delays) * 1000:.0f} ms) over {len(delays)} kills; bystanders unaffected")
+    assert max(delays) < 2.0
+    assert host.wait_idle().sessions == ()
+    assert "worker died (signal 9)" in host.log.read_text()
+
+
+PROMPTS = ["Hello, world!", "Once upon a time", "The quick brown fox", "apir runs graphs",
+           "Tell me a story.", "1 2 3 4 5", "What is remoting?", "Goodbye!"]
+
+
+def test_soak_eight_guests(host, tiny):
+    host.wait_idle()
+    with apir.load(tiny, backend="local", device="cpu") as local:
+        expected = {p: local.generate(p, temperature=0, max_tokens=24) for p in PROMPTS}
+    # one guest first so the daemon's lazily-built state exists before the baseline
+    with apir.load(tiny, backend="remote", remote=host.unix) as warm:
+        assert warm.generate(PROMPTS[0], temperature=0, max_tokens=24) == expected[PROMPTS[0]]
+    host.wait_idle()
+    rss0 = rss_kib(host.proc.pid)
+    errors: list[str] = []
+    counts = [0] * 8
+    peak_sessions = 0
+    deadline = time.monotonic() + SOAK_SECONDS
+
+    def guest(i: int) -> None:
+        try:
+            with apir.load(tiny, backend="remote", remote=host.unix) as model:
+                k = 0
+                while time.monotonic() < deadline:
+                    prompt = PROMPTS[(i + k) % len(PROMPTS)]
+                    got = model.generate(prompt, temperature=0, max_tokens=24)
+                    if got != expected[prompt]:
+                        errors.append(f"guest {i}: {prompt!r} -> {got!r}, want {expected[prompt]!r}")
+                    counts[i] += 1
+                    k += 1
+        except Exception as e:  # noqa: BLE001
+            errors.append(f"guest {i}: {type(e).__name__}: {e}")
+
+    threads = [threading.Thread(target=guest, args=(i,)) for i in range(8)]
+    t0 = time.monotonic()
+    for t in threads:
+        t.start()
+    while any(t.is_alive() for t in threads):
+        peak_sessions = max(peak_sessions, len(host.status().sessions))
+        time.sleep(0.2)
+    elapsed = time.monotonic() - t0
+    after = host.wait_idle()
+    rss1 = rss_kib(host.proc.pid)
+    print(f"\nsoak: 8 guests x {SOAK_SECONDS:.0f}s: {sum(counts)} generations of 24 tokens "
+          f"({sum(counts) * 24 / elapsed:.0f} tok/s total, per guest {counts}), {len(errors)} errors, "
+          f"peak {peak_sessions} sessions; daemon RSS {rss0 / 1024:.1f} -> {rss1 / 1024:.1f} MiB")
+    assert not errors, errors[:5]
+    assert min(counts) > 0 and peak_sessions == 8
+    assert after.sessions == ()  # every session's memory accounted back to zero
+    assert rss1 - rss0 < 8 * 1024

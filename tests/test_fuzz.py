@@ -1,0 +1,353 @@
+"""Structured fuzzing of what a hostile guest controls: the frame decoder, the graph
+validator and the host's dispatcher with its executor. Bounded for CI (about 30 s on two
+cores); raise APIR_FUZZ_EXAMPLES for a longer campaign, e.g. ``APIR_FUZZ_EXAMPLES=20``
+multiplies every budget by 20. The coverage-guided counterpart is fuzz/fuzz_protocol.py.
+
+The property everywhere: bad input is refused with the error type the protocol promises
+(ProtocolError from the decoder, GraphError from the validator, an Error reply that is
+not INTERNAL from the dispatcher), never with anything else, and valid input round-trips.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from apir.errors import ApirError
+from apir.graph import OPS, DType, Graph, GraphError, Node, Op, T
+from apir.graph.dtypes import NUMPY_DTYPES
+from apir.graph.ops import FLOAT, INT, INTS, LEAVES, infer
+from apir.protocol import ProtocolError
+from apir.protocol import messages as m
+
+torch = pytest.importorskip("torch")
+from apir.backends.base import Limits  # noqa: E402
+from apir.backends.local import LocalBackend  # noqa: E402
+from apir.host.session import Session, SessionConfig, error_for  # noqa: E402
+
+SCALE = float(os.environ.get("APIR_FUZZ_EXAMPLES", "1"))
+LIMITS = Limits(max_memory=32 << 20, max_handles=64, max_graph_nodes=256)
+
+
+def budget(n: int):
+    return settings(max_examples=max(1, int(n * SCALE)), deadline=None, database=None,
+                    suppress_health_check=list(HealthCheck))
+
+
+# ---------------------------------------------------------------- values
+
+I64 = st.one_of(st.integers(-4, 70), st.sampled_from([2**63 - 1, -(2**63), 2**31, 2**32, -1, 4096]),
+                st.integers(-(2**63), 2**63 - 1))
+U32ISH = st.integers(0, 2**31 - 1)
+TEXT = st.text(max_size=12)
+FLOATS = st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.sampled_from([1e-5, 0.5, 1.0, 1e4]))
+DTYPES = st.sampled_from(list(DType))
+DIMS = st.sampled_from([T, 1, 2, 3, 4, 8, 32, 0, -2, 256])
+SHAPES = st.lists(DIMS, max_size=4).map(tuple)
+NAMES = st.sampled_from(["x", "y", "ids", "pos"])
+
+
+def attr_value(kind: str):
+    if kind == INT:
+        return st.one_of(st.integers(-3, 8), st.sampled_from([0, 32, 2**40, -(2**63)]))
+    if kind == FLOAT:
+        return FLOATS
+    if kind == INTS:
+        return st.lists(st.integers(-3, 4), max_size=4).map(tuple)
+    return NAMES
+
+
+@st.composite
+def graphs(draw) -> Graph:
+    """Mostly well-formed graphs (each op's shape rule gives the result), then, sometimes,
+    one field corrupted: the validator and the executor see both sides of the line."""
+    nodes: list[Node] = []
+    good_dims = st.sampled_from([1, 2, 3, 4, 8, 32])
+    for _ in range(draw(st.integers(1, 24))):
+        if draw(st.integers(0, 3)) == 0:
+            _template(draw, nodes)
+            continue
+        op = draw(st.sampled_from(list(Op)))
+        spec = OPS[op]
+        attrs = tuple(draw(attr_value(kind)) for _, kind in spec.attrs)
+        if op in LEAVES or not nodes:
+            op = op if op in LEAVES else Op.INPUT
+            dims = st.one_of(good_dims, st.just(T)) if op is Op.INPUT else good_dims
+            shape = tuple(draw(st.lists(dims, max_size=3)))
+            dtype = draw(st.sampled_from([DType.F32, DType.F32, DType.F32, DType.I32, DType.F16, DType.Q8_0]))
+            if op is Op.INPUT:
+                attrs = (f"in{len(nodes)}",)
+            else:
+                attrs = (draw(st.sampled_from([1, 1, 1, 2])), draw(st.sampled_from([0, 0, 32, 64])))
+            nodes.append(Node(op, (), attrs, shape, dtype))
+            continue
+        inputs = tuple(draw(st.integers(0, len(nodes) - 1)) for _ in range(spec.arity))
+        try:
+            shape, dtype = infer(op, [(nodes[i].shape, nodes[i].dtype) for i in inputs], attrs)
+        except GraphError:
+            continue  # try another op: keep the graph valid so far
+        nodes.append(Node(op, inputs, attrs, tuple(shape), dtype))
+    if not nodes:
+        nodes.append(Node(Op.INPUT, (), ("x",), (T, 4), DType.F32))
+    outputs = tuple(draw(st.lists(st.integers(0, len(nodes) - 1), min_size=1, max_size=3)))
+    corrupt = draw(st.integers(0, 9))
+    if corrupt == 0:  # one bad field somewhere
+        i = draw(st.integers(0, len(nodes) - 1))
+        n = nodes[i]
+        field = draw(st.sampled_from(["shape", "dtype", "inputs", "attrs", "outputs"]))
+        if field == "shape":
+            n = Node(n.op, n.inputs, n.attrs, draw(SHAPES), n.dtype)
+        elif field == "dtype":
+            n = Node(n.op, n.inputs, n.attrs, n.shape, draw(DTYPES))
+        elif field == "inputs":
+            n = Node(n.op, tuple(draw(st.integers(0, len(nodes) + 2)) for _ in n.inputs) or (i,), n.attrs, n.shape, n.dtype)
+        elif field == "attrs":
+            n = Node(n.op, n.inputs, tuple(draw(attr_value(k)) for _, k in OPS[n.op].attrs), n.shape, n.dtype)
+        else:
+            outputs = (len(nodes) + draw(st.integers(0, 3)),)
+        nodes[i] = n
+    return Graph(tuple(nodes), outputs)
+
+
+def _template(draw, nodes: list[Node]) -> None:
+    """The leaves an op with strict input rules needs, then the op (attributes drawn near
+    their valid ranges, index inputs unchecked until compute time)."""
+    def add(op, inputs, attrs, shape, dtype=DType.F32) -> int:
+        nodes.append(Node(op, inputs, attrs, shape, dtype))
+        return len(nodes) - 1
+
+    def inp(shape, dtype=DType.F32) -> int:
+        return add(Op.INPUT, (), (f"in{len(nodes)}",), shape, dtype)
+
+    kind = draw(st.sampled_from(["get_rows", "set_rows", "rope", "attention", "sample", "matmul", "view"]))
+    wdtype = draw(st.sampled_from([DType.F32, DType.F16, DType.Q8_0, DType.BF16]))
+    if kind == "get_rows":
+        ins = (add(Op.WEIGHT, (), (1, 0), (8, 32), wdtype), inp((T,), DType.I32))
+        attrs = ()
+    elif kind == "set_rows":
+        ins = (add(Op.STATE, (), (2, 0), (8, 4), draw(st.sampled_from([DType.F32, DType.F16]))),
+               inp((T, 4)), inp((T,), DType.I32))
+        attrs = ()
+    elif kind == "rope":
+        ins = (inp((T, 2, 8)), inp((T,), DType.I32))
+        attrs = (draw(st.sampled_from([2, 4, 8, 6, 0, 10])), draw(st.sampled_from([10000.0, 1e6, 0.5])),
+                 draw(st.sampled_from([0, 1])), draw(st.sampled_from([1.0, 0.25])))
+    elif kind == "attention":
+        ins = (inp((T, 4, 8)), add(Op.STATE, (), (2, 0), (16, 2, 8)), add(Op.STATE, (), (2, 1024), (16, 2, 8)),
+               inp((T,), DType.I32))
+        attrs = (draw(st.sampled_from([0.35, 1.0])), draw(st.integers(0, 3)), draw(st.sampled_from([0.0, 20.0])))
+    elif kind == "sample":
+        ins = (inp((T, 16)), inp((5,)))
+        attrs = ()
+    elif kind == "matmul":
+        ins = (inp((T, 32)), add(Op.WEIGHT, (), (1, 64), (8, 32), wdtype))
+        attrs = ()
+    else:
+        if not nodes:
+            return
+        src = draw(st.integers(0, len(nodes) - 1))
+        ins = (src,)
+        attrs = (draw(st.integers(-1, 2)), draw(st.integers(-3, 3)), draw(st.integers(1, 3)))
+    op = {"get_rows": Op.GET_ROWS, "set_rows": Op.SET_ROWS, "rope": Op.ROPE, "attention": Op.ATTENTION,
+          "sample": Op.SAMPLE, "matmul": Op.MATMUL, "view": Op.VIEW}[kind]
+    try:
+        shape, dtype = infer(op, [(nodes[i].shape, nodes[i].dtype) for i in ins], attrs)
+    except GraphError:
+        return
+    add(op, ins, attrs, tuple(shape), dtype)
+
+
+def value_of(tp) -> st.SearchStrategy:
+    """Any value of a message field's type (for round trips)."""
+    import typing
+
+    if tp is int:
+        return I64
+    if tp is float:
+        return FLOATS
+    if tp is bool:
+        return st.booleans()
+    if tp is str:
+        return TEXT
+    if tp is bytes:
+        return st.binary(max_size=40)
+    if tp is Graph:
+        return graphs()
+    if typing.get_origin(tp) is tuple:
+        return st.lists(value_of(typing.get_args(tp)[0]), max_size=3).map(tuple)
+    fields = m._fields(tp)
+    return st.tuples(*(value_of(f) for _, f in fields)).map(lambda vals: tp(*vals))
+
+
+MESSAGES = st.sampled_from(list(m.OPCODES.values())).flatmap(value_of)
+
+
+# ---------------------------------------------------------------- decoder
+
+
+@budget(4000)
+@given(st.sampled_from(sorted(m.OPCODES)), st.binary(max_size=300))
+def test_random_bodies_decode_or_raise_protocol_error(opcode, body):
+    try:
+        msg = m.decode_body(opcode, body)
+    except ProtocolError:
+        return
+    assert isinstance(msg, m.OPCODES[opcode])
+    assert m.encode(msg)[m.HEADER.size:] == body  # accepted bytes are canonical
+
+
+@budget(1500)
+@given(st.binary(min_size=16, max_size=16))
+def test_random_headers(raw):
+    try:
+        h = m.decode_header(raw)
+    except ProtocolError:
+        return
+    assert h.opcode in m.OPCODES and h.length <= m.MAX_BODY and not h.flags & ~m.WANT_REPLY
+
+
+def _same(a, b) -> bool:
+    """Equality with NaN equal to itself (floats travel bit for bit)."""
+    return m.encode(a) == m.encode(b)
+
+
+@budget(1000)
+@given(MESSAGES)
+def test_every_message_round_trips(msg):
+    raw = m.encode(msg, 7, m.WANT_REPLY)
+    back = m.decode_body(m.decode_header(raw[:16]).opcode, raw[16:])
+    assert type(back) is type(msg) and _same(back, msg)
+
+
+@budget(2000)
+@given(MESSAGES, st.lists(st.tuples(st.sampled_from(["flip", "insert", "delete", "cut", "count"]),
+                                    st.integers(0, 1 << 16), st.integers(0, 255)), min_size=1, max_size=4))
+def test_mutated_messages_decode_or_raise_protocol_error(msg, edits):
+    body = bytearray(m.encode(msg)[16:])
+    for kind, pos, byte in edits:
+        pos = pos % (len(body) + 1)
+        if kind == "flip" and body:
+            body[pos % len(body)] ^= 1 << (byte % 8)
+        elif kind == "insert":
+            body[pos:pos] = bytes([byte])
+        elif kind == "delete" and body:
+            del body[pos % len(body)]
+        elif kind == "cut":
+            del body[pos:]
+        elif kind == "count":  # a length or count field made huge
+            body[pos:pos + 4] = (0xFFFFFFF0 + byte % 16).to_bytes(4, "little")
+    try:
+        back = m.decode_body(m.OPCODE_OF[type(msg)], bytes(body))
+    except ProtocolError:
+        return
+    assert m.encode(back)[16:] == bytes(body)
+
+
+# ---------------------------------------------------------------- validator + executor
+
+
+def _inputs_for(graph: Graph, n_tokens: int, rng: np.random.Generator) -> tuple[m.Tensor, ...]:
+    out = []
+    for name, node in graph.inputs().items():
+        shape = tuple(n_tokens if d == T else max(d, 0) for d in node.shape)
+        npt = NUMPY_DTYPES.get(node.dtype, np.dtype(np.float32))
+        if npt.kind == "f":
+            arr = rng.standard_normal(shape).astype(npt)
+        else:
+            arr = rng.integers(-2, 12, shape).astype(npt)
+        raw = arr.tobytes()
+        out.append(m.Tensor(name, int(node.dtype), shape, m.Blob(raw, -1, len(raw))))
+    return tuple(out)
+
+
+def _session() -> Session:
+    backend = LocalBackend("cpu", limits=LIMITS)
+    cfg = SessionConfig("cpu", LIMITS, 0, 1, "fuzz")
+    session = Session(None, backend, None, cfg)
+    for msg in (m.AllocBuffer(1, 1 << 16, 0), m.SetTensor(1, 0, m.Blob(bytes(range(256)) * 256, -1, 1 << 16)),
+                m.AllocBuffer(2, 4096, 1)):
+        session.dispatch(msg)
+    return session
+
+
+def _dispatch(session: Session, msg: object) -> object:
+    try:
+        return session.dispatch(msg)
+    except Exception as e:  # noqa: BLE001 - exactly what Session.serve does
+        err = error_for(e)
+        assert err.code != m.ErrorCode.INTERNAL, f"{type(msg).__name__} -> {type(e).__name__}: {e}"
+        return err
+
+
+@budget(700)
+@given(graphs(), st.integers(1, 4), st.integers(0, 2**32 - 1))
+def test_graphs_are_refused_cleanly_or_run(graph, n_tokens, seed):
+    try:
+        graph.validate()
+        valid = True
+    except GraphError:
+        valid = False
+    session = _session()
+    reply = _dispatch(session, m.RegisterGraph(9, graph))
+    if not valid:
+        assert isinstance(reply, m.Error) and reply.code == m.ErrorCode.GRAPH
+        return
+    if isinstance(reply, m.Error):
+        return
+    rng = np.random.default_rng(seed)
+    reply = _dispatch(session, m.Compute(9, _inputs_for(graph, n_tokens, rng), -1, 0))
+    if isinstance(reply, m.Outputs):
+        assert len(reply.outputs) == len(graph.outputs)
+    assert session.backend.allocated_bytes() <= LIMITS.max_memory
+
+
+REQUESTS = st.one_of(
+    st.builds(m.AllocBuffer, st.integers(-1, 6), st.one_of(st.integers(-2, 1 << 16), I64), st.integers(-1, 3)),
+    st.builds(m.FreeBuffer, st.integers(-1, 6)),
+    st.builds(m.ClearBuffer, st.integers(0, 6), st.integers(-2, 300)),
+    st.builds(m.SetTensor, st.integers(0, 6), I64, st.builds(m.Blob, st.binary(max_size=64), st.just(-1), st.integers(0, 64))),
+    st.builds(m.GetTensor, st.integers(0, 6), I64, st.one_of(st.integers(-2, 70000), I64), st.integers(-1, 8)),
+    st.builds(m.CopyTensor, st.integers(0, 6), I64, st.integers(0, 6), I64, st.one_of(st.integers(-1, 70000), I64)),
+    st.builds(m.FreeGraph, st.integers(0, 10)),
+    st.builds(m.Supports, I64, st.lists(I64, max_size=3).map(tuple)),
+    st.builds(m.Compute, st.integers(0, 10), st.just(()), I64, I64),
+    st.sampled_from([m.Synchronize(), m.GetDevices(), m.Ok(), m.Goodbye()]),
+)
+
+
+@budget(300)
+@given(st.lists(REQUESTS, max_size=25))
+def test_request_sequences_keep_the_session_consistent(requests):
+    session = _session()
+    for msg in requests:
+        _dispatch(session, msg)
+        be = session.backend
+        assert be.allocated_bytes() <= LIMITS.max_memory
+        assert len(be._buffers) + len(be._graphs) <= LIMITS.max_handles
+    session.backend.close()
+
+
+def test_deep_graphs_validate_without_recursion_in_linear_time():
+    nodes = [Node(Op.INPUT, (), ("x",), (T, 4), DType.F32)]
+    nodes += [Node(Op.SCALE, (i,), (1.0,), (T, 4), DType.F32) for i in range(65535)]
+    t0 = time.perf_counter()
+    Graph(tuple(nodes), (65535,)).validate()
+    chain = [Node(Op.STATE, (), (1, 0), (4, 4), DType.F32), nodes[0], Node(Op.INPUT, (), ("i",), (T,), DType.I32)]
+    chain += [Node(Op.SET_ROWS, (i + 2 if i else 0, 1, 2), (), (4, 4), DType.F32) for i in range(65533)]
+    Graph(tuple(chain), (len(chain) - 1,)).validate()
+    assert time.perf_counter() - t0 < 10
+
+
+def test_errors_from_malformed_python_graphs_are_graph_errors():
+    """Wrong Python types can only come from a local caller, never from the wire; they
+    must still be GraphErrors, not crashes."""
+    x = Node(Op.INPUT, (), ("x",), (), DType.F32)
+    for node in (Node(Op.MATMUL, (0, 0), (), (), DType.F32), Node(Op.SET_ROWS, (0, 0, 0), (), (), DType.F32)):
+        with pytest.raises(GraphError):
+            Graph((x, node), (1,)).validate()
+    assert isinstance(ApirError("x"), Exception)

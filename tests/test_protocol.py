@@ -1,0 +1,226 @@
+"""The wire protocol alone (no I/O): every message round-trips; malformed frames and
+bodies are refused with a ProtocolError that says what is wrong."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+from rawguest import body_of, frame
+
+from apir.graph import DType, GraphBuilder, Op, T
+from apir.protocol import ProtocolError, graph_codec
+from apir.protocol import messages as m
+from apir.protocol.wire import MAX_ITEMS, MAX_RANK, MAX_STR, Writer
+
+
+def _graph():
+    g = GraphBuilder()
+    x = g.input("x", (T, 8))
+    w = g.weight(1, 0, (4, 8), DType.F16, "blk.0.w")
+    y = g.rms_norm(g.matmul(x, w), 1e-5)
+    y = g.rope(g.reshape(y, (T, 2, 2)), g.input("pos", (T,), DType.I32), 2, 10000.0, True, 0.5)
+    y = g.permute(g.view(y, 0, -1, 1), (0, 2, 1))
+    return g.build(g.argmax(g.reshape(y, (1, 4))), y)
+
+
+DEV = m.Device("cpu", "cpu", "Some CPU", 1 << 30, 1 << 32, ("graph_cache", "async"))
+BLOB = m.Blob(b"\x00\x01\xff" * 3, -1, 9)
+
+# One instance of every message type; fields chosen to exercise each encoding
+# (negative ints, non-ASCII text, empty and non-empty tuples, nested values, a graph).
+SAMPLES: dict[type, object] = {
+    m.Hello: m.Hello(m.PROTOCOL_VERSION, m.op_table_hash(), "s3cr3t-tökén", "apir test", 256 << 20, True),
+    m.GetDevices: m.GetDevices(),
+    m.Supports: m.Supports(int(Op.MATMUL), (int(DType.Q4_K), int(DType.F32))),
+    m.AllocBuffer: m.AllocBuffer(7, 1 << 40, 1),
+    m.FreeBuffer: m.FreeBuffer(7),
+    m.ClearBuffer: m.ClearBuffer(7, 255),
+    m.SetTensor: m.SetTensor(7, 64, BLOB),
+    m.GetTensor: m.GetTensor(7, 64, 1 << 20, 4096),
+    m.CopyTensor: m.CopyTensor(7, 0, 8, 32, 1024),
+    m.RegisterGraph: m.RegisterGraph(9, _graph()),
+    m.FreeGraph: m.FreeGraph(9),
+    m.Compute: m.Compute(9, (m.Tensor("x", int(DType.F32), (2, 8), m.Blob(b"", 128, 64)),
+                             m.Tensor("pos", int(DType.I32), (2,), m.Blob(b"\0" * 8, -1, 8))), -1, 0),
+    m.Synchronize: m.Synchronize(),
+    m.Goodbye: m.Goodbye(),
+    m.Welcome: m.Welcome(m.PROTOCOL_VERSION, 3, DEV, 0, 8 << 30),
+    m.Ok: m.Ok(),
+    m.Error: m.Error(m.ErrorCode.QUOTA, "too many live handles (–ünïcode)"),
+    m.Devices: m.Devices((DEV, m.Device("cuda:0", "cuda", "", 0, 0, ()))),
+    m.Flag: m.Flag(False),
+    m.Data: m.Data(m.Blob(b"", 0, 1 << 20)),
+    m.Outputs: m.Outputs((m.Tensor("out0", int(DType.I32), (), BLOB),)),
+    m.Status: m.Status(1, DEV, (m.SessionInfo(1, 1234, "unix:local", 10, 20),), 16, 0),
+}
+
+
+def test_every_opcode_has_a_sample():
+    assert set(SAMPLES) == set(m.OPCODES.values())
+    assert len(set(m.OPCODES.values())) == len(m.OPCODES)  # one opcode per message type
+
+
+@pytest.mark.parametrize("cls", list(m.OPCODES.values()), ids=lambda c: c.__name__)
+def test_round_trip(cls):
+    msg = SAMPLES[cls]
+    raw = m.encode(msg, 0xDEADBEEF, m.WANT_REPLY)
+    header = m.decode_header(raw[: m.HEADER.size])
+    assert (header.opcode, header.flags, header.request_id, header.length) == (
+        m.OPCODE_OF[cls], m.WANT_REPLY, 0xDEADBEEF, len(raw) - m.HEADER.size)
+    back = m.decode_body(header.opcode, raw[m.HEADER.size:])
+    assert back == msg
+    assert m.encode(back, 0xDEADBEEF, m.WANT_REPLY) == raw  # the encoding is canonical
+
+
+def test_graph_round_trip_keeps_types():
+    g = _graph()
+    back = m.decode_body(m.OPCODE_OF[m.RegisterGraph], body_of(m.RegisterGraph(1, g))).graph
+    assert back == g
+    assert all(isinstance(n.op, Op) and isinstance(n.dtype, DType) for n in back.nodes)
+    back.validate()
+
+
+# ---------------------------------------------------------------- headers
+
+
+@pytest.mark.parametrize("raw, message", [
+    (b"APIR\x01\x00", "truncated frame header (6 of 16 bytes)"),
+    (frame(1, magic=b"GGUF"), "bad magic b'GGUF'"),
+    (frame(1, magic=b"\0\0\0\0"), "does not speak the apir protocol"),
+    (frame(77), "unknown opcode 77"),
+    (frame(0), "unknown opcode 0"),
+    (frame(1, flags=0x8001), "unknown flags 0x8001"),
+    (frame(1, length=m.MAX_BODY + 1), f"exceeds the limit of {m.MAX_BODY}"),
+    (frame(1, length=0xFFFFFFFF), "frame body of 4294967295 bytes"),
+])
+def test_bad_headers(raw, message):
+    with pytest.raises(ProtocolError) as e:
+        m.decode_header(raw[:16] if len(raw) >= 16 else raw)
+    assert message in str(e.value)
+
+
+def test_header_limit_is_per_channel():
+    m.decode_header(frame(1, length=4096), max_body=4096)
+    with pytest.raises(ProtocolError, match="4097 bytes exceeds the limit of 4096"):
+        m.decode_header(frame(1, length=4097), max_body=4096)
+
+
+# ---------------------------------------------------------------- bodies
+
+
+@pytest.mark.parametrize("cls", [c for c in m.OPCODES.values() if body_of(SAMPLES[c])],
+                         ids=lambda c: c.__name__)
+def test_every_truncation_is_refused(cls):
+    body = body_of(SAMPLES[cls])
+    for cut in range(len(body)):
+        with pytest.raises(ProtocolError, match="truncated|exceeds the limit|not valid UTF-8|bad boolean"):
+            m.decode_body(m.OPCODE_OF[cls], body[:cut])
+
+
+@pytest.mark.parametrize("cls", list(m.OPCODES.values()), ids=lambda c: c.__name__)
+def test_trailing_bytes_are_refused(cls):
+    with pytest.raises(ProtocolError, match="3 unexpected bytes after the message"):
+        m.decode_body(m.OPCODE_OF[cls], body_of(SAMPLES[cls]) + b"xyz")
+
+
+def _hello_body(**fields) -> bytes:
+    w = Writer()
+    w.i64(fields.get("version", 1))
+    w.parts.append(fields.get("op_table", struct.pack("<Q", 32) + bytes(32)))
+    w.parts.append(fields.get("token", struct.pack("<I", 0)))
+    w.parts.append(fields.get("client", struct.pack("<I", 4) + b"test"))
+    w.i64(0)
+    w.parts.append(fields.get("status", b"\x00"))
+    return w.getvalue()
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"status": b"\x02"}, "bad boolean 2"),
+    ({"client": struct.pack("<I", 2) + b"\xc3\x28"}, "string is not valid UTF-8"),
+    ({"client": struct.pack("<I", MAX_STR + 1)}, f"list of {MAX_STR + 1} items exceeds the limit of {MAX_STR}"),
+    ({"client": struct.pack("<I", 1000) + b"abc"}, "truncated message"),
+    ({"op_table": struct.pack("<Q", 1 << 62)}, "bytes of data announced"),
+    ({"op_table": struct.pack("<Q", 2**64 - 1)}, "bytes of data announced"),
+])
+def test_bad_fields(fields, message):
+    with pytest.raises(ProtocolError) as e:
+        m.decode_body(1, _hello_body(**fields))
+    assert message in str(e.value)
+    m.decode_body(1, _hello_body())  # the unmodified body is fine
+
+
+def test_list_counts_are_capped_before_allocation():
+    w = Writer()
+    w.u32(MAX_ITEMS + 1)  # Devices with 2^20 + 1 devices announced, none present
+    with pytest.raises(ProtocolError, match=f"exceeds the limit of {MAX_ITEMS}"):
+        m.decode_body(m.OPCODE_OF[m.Devices], w.getvalue())
+    w = Writer()
+    w.u32(MAX_ITEMS)  # within the cap but absent: truncated, quickly
+    with pytest.raises(ProtocolError, match="truncated"):
+        m.decode_body(m.OPCODE_OF[m.Devices], w.getvalue())
+
+
+def _graph_body(nodes: list[bytes], outputs=(0,), n_nodes: int | None = None) -> bytes:
+    w = Writer()
+    w.i64(1)  # graph id
+    w.u32(len(nodes) if n_nodes is None else n_nodes)
+    w.parts.extend(nodes)
+    w.u32(len(outputs))
+    for o in outputs:
+        w.u32(o)
+    return w.getvalue()
+
+
+def _node(op: int = int(Op.INPUT), inputs=(), attrs: bytes | None = None, shape=(4,),
+          dtype: int = int(DType.F32), rank: int | None = None, n_inputs: int | None = None) -> bytes:
+    w = Writer()
+    w.u16(op)
+    w.u32(len(inputs) if n_inputs is None else n_inputs)
+    for i in inputs:
+        w.u32(i)
+    if attrs is None:
+        w.str("x")
+    else:
+        w.parts.append(attrs)
+    w.u32(len(shape) if rank is None else rank)
+    for d in shape:
+        w.i64(d)
+    w.u16(dtype)
+    w.str("")
+    return w.getvalue()
+
+
+@pytest.mark.parametrize("body, message", [
+    (_graph_body([_node(op=999)]), "node 0: unknown op 999"),
+    (_graph_body([_node(), _node(op=0)]), "node 1: unknown op 0"),
+    (_graph_body([_node(dtype=5)]), "node 0: unknown dtype 5"),
+    (_graph_body([_node(dtype=0xFFFF)]), "unknown dtype 65535"),
+    (_graph_body([_node(n_inputs=graph_codec.MAX_INPUTS + 1)]), f"exceeds the limit of {graph_codec.MAX_INPUTS}"),
+    (_graph_body([_node(rank=MAX_RANK + 1)]), f"exceeds the limit of {MAX_RANK}"),
+    (_graph_body([], n_nodes=graph_codec.MAX_NODES + 1), f"exceeds the limit of {graph_codec.MAX_NODES}"),
+    (_graph_body([_node()], outputs=range(graph_codec.MAX_NODES + 1)), "exceeds the limit"),
+    (_graph_body([_node(attrs=struct.pack("<I", 3) + b"\xff\xfe\xfd")]), "not valid UTF-8"),
+])
+def test_bad_graphs_fail_to_decode(body, message):
+    with pytest.raises(ProtocolError) as e:
+        m.decode_body(m.OPCODE_OF[m.RegisterGraph], body)
+    assert message in str(e.value)
+
+
+def test_structurally_valid_but_meaningless_graphs_decode_for_the_validator():
+    """The codec checks structure only: forward references and bad shapes reach
+    ``Graph.validate`` (tested with the host in test_hostile, and in test_fuzz)."""
+    body = _graph_body([_node(op=int(Op.SCALE), inputs=(0,), attrs=struct.pack("<d", 1.0))])
+    msg = m.decode_body(m.OPCODE_OF[m.RegisterGraph], body)
+    assert msg.graph.nodes[0].inputs == (0,)
+
+
+def test_oversized_messages_are_refused_when_encoded():
+    with pytest.raises(ProtocolError, match="exceeds the 67108864-byte frame limit"):
+        m.encode(m.Data(m.Blob(bytes(m.MAX_BODY), -1, m.MAX_BODY)))
+
+
+def test_op_table_hash_is_pinned_to_the_table():
+    assert len(m.op_table_hash()) == 32
+    assert m.op_table_hash() == m.op_table_hash()
