@@ -49,7 +49,9 @@ def sandbox_command(socket_path: str, argv: list[str], read_only: tuple[str, ...
         "--tmpfs", "/tmp",
         "--tmpfs", "/run",
         "--bind", str(sock), str(sock),
-        *(arg for path in read_only for arg in ("--ro-bind", path, path)),
+        # the interpreter, its packages and apir itself stay visible even when they live
+        # under a directory the sandbox replaces (a clone in /tmp, a venv under /run)
+        *(arg for path in (*_runtime_paths(), *read_only) for arg in ("--ro-bind", path, path)),
         "--unshare-net", "--unshare-pid", "--unshare-ipc", "--unshare-uts",
         "--die-with-parent", "--new-session",
         "--setenv", INSIDE_ENV, "1",
@@ -60,6 +62,13 @@ def sandbox_command(socket_path: str, argv: list[str], read_only: tuple[str, ...
     if home and Path(home).is_dir():
         cmd += ["--setenv", "HOME", home]
     return [*cmd, "--", *argv]
+
+
+def _runtime_paths() -> tuple[str, ...]:
+    import apir
+
+    paths = {sys.prefix, sys.base_prefix, str(Path(apir.__file__).resolve().parent.parent)}
+    return tuple(sorted(p for p in paths if Path(p).exists()))
 
 
 def inside() -> bool:
