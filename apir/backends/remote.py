@@ -167,8 +167,12 @@ class RemoteBackend(Backend):
         """Switch to the session's shared rings; frames stop travelling on the socket."""
         region_fd, to_host, to_guest = fds
         try:
-            check_sealed(region_fd)
-            self._region = Region.open_fd(region_fd, "the host's shared region")
+            try:
+                check_sealed(region_fd)
+            except ApirError:
+                os.close(region_fd)
+                raise
+            self._region = Region.open_fd(region_fd, "the host's shared region")  # owns the fd
         except ApirError:
             for fd in (to_host, to_guest):
                 os.close(fd)
