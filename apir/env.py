@@ -89,7 +89,17 @@ BENCH_HISTORY = EnvVar(
 CUDA_GRAPHS = EnvVar("APIR_CUDA_GRAPHS", "1", "host: replay decode steps from captured CUDA graphs (0 = eager)")
 COMPILE = EnvVar("APIR_COMPILE", "1", "host: torch.compile decode steps before capturing them (0 = capture eager kernels)")
 
-SPIN_US = EnvVar("APIR_SPIN_US", "2000", "guest and host: busy-poll this many microseconds for a reply before sleeping")
+SPIN_US = EnvVar(
+    "APIR_SPIN_US", None,
+    "guest and host: busy-poll this many microseconds for the next frame before sleeping "
+    "(default: 2000 when the host executes on a GPU, 0 on a CPU host, whose cores do the work)",
+)
+
+
+def spin_seconds(device_kind: str) -> float:
+    """How long to busy-poll for a frame: only worth a core when a GPU does the compute."""
+    value = SPIN_US.get()
+    return (int(value) if value is not None else 2000 if device_kind != "cpu" else 0) / 1e6
 
 CONFIG = EnvVar(
     "APIR_CONFIG",

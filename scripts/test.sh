@@ -7,5 +7,5 @@ bash scripts/setup.sh --test
 # The suite runs several torch processes at once (pytest, host daemons, their workers) on
 # a 2-core CI machine: one OpenMP thread each stops them spinning against each other.
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-ruff check apir tests
+ruff check apir tests fuzz
 python -m pytest -q "$@"

@@ -8,6 +8,7 @@ Every test prints what it measured (run with ``-s`` to see it). Longer runs:
 
 from __future__ import annotations
 
+import json
 import os
 import select
 import signal
@@ -247,7 +248,25 @@ PROMPTS = ["Hello, world!", "Once upon a time", "The quick brown fox", "apir run
            "Tell me a story.", "1 2 3 4 5", "What is remoting?", "Goodbye!"]
 
 
+def _soak_guest(host, tiny: str, expected: dict[str, str], deadline: float, i: int) -> dict:
+    """One guest process: generate until the deadline, checking every answer."""
+    count, errors = 0, []
+    try:
+        with apir.load(tiny, backend="remote", remote=host.unix) as model:
+            while time.monotonic() < deadline:
+                prompt = PROMPTS[(i + count) % len(PROMPTS)]
+                got = model.generate(prompt, temperature=0, max_tokens=24)
+                if got != expected[prompt]:
+                    errors.append(f"guest {i}: {prompt!r} -> {got!r}, want {expected[prompt]!r}")
+                count += 1
+    except Exception as e:  # noqa: BLE001
+        errors.append(f"guest {i}: {type(e).__name__}: {e}")
+    return {"count": count, "errors": errors[:5], "n_errors": len(errors)}
+
+
 def test_soak_eight_guests(host, tiny):
+    """Eight guest processes generate against one daemon; every answer must equal the
+    local backend's, and the daemon must end where it started."""
     host.wait_idle()
     with apir.load(tiny, backend="local", device="cpu") as local:
         expected = {p: local.generate(p, temperature=0, max_tokens=24) for p in PROMPTS}
@@ -256,39 +275,41 @@ def test_soak_eight_guests(host, tiny):
         assert warm.generate(PROMPTS[0], temperature=0, max_tokens=24) == expected[PROMPTS[0]]
     host.wait_idle()
     rss0 = rss_kib(host.proc.pid)
-    errors: list[str] = []
-    counts = [0] * 8
-    peak_sessions = 0
     deadline = time.monotonic() + SOAK_SECONDS
-
-    def guest(i: int) -> None:
-        try:
-            with apir.load(tiny, backend="remote", remote=host.unix) as model:
-                k = 0
-                while time.monotonic() < deadline:
-                    prompt = PROMPTS[(i + k) % len(PROMPTS)]
-                    got = model.generate(prompt, temperature=0, max_tokens=24)
-                    if got != expected[prompt]:
-                        errors.append(f"guest {i}: {prompt!r} -> {got!r}, want {expected[prompt]!r}")
-                    counts[i] += 1
-                    k += 1
-        except Exception as e:  # noqa: BLE001
-            errors.append(f"guest {i}: {type(e).__name__}: {e}")
-
-    threads = [threading.Thread(target=guest, args=(i,)) for i in range(8)]
+    guests = []
     t0 = time.monotonic()
-    for t in threads:
-        t.start()
-    while any(t.is_alive() for t in threads):
+    for i in range(8):
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # a guest process: never returns into pytest
+            try:
+                os.close(r)
+                os.environ["TOKENIZERS_PARALLELISM"] = "false"
+                os.write(w, json.dumps(_soak_guest(host, tiny, expected, deadline, i)).encode())
+            finally:
+                os._exit(0)
+        os.close(w)
+        guests.append((pid, r))
+    peak_sessions = 0
+    while time.monotonic() < deadline + 1:
         peak_sessions = max(peak_sessions, len(host.status().sessions))
         time.sleep(0.2)
+    results = []
+    for pid, r in guests:
+        os.waitpid(pid, 0)
+        with os.fdopen(r) as f:
+            text = f.read()
+        results.append(json.loads(text) if text else {"count": 0, "errors": ["died"], "n_errors": 1})
     elapsed = time.monotonic() - t0
     after = host.wait_idle()
     rss1 = rss_kib(host.proc.pid)
-    print(f"\nsoak: 8 guests x {SOAK_SECONDS:.0f}s: {sum(counts)} generations of 24 tokens "
-          f"({sum(counts) * 24 / elapsed:.0f} tok/s total, per guest {counts}), {len(errors)} errors, "
+    counts = [res["count"] for res in results]
+    errors = [e for res in results for e in res["errors"]]
+    n_errors = sum(res["n_errors"] for res in results)
+    print(f"\nsoak: 8 guest processes x {SOAK_SECONDS:.0f}s: {sum(counts)} generations of 24 tokens "
+          f"({sum(counts) * 24 / elapsed:.0f} tok/s total, per guest {counts}), {n_errors} errors, "
           f"peak {peak_sessions} sessions; daemon RSS {rss0 / 1024:.1f} -> {rss1 / 1024:.1f} MiB")
-    assert not errors, errors[:5]
+    assert n_errors == 0, errors
     assert min(counts) > 0 and peak_sessions == 8
     assert after.sessions == ()  # every session's memory accounted back to zero
     assert rss1 - rss0 < 8 * 1024

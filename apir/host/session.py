@@ -327,7 +327,7 @@ def run_worker(chan: Channel, hello: m.Hello, config: SessionConfig, publish,
                         arena.size if arena else 0, config.limits.max_memory)
     from .. import env
 
-    chan.spin_seconds = int(env.SPIN_US.get()) / 1e6  # the next decode step is usually µs away
+    chan.spin_seconds = env.spin_seconds(backend.device().kind)  # the next step is µs away on a GPU
     if region is not None:
         # From here on frames travel through the region's rings; the socket stays open only
         # so each side notices when the other is gone.
