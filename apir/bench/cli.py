@@ -42,7 +42,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         print(markdown(run(args.remote, args.token_file, args.calls, args.upload_mb, args.device)))
         return 0
-    from .report import append_history, history_path, render
+    from .report import emit
     from .runner import BenchConfig, Source, run
 
     backends = parse_backends(args.backends)
@@ -60,12 +60,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         require_matplotlib()
     records = run(config, lambda line: _eprint(f"bench: {line}"))
-    sys.stdout.write(render(records, args.output))
-    sys.stdout.flush()
-    if not args.no_history:
-        path = history_path(args.history)
-        append_history(path, records)
-        _eprint(f"bench: appended {len(records)} records to {path}")
+    emit(records, args.output, args.history, not args.no_history)
     if args.plot:
         from .plot import plot
 

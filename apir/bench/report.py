@@ -104,3 +104,15 @@ def append_history(path: Path, records: Sequence[dict]) -> None:
             f.write(render(records, "jsonl"))
     except OSError as e:
         raise BenchError(f"cannot append to the history file {path}: {e.strerror or e}") from None
+
+
+def emit(records: list[dict], output: str, history: str | None, keep_history: bool) -> None:
+    """Print ``records`` in ``output`` format on stdout; append them to the history file."""
+    import sys
+
+    sys.stdout.write(render(records, output))
+    sys.stdout.flush()
+    if keep_history:
+        path = history_path(history)
+        append_history(path, records)
+        print(f"bench: appended {len(records)} records to {path}", file=sys.stderr, flush=True)

@@ -86,7 +86,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from ..bench.backends import BackendOptions
-    from ..bench.report import append_history, history_path, render
+    from ..bench.report import emit
     from ..bench.runner import BenchConfig, Source, run
     from ..models.resolve import DEFAULT_MODEL, resolve_model
     from .launch import run_vm
@@ -123,12 +123,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     for r in records:
         base = native.get((r["model"], r["test"]))
         r["pct_native"] = 100.0 * r["avg_ts"] / base if base else None
-    sys.stdout.write(render(records, args.output))
-    sys.stdout.flush()
-    if not args.no_history:
-        path = history_path(args.history)
-        append_history(path, records)
-        _eprint(f"bench: appended {len(records)} records to {path}")
+    emit(records, args.output, args.history, not args.no_history)
     return 0
 
 
