@@ -221,8 +221,9 @@ class RemoteBackend(Backend):
         self.chan.close()
         why = "timed out" if isinstance(exc, TimeoutError) else "connection closed"
         return HostGoneError(
-            f"the apir host at {self.address} went away during {type(msg).__name__} ({why}); "
-            "check the host's log and restart it"
+            f"the apir host at {self.address} went away during {type(msg).__name__} ({why}): "
+            "the daemon or this session's worker stopped; its log says which (restart the daemon "
+            "if it is gone, or reconnect)"
         )
 
     def _arena_slot(self, n: int) -> int | None:
