@@ -23,7 +23,7 @@ import numpy as np
 from ..backends.base import BackendError, BufferPurpose, Executor, Limits, QuotaError
 from ..errors import ApirError
 from ..graph import DType, GraphError, Op
-from ..graph.dtypes import NUMPY_DTYPES
+from ..graph.dtypes import NUMPY_DTYPES, from_numpy
 from ..protocol import PROTOCOL_VERSION, WANT_REPLY, ErrorCode, ProtocolError
 from ..protocol import messages as m
 from ..transport import Arena, ArenaError, Channel, ConnectionClosed
@@ -241,7 +241,10 @@ class Session:
         result = []
         for i, arr in enumerate(outs):
             raw = np.ascontiguousarray(arr).tobytes()
-            dtype = DType.BF16 if arr.dtype == np.uint16 else _from_numpy(arr.dtype)
+            try:
+                dtype = DType.BF16 if arr.dtype == np.uint16 else from_numpy(arr.dtype)
+            except ValueError:
+                raise BackendError(f"output dtype {arr.dtype} cannot be sent") from None
             if place >= 0 and len(raw) > INLINE_MAX and place + len(raw) <= out_offset + capacity:
                 self.arena.write(place, raw)
                 blob = m.Blob(b"", place, len(raw))
@@ -290,13 +293,6 @@ def _purpose(code: int) -> BufferPurpose:
         return BufferPurpose(code)
     except ValueError:
         raise BackendError(f"unknown buffer purpose {code}") from None
-
-
-def _from_numpy(dtype: np.dtype) -> DType:
-    for k, v in NUMPY_DTYPES.items():
-        if v == dtype and k is not DType.BF16:
-            return k
-    raise BackendError(f"output dtype {dtype} cannot be sent")
 
 
 def _unix_region(arena_size: int, session: int) -> tuple[Region, tuple[int, int, int]]:

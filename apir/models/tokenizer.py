@@ -58,6 +58,10 @@ _PRE_REGEXES: dict[str, tuple[str, ...]] = {
     "llama3": (_LLAMA3,),
     "qwen2": (_QWEN2,),
 }
+# llama.cpp sets ignore_merges and add_bos for exactly these pre-tokenizer names.
+_LLAMA3_NAMES = frozenset(
+    ("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2")
+)
 # tokenizer.ggml.pre value -> key of _PRE_REGEXES, as llama.cpp groups them. Note that
 # llama.cpp spells the GPT-2 one "gpt-2"; a bare "gpt2" is unknown there and gets
 # "default", as here.
@@ -68,33 +72,8 @@ _PRE_ALIASES = {
         ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"),
         "smollm",
     ),
-    **dict.fromkeys(
-        (
-            "llama3",
-            "llama-v3",
-            "llama-bpe",
-            "falcon3",
-            "falcon-h1",
-            "pixtral",
-            "midm-2.0",
-            "lfm2",
-            "dbrx",
-            "smaug-bpe",
-        ),
-        "llama3",
-    ),
+    **dict.fromkeys((*_LLAMA3_NAMES, "dbrx", "smaug-bpe"), "llama3"),
     **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "kormo", "stablelm2", "megrez"), "qwen2"),
-}
-# llama.cpp sets ignore_merges and add_bos for exactly these pre-tokenizer names.
-_LLAMA3_NAMES = {
-    "llama3",
-    "llama-v3",
-    "llama-bpe",
-    "falcon3",
-    "falcon-h1",
-    "pixtral",
-    "midm-2.0",
-    "lfm2",
 }
 
 # --- end of generation (llama_vocab::impl::load) ------------------------------------------
