@@ -87,7 +87,11 @@ BENCH_HISTORY = EnvVar(
 )
 
 CUDA_GRAPHS = EnvVar("APIR_CUDA_GRAPHS", "1", "host: replay decode steps from captured CUDA graphs (0 = eager)")
-COMPILE = EnvVar("APIR_COMPILE", "1", "host: torch.compile decode steps before capturing them (0 = capture eager kernels)")
+COMPILE = EnvVar(
+    "APIR_COMPILE", "1",
+    "host: torch.compile decode steps before capturing them (0 = capture eager kernels, "
+    "all = prefill chunks too: faster prefill, a compile per chunk size)",
+)
 
 SPIN_US = EnvVar(
     "APIR_SPIN_US", None,

@@ -42,6 +42,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         print(markdown(run(args.remote, args.token_file, args.calls, args.upload_mb, args.device)))
         return 0
+    if args.bench_action == "profile":
+        from .profile import run as run_profile
+
+        print(run_profile(args.synthetic, args.device, args.n_gen, args.n_prompt))
+        return 0
     from .report import emit
     from .runner import BenchConfig, Source, run
 
@@ -127,7 +132,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-history", action="store_true", help="do not append to the history file")
     p.set_defaults(func=cmd_bench, bench_action=None)
 
-    actions = p.add_subparsers(dest="bench_action", metavar="{compare,transport}")
+    actions = p.add_subparsers(dest="bench_action", metavar="{compare,transport,profile}")
     t = actions.add_parser("transport", help="null-call and one-token round trips, upload GB/s, "
                                              "per transport, side by side")
     t.add_argument("--remote", action="append", metavar="URL",
@@ -137,6 +142,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--upload-mb", type=int, default=256, help="bytes uploaded for the GB/s figure")
     t.add_argument("--device", choices=("cpu", "cuda", "mps"), default="cpu",
                    help="device of the daemon the bench starts")
+    pr = actions.add_parser("profile", help="kernels per step and GPU busy time of native "
+                                             "decode and prefill (PyTorch profiler)")
+    pr.add_argument("--synthetic", default="llama-135m", metavar="SHAPE[:TYPE]",
+                    help="the synthetic model to profile (default llama-135m)")
+    pr.add_argument("-n", "--n-gen", type=int, default=32, help="decode steps profiled")
+    pr.add_argument("-p", "--n-prompt", type=int, default=512, help="prefill tokens profiled (0 = none)")
+    pr.add_argument("--device", choices=("cpu", "cuda", "mps"), default=env.DEVICE.get())
     c = actions.add_parser("compare", help="compare two result files; exit 1 on a regression",
                            description="BASE and NEW are files written by -o json / -o jsonl or "
                                        "the history file (the last run of each test counts).")

@@ -26,7 +26,8 @@ from ..models.tokenizer import Tokenizer
 from ..models.weights import KVCache, KVLayout, TensorSlot, Weights, WeightTable
 
 DEFAULT_CTX = 4096  # like llama.cpp: a model's full context is opt-in (it sizes the KV cache)
-PREFILL_CHUNK = 256
+PREFILL_CHUNK = 512  # llama.cpp's default micro-batch
+PAD_MIN = 8  # steps longer than a decode step are padded to a power of two (see _step)
 _GREEDY = np.array([0.0, 1, 1.0, 0.0, 0.0], np.float32)  # SAMPLE params: argmax
 
 
@@ -79,6 +80,8 @@ class Model:
         heads = self.arch.kv_heads(self.args)
         size, slots = KVLayout.plan(self.n_ctx, heads, DType.F32, ALIGNMENT)
         self.kv = KVLayout(backend.alloc_buffer(size, BufferPurpose.KV), self.n_ctx, DType.F32, tuple(slots))
+        # a host that caches per-length graphs wants few lengths (see _step)
+        self._pad = "graph_cache" in backend.device().capabilities
         self._logits_graph = self._register(last_only=False)
         self._sample_graph = self._register(last_only=True)
 
@@ -145,13 +148,24 @@ class Model:
 
     # ------------------------------------------------------------ compute
     def _step(self, graph: int, ids: Sequence[int], start: int, params=None) -> np.ndarray:
-        inputs = {
-            "tokens": np.asarray(ids, np.int32),
-            "pos": np.arange(start, start + len(ids), dtype=np.int32),
-        }
+        """One compute of ``ids`` at positions ``start``...; output rows are per token.
+
+        For a host that records a graph per step length, a prefill chunk is padded to the
+        next power of two by repeating its last token at its last position. The copies
+        compute the very same K/V row as the original (so the KV cache write is the same)
+        and the same output row, which is then dropped.
+        """
+        n = len(ids)
+        size = 1 << (n - 1).bit_length() if self._pad and n > PAD_MIN else n
+        tokens = np.empty(size, np.int32)
+        tokens[:n], tokens[n:] = ids, ids[-1]
+        pos = np.arange(start, start + size, dtype=np.int32)
+        pos[n:] = start + n - 1
+        inputs = {"tokens": tokens, "pos": pos}
         if params is not None:
             inputs["params"] = params
-        return self.backend.compute(graph, inputs)[0]
+        out = self.backend.compute(graph, inputs)[0]
+        return out if size == n or graph != self._logits_graph else out[:n]
 
     def logits(self, ids: Sequence[int], start: int = 0) -> np.ndarray:
         """Logits (len(ids), vocab) float32 of one causal pass over ``ids`` placed at ``start``.

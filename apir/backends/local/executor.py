@@ -10,15 +10,16 @@ from __future__ import annotations
 
 import logging
 import platform
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from ...graph import DType, Graph, Op
 from ..base import NO_LIMITS, BackendError, Buffer, DeviceInfo, Executor, Limits, Registered
+from .capture import CapturedStep
 from .dequant import dequantize
-from .kernels import DEVICE_KERNELS, KERNELS
+from .kernels import sample_greedy
+from .program import FusedMatmul, Input, Leaf, Part, Program, Step, compile_program
 
 log = logging.getLogger("apir.local")
 
@@ -48,55 +49,17 @@ def pick_device(device: str | None) -> torch.device:
     return dev
 
 
-@dataclass(frozen=True)
-class Step:
-    kernel: object
-    inputs: tuple[int, ...]
-    attrs: tuple
+# Step sizes replayed from CUDA graphs: decode steps (up to 8 tokens), and prefill chunks
+# whose length is a power of two (the engine pads its chunks to one on devices that say
+# "graph_cache"). Any other length runs eagerly, so a guest cannot make the host record
+# a graph per length.
+CAPTURE_MAX_DECODE = 8
+CAPTURE_MAX_TOKENS = 1024
 
 
-@dataclass
-class Program:
-    steps: list  # per node: a Step, or ("input", name, dtype) / ("leaf", node) markers
-    outputs: tuple[int, ...]
-    # (input name, exclusive limit, what): index operands checked on the host before launch
-    index_checks: tuple[tuple[str, int, str], ...] = ()
-    device_safe: bool = False  # every index operand is an input: no device-side checks needed
-    weight_buffers: tuple[int, ...] = ()
-    state_buffers: tuple[int, ...] = ()  # written by every run: their versions move on
-    captured: dict = field(default_factory=dict)  # n_tokens -> CapturedStep (CUDA only)
-
-
-# Operand positions that index into another operand: op -> ((index operand, indexed operand, what), ...)
-INDEX_OPERANDS = {
-    Op.GET_ROWS: ((1, 0, "GET_ROWS row"),),
-    Op.SET_ROWS: ((2, 0, "SET_ROWS row"),),
-    Op.ATTENTION: ((3, 1, "ATTENTION position"),),
-}
-CAPTURE_MAX_TOKENS = 8  # decode-sized steps are replayed from CUDA graphs; prefill runs eagerly
-
-
-class CapturedStep:
-    """One CUDA graph of a whole program for a fixed token count: static inputs are
-    refilled, the graph replayed, static outputs read. Weights and KV-cache views have
-    fixed addresses, so the capture stays valid until a weight buffer is rewritten."""
-
-    def __init__(self, run, inputs: dict[str, torch.Tensor], versions: tuple[int, ...]) -> None:
-        self.inputs, self.versions = inputs, versions
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):  # warm-up off the capture, as PyTorch requires
-            run(self.inputs)
-        torch.cuda.current_stream().wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.outputs = run(self.inputs)
-
-    def __call__(self, inputs: dict[str, np.ndarray]) -> list[torch.Tensor]:
-        for name, arr in inputs.items():
-            self.inputs[name].copy_(torch.from_numpy(arr), non_blocking=False)
-        self.graph.replay()
-        return self.outputs
+def capturable(n_tokens: int) -> bool:
+    return 0 < n_tokens <= CAPTURE_MAX_DECODE or (
+        n_tokens <= CAPTURE_MAX_TOKENS and n_tokens & (n_tokens - 1) == 0)
 
 
 class LocalBackend(Executor):
@@ -111,7 +74,9 @@ class LocalBackend(Executor):
         if cuda_graphs is None:
             cuda_graphs = env.CUDA_GRAPHS.get() != "0"
         self.cuda_graphs = cuda_graphs and self.torch_device.type == "cuda"
-        self.compile = self.cuda_graphs and env.COMPILE.get() != "0"
+        mode = env.COMPILE.get() or "1"
+        self.compile = self.cuda_graphs and mode != "0"
+        self.compile_prefill = mode == "all"
         # Weights computed in f32 on the CPU; on accelerators they keep a 16-bit form.
         self._weights: dict[tuple, tuple[int, torch.Tensor]] = {}
 
@@ -150,7 +115,9 @@ class LocalBackend(Executor):
 
     def _release(self, buf: Buffer) -> None:
         super()._release(buf)
-        self._weights = {k: v for k, v in self._weights.items() if k[0] in self._buffers}
+        # keys: (handle, offset, dtype, shape) of a leaf, or a tuple of those (fused weights)
+        self._weights = {k: v for k, v in self._weights.items()
+                         if all(h in self._buffers for h in ([k[0]] if isinstance(k[0], int) else [m[0] for m in k]))}
 
     # ------------------------------------------------------------ graphs
     def _weight_dtype(self, dtype: DType) -> torch.dtype:
@@ -175,52 +142,75 @@ class LocalBackend(Executor):
             self._weights[key] = cached
         return cached[1]
 
+    def _fused_weight(self, step: FusedMatmul) -> torch.Tensor:
+        """The members' weights, dequantized and concatenated along N (cached like leaves)."""
+        key = tuple((n.attrs[0], n.attrs[1], n.dtype, n.shape) for n in step.weights)
+        versions = tuple(self._buffers[n.attrs[0]].version for n in step.weights)
+        cached = self._weights.get(key)
+        if cached is None or cached[0] != versions:
+            parts = [self._dequantized(n) for n in step.weights]
+            cached = (versions, torch.cat(parts, dim=0))
+            self._weights[key] = cached
+        return cached[1]
+
+    def _dequantized(self, node) -> torch.Tensor:
+        handle, offset = node.attrs
+        raw = self._buffers[handle].storage[offset : offset + node.dtype.nbytes(node.shape)]
+        return dequantize(raw, node.dtype, node.shape).to(self._weight_dtype(node.dtype))
+
     def _compile(self, graph: Graph) -> Program:
-        nodes = graph.nodes
-        checks, device_safe = [], True
-        for node in nodes:
-            for idx, target, what in INDEX_OPERANDS.get(node.op, ()):
-                src = nodes[node.inputs[idx]]
-                if src.op is Op.INPUT:
-                    checks.append((src.attrs[0], nodes[node.inputs[target]].shape[0], what))
-                else:
-                    device_safe = False  # computed indices: keep the kernels' own checks
-        accelerated = self.torch_device.type != "cpu" and device_safe
-        table = DEVICE_KERNELS if accelerated else KERNELS
-        steps: list = []
-        for node in nodes:
-            if node.op is Op.INPUT:
-                steps.append(("input", node.attrs[0], node.dtype))
-            elif node.op in (Op.WEIGHT, Op.STATE):
-                steps.append(("leaf", node))
-                if node.op is Op.WEIGHT:
-                    self._leaf(node)  # dequantize now, not on the first compute
-            else:
-                steps.append(Step(table[node.op], node.inputs, node.attrs))
-        weights = tuple(sorted({n.attrs[0] for n in nodes if n.op is Op.WEIGHT}))
-        states = tuple(sorted({n.attrs[0] for n in nodes if n.op is Op.STATE}))
-        return Program(steps, graph.outputs, tuple(checks), accelerated, weights, states)
+        prog = compile_program(graph, self.torch_device.type != "cpu", self._weight_dtype)
+        for step in prog.steps:  # dequantize now, not on the first compute
+            if isinstance(step, FusedMatmul):
+                self._fused_weight(step)
+            elif isinstance(step, Leaf) and step.read and step.node.op is Op.WEIGHT:
+                self._leaf(step.node)
+        return prog
+
+    def _constants(self, prog: Program) -> dict[int, torch.Tensor]:
+        """node id -> the weight or state tensor each leaf or fused product reads."""
+        out = {}
+        for nid, step in enumerate(prog.steps):
+            if isinstance(step, Leaf) and step.read:
+                out[nid] = self._leaf(step.node)
+            elif isinstance(step, FusedMatmul):
+                out[nid] = self._fused_weight(step)
+        return out
 
     def _execute(self, reg: Registered, tensors: dict[str, torch.Tensor],
-                 leaves: dict[int, torch.Tensor] | None = None) -> list[torch.Tensor]:
-        """Walk the program once; ``tensors`` are the inputs, already on the device.
-        ``leaves`` (node id -> tensor) pre-resolves weights and states for tracing."""
-        values: list[torch.Tensor] = []
+                 constants: dict[int, torch.Tensor], greedy: bool = False) -> list[torch.Tensor]:
+        """Walk the program once; ``tensors`` are the inputs, already on the device, and
+        ``constants`` the weights and states (see ``_constants``)."""
+        values: list = []
+        parts: dict[int, torch.Tensor] = {}  # later members of fused products, by node id
+        memo: dict = {}  # work shared by the run's kernels (see kernels.MEMO_OPS)
         for nid, step in enumerate(reg.program.steps):
             if isinstance(step, Step):
+                args = [values[i] for i in step.inputs]
+                kernel = sample_greedy if greedy and step.op is Op.SAMPLE else step.kernel
                 try:
-                    values.append(step.kernel(*(values[i] for i in step.inputs), *step.attrs))
+                    if step.memo_key is None:
+                        values.append(kernel(*args, *step.attrs))
+                    else:
+                        values.append(kernel(*args, *step.attrs, memo=memo, key=step.memo_key))
                 except BackendError as e:
                     raise BackendError(f"{reg.graph.nodes[nid].describe(nid)}: {e}") from None
                 except (RuntimeError, ValueError, IndexError) as e:
                     raise BackendError(f"{reg.graph.nodes[nid].describe(nid)} failed: {e}") from None
-            elif step[0] == "input":
-                t = tensors[step[1]]
-                if step[2] is DType.BF16:
+            elif isinstance(step, FusedMatmul):
+                w = constants[nid]
+                y = torch.matmul(values[step.x].to(w.dtype), w.T).split(step.widths, dim=-1)
+                parts.update(zip(step.members[1:], y[1:]))
+                values.append(y[0].float())
+            elif isinstance(step, Part):
+                values.append(parts.pop(nid).float())
+            elif isinstance(step, Input):
+                t = tensors[step.name]
+                if step.dtype is DType.BF16:
                     t = t.view(torch.bfloat16)
-                values.append(t.float() if step[2] in (DType.F16, DType.BF16) else t)
+                values.append(t.float() if step.dtype in (DType.F16, DType.BF16) else t)
             else:
-                values.append(leaves[nid] if leaves is not None else self._leaf(step[1]))
+                values.append(constants.get(nid))  # None: a weight only fused products read
         return [values[o] for o in reg.program.outputs]
 
     def _run(self, reg: Registered, inputs: dict[str, np.ndarray]) -> list[np.ndarray]:
@@ -229,44 +219,48 @@ class LocalBackend(Executor):
             ids = inputs[name]
             if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= limit):
                 raise BackendError(f"{what} index out of range: input {name!r} must lie in [0, {limit})")
+        # the host sees the sampling params: a greedy step needs no sort of the vocabulary
+        greedy = bool(prog.sample_params) and all(float(inputs[n][0]) <= 0 for n in prog.sample_params)
         n_tokens = next((a.shape[0] for a in inputs.values() if a.ndim), 0)
-        if prog.device_safe and self.cuda_graphs and 0 < n_tokens <= CAPTURE_MAX_TOKENS:
-            outs = self._replay(reg, inputs, n_tokens)
+        if prog.device_safe and self.cuda_graphs and capturable(n_tokens):
+            outs = self._replay(reg, inputs, n_tokens, greedy)
         else:
             dev = self.torch_device
             tensors = {
                 name: torch.from_numpy(a if a.flags.writeable else a.copy()).to(dev)
                 for name, a in inputs.items()
             }
-            outs = self._execute(reg, tensors)
+            outs = self._execute(reg, tensors, self._constants(prog), greedy)
         for handle in prog.state_buffers:
             self._buffers[handle].version += 1
         return [self._to_numpy(t, reg.graph.nodes[o].dtype) for t, o in zip(outs, prog.outputs)]
 
-    def _replay(self, reg: Registered, inputs: dict[str, np.ndarray], n_tokens: int) -> list[torch.Tensor]:
+    def _replay(self, reg: Registered, inputs: dict[str, np.ndarray], n_tokens: int,
+                greedy: bool) -> list[torch.Tensor]:
         prog = reg.program
         versions = tuple(self._buffers[h].version for h in prog.weight_buffers)
-        step = prog.captured.get(n_tokens)
+        key = (n_tokens, greedy)
+        step = prog.captured.get(key)
         if step is None or step.versions != versions:
-            static = {name: torch.from_numpy(a.copy()).to(self.torch_device) for name, a in inputs.items()}
-            leaves = {nid: self._leaf(s[1]) for nid, s in enumerate(prog.steps)
-                      if isinstance(s, tuple) and s[0] == "leaf"}
+            constants = self._constants(prog)
+            dtypes = {name: dtype for name, (_, dtype) in reg.inputs.items()}
 
             def run(t: dict[str, torch.Tensor]) -> list[torch.Tensor]:
-                return self._execute(reg, t, leaves)
+                return self._execute(reg, t, constants, greedy)
 
             step = None
-            if self.compile:
+            if self.compile and (n_tokens <= CAPTURE_MAX_DECODE or self.compile_prefill):
                 # Inductor fuses the elementwise chains (norms, RoPE, gates) into a few
                 # kernels per layer; the CUDA graph then removes the launch overhead.
                 try:
-                    step = CapturedStep(torch.compile(run, dynamic=False), static, versions)
+                    step = CapturedStep(torch.compile(run, dynamic=False), inputs, dtypes,
+                                        self.torch_device, versions)
                 except Exception as e:  # noqa: BLE001 - a compiler failure must not fail the step
                     log.warning("torch.compile failed (%s); capturing eager kernels instead",
                                 str(e).splitlines()[0] if str(e) else type(e).__name__)
                     self.compile = False
-            step = step or CapturedStep(run, static, versions)
-            prog.captured[n_tokens] = step
+            step = step or CapturedStep(run, inputs, dtypes, self.torch_device, versions)
+            prog.captured[key] = step
         return step(inputs)
 
     @staticmethod

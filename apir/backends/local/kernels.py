@@ -44,43 +44,97 @@ def rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(torch.mean(x * x, dim=-1, keepdim=True) + eps)
 
 
-def rope(x, pos, n_dims: int, base: float, neox: int, freq_scale: float) -> torch.Tensor:
-    # x (T, H, D); only the first n_dims of D rotate. Angles in f64, as the reference does.
+def rope_angles(pos: torch.Tensor, n_dims: int, base: float, freq_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin (T, 1, n_dims/2) of theta = pos * freq_scale * base^(-2i/n_dims); the
+    angles in f64, as the reference computes them, then f32."""
     half = n_dims // 2
-    inv_freq = base ** (-torch.arange(half, dtype=torch.float64, device=x.device) * 2 / n_dims)
+    inv_freq = base ** (-torch.arange(half, dtype=torch.float64, device=pos.device) * 2 / n_dims)
     theta = (pos.double()[:, None] * freq_scale * inv_freq[None, :]).float()
-    cos, sin = theta.cos()[:, None, :], theta.sin()[:, None, :]  # (T, 1, half)
-    out = x.clone()
+    return theta.cos()[:, None, :], theta.sin()[:, None, :]
+
+
+def rope_apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_dims: int, neox: int) -> torch.Tensor:
+    # x (T, H, D); only the first n_dims of D rotate
+    half = n_dims // 2
     if neox:
         a, b = x[..., :half], x[..., half:n_dims]
-        out[..., :half], out[..., half:n_dims] = a * cos - b * sin, a * sin + b * cos
-    else:
+        rotated = torch.cat([a * cos - b * sin, a * sin + b * cos], dim=-1)
+    else:  # pairs (2i, 2i+1): rotate, then interleave them back
         a, b = x[..., 0:n_dims:2], x[..., 1:n_dims:2]
-        out[..., 0:n_dims:2], out[..., 1:n_dims:2] = a * cos - b * sin, a * sin + b * cos
-    return out
+        rotated = torch.stack([a * cos - b * sin, a * sin + b * cos], dim=-1).flatten(-2)
+    return rotated if n_dims == x.shape[-1] else torch.cat([rotated, x[..., n_dims:]], dim=-1)
 
 
-def attention(q, k, v, pos, scale: float, window: int, softcap: float) -> torch.Tensor:
-    # q (T, Hq, D), k (S, Hkv, D), v (S, Hkv, Dv) -> (T, Hq, Dv)
-    check_index(pos, k.shape[0], "ATTENTION position")
-    n_kv = int(pos.max()) + 1
-    j = torch.arange(n_kv, device=q.device)[None, :]
-    p = pos.long()[:, None]
+def rope(x, pos, n_dims: int, base: float, neox: int, freq_scale: float, *, memo=None, key=None) -> torch.Tensor:
+    """ROPE. ``memo`` (a dict living for one graph run) shares the angles between every
+    ROPE of the run that reads the same position node ``key``: one computation per step."""
+    if memo is None:
+        return rope_apply(x.float(), *rope_angles(pos, n_dims, base, freq_scale), n_dims, neox)
+    k = ("rope", key, n_dims, base, freq_scale)
+    if k not in memo:
+        memo[k] = rope_angles(pos, n_dims, base, freq_scale)
+    return rope_apply(x.float(), *memo[k], n_dims, neox)
+
+
+def attention_mask(pos: torch.Tensor, n_kv: int, window: int, group: int) -> torch.Tensor:
+    """(T*group, n_kv) bool: row t*group+g (query t, head g of its group) sees key j iff
+    j <= pos[t] and, with a window, pos[t] - j < window."""
+    p = pos.long().repeat_interleave(group)[:, None]
+    j = torch.arange(n_kv, device=pos.device)[None, :]
     mask = j <= p
     if window:
         mask &= p - j < window
-    group = q.shape[1] // k.shape[1]
-    qh = q.float().transpose(0, 1)  # (Hq, T, D)
-    kh = k[:n_kv].float().transpose(0, 1).repeat_interleave(group, dim=0)  # (Hq, n_kv, D)
-    vh = v[:n_kv].float().transpose(0, 1).repeat_interleave(group, dim=0)
+    return mask
+
+
+def attention(q, k, v, pos, scale: float, window: int, softcap: float, *, memo=None, key=None) -> torch.Tensor:
+    """ATTENTION over the keys k[:n_kv] (n_kv = the cache length; on the CPU only the
+    filled part). Grouped-query heads without copying k or v per query head: for each kv
+    head one batched matmul of its group's queries, all positions at once:
+        q (T, Hq, D) -> (Hkv, T*G, D);  k (S, Hkv, D) -> (Hkv, D, S);  scores (Hkv, T*G, S)
+    The mask is shared (``memo``) by every layer of a run that reads position node ``key``."""
+    n_tok, n_head, dim = q.shape
+    n_kv, n_head_kv = k.shape[0], k.shape[1]
+    group = n_head // n_head_kv
+    qh = q.float().reshape(n_tok, n_head_kv, group, dim).permute(1, 0, 2, 3).reshape(n_head_kv, n_tok * group, dim)
+    scores = torch.bmm(qh, k.float().permute(1, 2, 0)) * scale
     if softcap:
-        scores = torch.matmul(qh, kh.transpose(1, 2)) * scale
         scores = softcap * torch.tanh(scores / softcap)
-        scores = scores.masked_fill(~mask[None], -math.inf)
-        out = torch.matmul(torch.softmax(scores, dim=-1), vh)
-    else:
-        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask[None], scale=scale)
-    return out.transpose(0, 1)
+    mk = ("mask", key, n_kv, window, group)
+    mask = memo.get(mk) if memo is not None else None
+    if mask is None:
+        mask = attention_mask(pos, n_kv, window, group)
+        if memo is not None:
+            memo[mk] = mask
+    probs = torch.softmax(scores.masked_fill(~mask, -math.inf), dim=-1)
+    out = torch.bmm(probs, v.float().transpose(0, 1))  # (Hkv, T*G, Dv)
+    return out.reshape(n_head_kv, n_tok, group, -1).permute(1, 0, 2, 3).reshape(n_tok, n_head, -1)
+
+
+def attention_filled(q, k, v, pos, scale: float, window: int, softcap: float, *, memo=None, key=None):
+    """CPU ATTENTION: only keys up to the highest position (a host sync, free on the CPU)."""
+    check_index(pos, k.shape[0], "ATTENTION position")
+    n_kv = int(pos.max()) + 1
+    return attention(q, k[:n_kv], v[:n_kv], pos, scale, window, softcap, memo=memo, key=key)
+
+
+ARGMAX_CHUNK = 1024
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """Index of the first maximum over the last axis, as int32. Long rows (a vocabulary)
+    are reduced in two stages, chunk maxima then the best chunk: on a GPU one serial
+    reduction over 128k logits takes ~30 µs, the two stages a few."""
+    n = x.shape[-1]
+    if n <= ARGMAX_CHUNK:
+        return x.argmax(dim=-1).int()
+    rows = x.reshape(-1, n)
+    n_chunks = -(-n // ARGMAX_CHUNK)
+    padded = F.pad(rows, (0, n_chunks * ARGMAX_CHUNK - n), value=-math.inf)
+    best, where = padded.view(rows.shape[0], n_chunks, ARGMAX_CHUNK).max(dim=-1)  # first max per chunk
+    chunk = best.argmax(dim=-1, keepdim=True)  # the first chunk holding the row's maximum
+    index = chunk * ARGMAX_CHUNK + where.gather(-1, chunk)
+    return index.squeeze(-1).int().reshape(x.shape[:-1])
 
 
 def sample(logits: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
@@ -103,28 +157,13 @@ def sample(logits: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
     pick = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)
     pick = torch.minimum(pick, keep.sum(dim=-1, keepdim=True) - 1).clamp(min=0)
     token = torch.gather(order, -1, pick).squeeze(-1)
-    greedy = rows.argmax(dim=-1)
+    greedy = argmax(rows)
     return torch.where(temperature <= 0, greedy, token).int().reshape(logits.shape[:-1])
 
 
-def attention_full(q, k, v, pos, scale: float, window: int, softcap: float) -> torch.Tensor:
-    """ATTENTION over the whole cache with a position mask: fixed shapes and no host sync,
-    for accelerators (positions are bounds-checked on the host before the launch)."""
-    j = torch.arange(k.shape[0], device=q.device)[None, :]
-    p = pos.long()[:, None]
-    mask = j <= p
-    if window:
-        mask &= p - j < window
-    qh, kh, vh = q.float().transpose(0, 1), k.float().transpose(0, 1), v.float().transpose(0, 1)
-    if softcap:
-        group = q.shape[1] // k.shape[1]
-        kh, vh = kh.repeat_interleave(group, dim=0), vh.repeat_interleave(group, dim=0)
-        scores = softcap * torch.tanh(torch.matmul(qh, kh.transpose(1, 2)) * scale / softcap)
-        out = torch.matmul(torch.softmax(scores.masked_fill(~mask[None], -math.inf), dim=-1), vh)
-    else:
-        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask[None], scale=scale,
-                                             enable_gqa=True)
-    return out.transpose(0, 1)
+def sample_greedy(logits: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
+    """Op.SAMPLE when the host has seen temperature <= 0 in ``params``: the argmax alone."""
+    return argmax(logits.float())
 
 
 def view(x: torch.Tensor, axis: int, start: int, length: int) -> torch.Tensor:
@@ -149,14 +188,14 @@ KERNELS: dict = {
     Op.RMS_NORM: rms_norm,
     Op.SOFTMAX: lambda x: torch.softmax(x, dim=-1),
     Op.ROPE: rope,
-    Op.ATTENTION: attention,
+    Op.ATTENTION: attention_filled,
     Op.RESHAPE: lambda x, shape: x.reshape(shape),
     Op.PERMUTE: lambda x, axes: x.permute(axes) if axes else x,  # torch refuses () on a 0-d tensor
     Op.TRANSPOSE: lambda x, a, b: x.transpose(a, b),
     Op.VIEW: view,
     Op.CONTIGUOUS: lambda x: x.contiguous(),
     Op.CONCAT: lambda a, b, axis: torch.cat([a, b], dim=axis),
-    Op.ARGMAX: lambda x: x.argmax(dim=-1).int(),
+    Op.ARGMAX: argmax,
     Op.SAMPLE: sample,
 }
 
@@ -166,5 +205,9 @@ DEVICE_KERNELS = {
     **KERNELS,
     Op.GET_ROWS: lambda table, ids: table[ids.long()].float(),
     Op.SET_ROWS: lambda dst, src, ids: dst.index_copy_(0, ids.long(), src.to(dst.dtype)),
-    Op.ATTENTION: attention_full,
+    Op.ATTENTION: attention,  # over the whole cache, masked: fixed shapes, no sync
 }
+
+# Kernels that take ``memo`` and ``key`` (the node id of their position input): work that
+# depends only on the positions is done once per run, not once per layer.
+MEMO_OPS = frozenset({Op.ROPE, Op.ATTENTION})

@@ -1,0 +1,67 @@
+"""A whole graph run recorded as one CUDA graph and replayed per step.
+
+Replaying costs one launch instead of a Python walk and a launch per kernel. Everything
+the recorded kernels touch must keep its address: weights and KV-cache views do (they
+live in backend buffers), and the inputs are copied into one fixed device buffer:
+
+    pinned host staging --(one async copy)--> device staging --(views)--> graph inputs
+
+so a step costs one host-to-device copy whatever the number of inputs, not one
+synchronous copy from pageable memory per input.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from ...graph import DType
+
+# Staging views: BF16 travels as its 16 raw bits (numpy has no bfloat16)
+STAGING_DTYPES = {DType.F32: torch.float32, DType.F16: torch.float16, DType.BF16: torch.int16,
+                  DType.I32: torch.int32}
+ALIGN = 16
+
+
+class CapturedStep:
+    """One CUDA graph of a program for fixed input shapes. It stays valid until a weight
+    buffer it reads is rewritten (``versions``)."""
+
+    def __init__(self, run: Callable[[dict[str, torch.Tensor]], list[torch.Tensor]],
+                 inputs: dict[str, np.ndarray], dtypes: dict[str, DType], device: torch.device,
+                 versions: tuple[int, ...]) -> None:
+        self.versions = versions
+        self.layout: list[tuple[str, int, int]] = []  # (name, byte offset, byte count)
+        offset = 0
+        for name, arr in inputs.items():
+            self.layout.append((name, offset, arr.nbytes))
+            offset += -(-arr.nbytes // ALIGN) * ALIGN
+        self.host = torch.empty(max(offset, ALIGN), dtype=torch.uint8, pin_memory=True)
+        self.host_bytes = self.host.numpy()
+        self.staging = torch.empty_like(self.host, device=device)
+        self.inputs = {
+            name: self.staging[off : off + n].view(STAGING_DTYPES[dtypes[name]]).view(inputs[name].shape)
+            for name, off, n in self.layout
+        }
+        self._stage(inputs)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm-up off the capture, as PyTorch requires
+            run(self.inputs)
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.outputs = run(self.inputs)
+
+    def _stage(self, inputs: dict[str, np.ndarray]) -> None:
+        # The previous step's copy has finished: its outputs were read back (a sync).
+        for name, off, n in self.layout:
+            self.host_bytes[off : off + n] = inputs[name].reshape(-1).view(np.uint8)
+        self.staging.copy_(self.host, non_blocking=True)
+
+    def __call__(self, inputs: dict[str, np.ndarray]) -> list[torch.Tensor]:
+        self._stage(inputs)
+        self.graph.replay()
+        return self.outputs

@@ -1,0 +1,138 @@
+"""A registered graph compiled for the host executor: a flat list of steps, one per node.
+
+Compiling resolves each node's kernel and attributes once, decides which index operands
+the host checks before launch, and fuses sibling matrix products: MATMULs that read the
+same activation with weights of one dtype and width (q/k/v, gate/up) become one product
+with the weights concatenated, then split. On a GPU each small product costs a kernel
+launch whatever its width, so a llama block goes from seven products to four.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ...graph import DType, Graph, Op
+from .kernels import DEVICE_KERNELS, KERNELS, MEMO_OPS
+
+
+@dataclass(frozen=True)
+class Step:
+    """A kernel applied to earlier nodes' values (``inputs``) and the node's attributes."""
+
+    op: Op
+    kernel: object
+    inputs: tuple[int, ...]
+    attrs: tuple
+    memo_key: int | None = None  # MEMO_OPS: the node id of the positions they share work on
+
+
+@dataclass(frozen=True)
+class Input:
+    name: str
+    dtype: DType
+
+
+@dataclass(frozen=True)
+class Leaf:
+    node: object  # graph.Node of a WEIGHT or STATE
+    read: bool = True  # False: only fused products read it (their copy is concatenated)
+
+
+@dataclass(frozen=True)
+class FusedMatmul:
+    """Where the first of ``members`` stood: ``x @ concat(weights).T``, split by ``widths``.
+    The first part is that node's value; the others wait for their nodes (``Part``)."""
+
+    x: int
+    members: tuple[int, ...]
+    weights: tuple  # the members' WEIGHT nodes
+    widths: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Part:
+    """A later member of a ``FusedMatmul``: its slice was computed already."""
+
+
+@dataclass
+class Program:
+    steps: list  # one per node: Step, Input, Leaf, FusedMatmul or Part
+    outputs: tuple[int, ...]
+    # (input name, exclusive limit, what): index operands checked on the host before launch
+    index_checks: tuple[tuple[str, int, str], ...] = ()
+    device_safe: bool = False  # every index operand is an input: no device-side checks needed
+    weight_buffers: tuple[int, ...] = ()
+    state_buffers: tuple[int, ...] = ()  # written by every run: their versions move on
+    sample_params: tuple[str, ...] = ()  # inputs holding SAMPLE's params (greedy when temperature <= 0)
+    captured: dict = field(default_factory=dict)  # (n_tokens, greedy) -> CapturedStep (CUDA only)
+
+
+# Operand positions that index into another operand: op -> ((index operand, indexed operand, what), ...)
+INDEX_OPERANDS = {
+    Op.GET_ROWS: ((1, 0, "GET_ROWS row"),),
+    Op.SET_ROWS: ((2, 0, "SET_ROWS row"),),
+    Op.ATTENTION: ((3, 1, "ATTENTION position"),),
+}
+
+
+def fusable_groups(graph: Graph, weight_dtype) -> list[tuple[int, ...]]:
+    """Node ids of MATMULs to fuse, per group (2 or more, in node order): same activation,
+    2-D WEIGHT operands of the same width K whose dequantized dtype (``weight_dtype``) agrees."""
+    nodes = graph.nodes
+    groups: dict[tuple, list[int]] = {}
+    for nid, node in enumerate(nodes):
+        if node.op is not Op.MATMUL:
+            continue
+        w = nodes[node.inputs[1]]
+        if w.op is not Op.WEIGHT or len(w.shape) != 2:
+            continue
+        groups.setdefault((node.inputs[0], w.shape[1], weight_dtype(w.dtype)), []).append(nid)
+    return [tuple(ids) for ids in groups.values() if len(ids) > 1]
+
+
+def compile_program(graph: Graph, accelerated: bool, weight_dtype) -> Program:
+    """``accelerated``: a GPU, where kernels must not sync with the host, so index operands
+    that are inputs are checked on the host instead (if one is computed, the graph keeps
+    the kernels' own checks)."""
+    nodes = graph.nodes
+    checks, device_safe = [], True
+    for node in nodes:
+        for idx, target, what in INDEX_OPERANDS.get(node.op, ()):
+            src = nodes[node.inputs[idx]]
+            if src.op is Op.INPUT:
+                checks.append((src.attrs[0], nodes[node.inputs[target]].shape[0], what))
+            else:
+                device_safe = False
+    accelerated = accelerated and device_safe
+    table = DEVICE_KERNELS if accelerated else KERNELS
+    fused = {}
+    for group in fusable_groups(graph, weight_dtype):
+        weights = tuple(nodes[nodes[i].inputs[1]] for i in group)
+        fused[group[0]] = FusedMatmul(nodes[group[0]].inputs[0], group, weights,
+                                      tuple(w.shape[0] for w in weights))
+        fused.update((i, Part()) for i in group[1:])
+    steps: list = []
+    for nid, node in enumerate(nodes):
+        if nid in fused:
+            steps.append(fused[nid])
+        elif node.op is Op.INPUT:
+            steps.append(Input(node.attrs[0], node.dtype))
+        elif node.op in (Op.WEIGHT, Op.STATE):
+            steps.append(Leaf(node))
+        else:
+            key = node.inputs[-1] if node.op in MEMO_OPS else None  # ROPE and ATTENTION: pos is last
+            steps.append(Step(node.op, table[node.op], node.inputs, node.attrs, key))
+    read = {i for s in steps if isinstance(s, Step) for i in s.inputs} | set(graph.outputs)
+    steps = [Leaf(s.node, nid in read) if isinstance(s, Leaf) else s for nid, s in enumerate(steps)]
+    sample_params = tuple(
+        nodes[n.inputs[1]].attrs[0] for n in nodes
+        if n.op is Op.SAMPLE and nodes[n.inputs[1]].op is Op.INPUT
+    )
+    if len(sample_params) != sum(n.op is Op.SAMPLE for n in nodes):
+        sample_params = ()  # a computed params tensor: the host cannot know it is greedy
+    return Program(
+        steps, graph.outputs, tuple(checks), accelerated,
+        tuple(sorted({n.attrs[0] for n in nodes if n.op is Op.WEIGHT})),
+        tuple(sorted({n.attrs[0] for n in nodes if n.op is Op.STATE})),
+        sample_params,
+    )

@@ -1,0 +1,93 @@
+"""``apir bench profile``: where a native step's time goes, from the PyTorch profiler.
+
+Runs a few warm decode steps (and optionally one prefill chunk) on the local executor and
+prints, per step: wall time, GPU busy time (the sum of kernel durations), the number of
+kernels, and the kernels that took the most time. Launch-bound steps show up as many
+short kernels and a GPU busy time well under the wall time.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+
+from ..engine import Model
+
+
+@dataclass(frozen=True)
+class Profile:
+    what: str
+    steps: int
+    wall_us: float  # per step
+    gpu_us: float  # per step: sum of kernel durations
+    kernels: float  # per step
+    top: tuple[tuple[str, float, float], ...]  # (kernel, µs per step, launches per step)
+
+
+def _kernels(prof) -> list:
+    events = []
+    for e in prof.events():
+        kind = getattr(e, "device_type", None)
+        if kind is not None and str(kind).endswith("CUDA") and getattr(e, "device_time", 0):
+            events.append(e)
+    return events
+
+
+def profile(model: Model, what: str, steps: int, run) -> Profile:
+    """Profile ``run()`` (``steps`` steps of work) after one unprofiled warm-up call."""
+    import torch
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    run()
+    model.backend.synchronize()
+    activities = [ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(ProfilerActivity.CUDA)
+    with torch_profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        run()
+        model.backend.synchronize()
+        wall = time.perf_counter() - t0
+    per_name: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
+    for e in _kernels(prof):
+        per_name[e.name][0] += e.device_time
+        per_name[e.name][1] += 1
+    total = sum(v[0] for v in per_name.values())
+    count = sum(v[1] for v in per_name.values())
+    top = sorted(per_name.items(), key=lambda kv: -kv[1][0])[:20]
+    return Profile(
+        what, steps, 1e6 * wall / steps, total / steps, count / steps,
+        tuple((name[:90], t / steps, n / steps) for name, (t, n) in top),
+    )
+
+
+def render(p: Profile) -> str:
+    lines = [
+        f"## {p.what}: {p.wall_us:,.1f} µs/step wall, {p.gpu_us:,.1f} µs/step in kernels "
+        f"({100 * p.gpu_us / p.wall_us:.0f}% busy), {p.kernels:,.1f} kernels/step",
+        "",
+        "| kernel | µs/step | launches/step |",
+        "| --- | ---: | ---: |",
+    ]
+    lines += [f"| `{name}` | {us:,.1f} | {n:,.1f} |" for name, us, n in p.top]
+    return "\n".join(lines) + "\n"
+
+
+def run(spec: str, device: str | None, n_gen: int, n_prompt: int) -> str:
+    """Profile decode (and a prefill of ``n_prompt`` tokens) of a synthetic model natively."""
+    from ..backends.local import LocalBackend
+    from .synthetic import SyntheticFile
+
+    f = SyntheticFile.from_spec(spec)
+    out = []
+    with Model(f, LocalBackend(device), n_ctx=max(n_prompt, 8) + n_gen + 8) as model:
+        token = model.prefill([1, 2, 3, 4])
+        out.append(render(profile(model, f"{spec} decode", n_gen,
+                                  lambda: model.decode_steps(token, 4, n_gen))))
+        if n_prompt:
+            ids = list(range(n_prompt))
+            out.append(render(profile(model, f"{spec} prefill of {n_prompt}", 1,
+                                      lambda: model.prefill(ids))))
+    return "\n".join(out)

@@ -1,0 +1,79 @@
+"""The host executor's own machinery: fused products, the two-stage argmax, padded steps."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from tiny_models import TinyConfig, write_tiny_gguf
+
+pytest.importorskip("torch")
+import torch  # noqa: E402
+
+import apir  # noqa: E402
+from apir.backends.base import DeviceInfo  # noqa: E402
+from apir.backends.local import LocalBackend  # noqa: E402
+from apir.backends.local.kernels import ARGMAX_CHUNK, argmax  # noqa: E402
+from apir.backends.local.program import FusedMatmul, Leaf, Part  # noqa: E402
+from apir.engine import SamplingParams  # noqa: E402
+
+IDS = [256, 72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100, 33]  # 14 tokens: padded to 16
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def tiny(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp("exec") / f"{request.param}.gguf"
+    return write_tiny_gguf(path, TinyConfig(arch=request.param, n_layer=3), "F16")
+
+
+def test_llama_blocks_fuse_qkv_and_gate_up(tiny):
+    with apir.load(str(tiny), backend="local", device="cpu") as model:
+        backend = model.backend
+        prog = backend._graphs[model._logits_graph].program
+        fused = [s for s in prog.steps if isinstance(s, FusedMatmul)]
+        widths = sorted(len(s.members) for s in fused)
+        assert widths == [2] * 3 + [3] * 3  # per layer: gate+up, q+k+v
+        assert sum(isinstance(s, Part) for s in prog.steps) == 3 * (1 + 2)
+        a = model.args
+        qkv = next(s for s in fused if len(s.members) == 3)
+        assert qkv.widths == (a.n_head * a.head_dim, a.n_head_kv * a.head_dim, a.n_head_kv * a.head_dim)
+        # the separate weights are not kept beside the concatenated ones
+        unread = [s for s in prog.steps if isinstance(s, Leaf) and not s.read]
+        assert len(unread) == 3 * 5
+
+
+def test_fused_products_match_the_numpy_reference(tiny):
+    with apir.load(str(tiny), backend="local", device="cpu") as local, \
+            apir.load(str(tiny), backend="numpy") as ref:
+        np.testing.assert_allclose(local.logits(IDS), ref.logits(IDS), rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.parametrize("n", [5, ARGMAX_CHUNK, ARGMAX_CHUNK + 1, 3 * ARGMAX_CHUNK + 17])
+def test_two_stage_argmax_finds_the_first_maximum(n):
+    rng = np.random.default_rng(n)
+    x = rng.integers(0, 7, size=(4, n)).astype(np.float32)  # many ties, across chunks
+    x[1, :] = -np.inf
+    x[2, -1] = 100.0  # the maximum in the padded last chunk
+    got = argmax(torch.from_numpy(x)).numpy()
+    np.testing.assert_array_equal(got, np.argmax(x, axis=-1))
+    assert got.dtype == np.int32
+
+
+class PaddingCPU(LocalBackend):
+    """A CPU executor that says what a CUDA one says: the engine pads its prefill chunks."""
+
+    def device(self) -> DeviceInfo:
+        d = super().device()
+        return DeviceInfo(d.name, d.kind, d.description, d.memory_free, d.memory_total,
+                          frozenset({"graph_cache"}))
+
+
+def test_padded_prefill_gives_the_same_logits_and_tokens(tiny):
+    params = SamplingParams(temperature=0.7, seed=5, max_tokens=12)
+    with apir.load(str(tiny), backend=PaddingCPU("cpu")) as padded, \
+            apir.load(str(tiny), backend="local", device="cpu") as plain:
+        assert padded._pad and not plain._pad
+        np.testing.assert_allclose(padded.logits(IDS), plain.logits(IDS), rtol=1e-5, atol=1e-5)
+        assert padded.logits(IDS).shape == (len(IDS), padded.vocab_size)
+        assert list(padded.generate_ids(IDS, params)) == list(plain.generate_ids(IDS, params))
+        greedy = SamplingParams(temperature=0, max_tokens=12)
+        assert list(padded.generate_ids(IDS, greedy)) == list(plain.generate_ids(IDS, greedy))
