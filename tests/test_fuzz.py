@@ -24,6 +24,7 @@ from apir.graph.dtypes import NUMPY_DTYPES
 from apir.graph.ops import FLOAT, INT, INTS, LEAVES, infer
 from apir.protocol import ProtocolError
 from apir.protocol import messages as m
+from apir.protocol.step import StepLayout
 
 torch = pytest.importorskip("torch")
 from apir.backends.base import Limits  # noqa: E402
@@ -300,9 +301,20 @@ def test_graphs_are_refused_cleanly_or_run(graph, n_tokens, seed):
     if isinstance(reply, m.Error):
         return
     rng = np.random.default_rng(seed)
-    reply = _dispatch(session, m.Compute(9, _inputs_for(graph, n_tokens, rng), -1, 0))
+    inputs = _inputs_for(graph, n_tokens, rng)
+    reply = _dispatch(session, m.Compute(9, inputs, -1, 0))
     if isinstance(reply, m.Outputs):
         assert len(reply.outputs) == len(graph.outputs)
+    # the same inputs in the fixed layout compute the same outputs, or fail cleanly too
+    layout = StepLayout.of(graph)
+    arrays = {t.name: np.frombuffer(t.data.inline, NUMPY_DTYPES[DType(t.dtype)]).reshape(t.shape) for t in inputs
+              if DType(t.dtype) in NUMPY_DTYPES}
+    packed = layout.pack_inputs(arrays) if layout is not None else None
+    if packed is not None:
+        step = _dispatch(session, m.Step(9, *packed[:1], -1, 0, m.Blob(packed[1], -1, len(packed[1]))))
+        if isinstance(reply, m.Outputs) and isinstance(step, m.Data):
+            outs = layout.unpack_outputs(step.data.inline, packed[0])
+            assert [o.tobytes() for o in outs] == [t.data.inline for t in reply.outputs]
     assert session.backend.allocated_bytes() <= LIMITS.max_memory
 
 
@@ -316,6 +328,8 @@ REQUESTS = st.one_of(
     st.builds(m.FreeGraph, st.integers(0, 10)),
     st.builds(m.Supports, I64, st.lists(I64, max_size=3).map(tuple)),
     st.builds(m.Compute, st.integers(0, 10), st.just(()), I64, I64),
+    st.builds(m.Step, st.integers(0, 10), st.one_of(st.integers(-2, 8), I64), I64, I64,
+              st.builds(m.Blob, st.binary(max_size=64), st.just(-1), st.integers(0, 64))),
     st.sampled_from([m.Synchronize(), m.GetDevices(), m.Ok(), m.Goodbye()]),
 )
 

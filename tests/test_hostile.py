@@ -530,6 +530,50 @@ def test_compute_inputs_are_checked(host):
             expect(g.error(m.Compute(1, inputs, -1, 0)), E.INVALID, message)
 
 
+def _step(gid: int, x: np.ndarray | bytes, n_tokens: int | None = None, out=(-1, 0)) -> m.Step:
+    raw = x if isinstance(x, bytes) else x.tobytes()
+    n = n_tokens if n_tokens is not None else len(x) if not isinstance(x, bytes) else 1
+    return m.Step(gid, n, *out, m.Blob(raw, -1, len(raw)))
+
+
+def test_step_payloads_are_checked(host):
+    """The fixed-layout compute: the payload's size, T and blob are checked before use."""
+    with guest(host, arena_size=1 << 16) as g:
+        a = g.welcome.arena_size
+        g.ok(m.RegisterGraph(1, _scale_graph()))
+        x = np.arange(16, dtype=np.float32).reshape(2, 8)
+        out = g.ok(_step(1, x))
+        assert np.frombuffer(out.data.inline, np.float32).tolist() == x.ravel().tolist()
+        for step, code, message in [
+            (_step(1, x.tobytes()[:-4], 2), E.PROTOCOL, "step inputs of 60 bytes; the graph's layout takes 64"),
+            (_step(1, x.tobytes() + b"\0" * 4, 2), E.PROTOCOL, "step inputs of 68 bytes"),
+            (_step(1, x, 3), E.PROTOCOL, "step inputs of 64 bytes; the graph's layout takes 96"),
+            (_step(1, b"", 0), E.PROTOCOL, "step with T=0"),
+            (_step(1, x, -1), E.PROTOCOL, "step with T=-1"),
+            (_step(1, x, 2**62), E.PROTOCOL, f"step with T={2**62}"),
+            (_step(7, x), E.INVALID, "unknown graph id 7"),
+            (m.Step(1, 2, -1, 0, m.Blob(x.tobytes(), -1, 65)), E.PROTOCOL, "inline data length disagrees"),
+            (m.Step(1, 2, -1, 0, m.Blob(b"ab", 0, 2)), E.PROTOCOL, "both inline and in the arena"),
+            (m.Step(1, 2, -1, 0, m.Blob(b"", a - 32, 64)), E.INVALID, f"outside the {a}-byte arena"),
+            (m.Step(1, 2, -1, 0, m.Blob(b"", 2**63 - 1, 64)), E.INVALID, f"outside the {a}-byte arena"),
+            (m.Step(1, 2, -1, 0, m.Blob(b"", 0, -64)), E.INVALID, f"outside the {a}-byte arena"),
+        ]:
+            expect(g.error(step), code, message)
+        big = np.ones((1024, 8), np.float32)  # a 32 KiB output: through the arena when given a range
+        for dest in ((a - 64, 1 << 16), (2**62, 1 << 16), (-(2**62), 1 << 16)):
+            reply = g.call(_step(1, big, out=dest))
+            if dest[0] >= 0:
+                expect(reply, E.INVALID, f"outside the {a}-byte arena")
+            else:  # a negative offset means inline
+                assert reply.data.size == big.nbytes and reply.data.arena_offset == -1
+        assert g.ok(_step(1, big, out=(0, 1 << 16))).data.arena_offset == 0
+        assert g.ok(_step(1, big, out=(0, 100))).data.arena_offset == -1  # too small a range: inline
+        g.ok(m.FreeGraph(1))
+        expect(g.error(_step(1, x)), E.INVALID, "unknown graph id 1")
+        g.ok(m.AllocBuffer(2, 256, 0))
+        expect(g.error(_step(2, x)), E.INVALID, "unknown graph id 2")  # a buffer handle
+
+
 def test_unknown_ops_and_dtypes_in_queries(host):
     with guest(host) as g:
         expect(g.error(m.Supports(9999, ())), E.INVALID, "unknown op 9999")

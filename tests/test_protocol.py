@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import struct
 
+import numpy as np
 import pytest
 from rawguest import body_of, frame
 
 from apir.graph import DType, GraphBuilder, Op, T
 from apir.protocol import ProtocolError, graph_codec
 from apir.protocol import messages as m
+from apir.protocol.step import ALIGN, MAX_TOKENS, StepLayout, pack
 from apir.protocol.wire import MAX_ITEMS, MAX_RANK, MAX_STR, Writer
 
 
@@ -43,6 +45,7 @@ SAMPLES: dict[type, object] = {
     m.FreeGraph: m.FreeGraph(9),
     m.Compute: m.Compute(9, (m.Tensor("x", int(DType.F32), (2, 8), m.Blob(b"", 128, 64)),
                              m.Tensor("pos", int(DType.I32), (2,), m.Blob(b"\0" * 8, -1, 8))), -1, 0),
+    m.Step: m.Step(9, 1, 4096, 1 << 16, BLOB),
     m.Synchronize: m.Synchronize(),
     m.Goodbye: m.Goodbye(),
     m.Welcome: m.Welcome(m.PROTOCOL_VERSION, 3, DEV, 0, 8 << 30),
@@ -224,3 +227,96 @@ def test_oversized_messages_are_refused_when_encoded():
 def test_op_table_hash_is_pinned_to_the_table():
     assert len(m.op_table_hash()) == 32
     assert m.op_table_hash() == m.op_table_hash()
+
+
+# ---------------------------------------------------------------- the Step fast path
+
+
+def test_step_wire_layout_is_pinned():
+    """Runs of fixed-size fields are packed in one call; the bytes are those of the
+    field-by-field encoding (and the layout PROTOCOL_VERSION 2 promises)."""
+    msg = m.Step(9, 1, -1, 0, m.Blob(b"abc", -1, 3))
+    want = struct.pack("<qqqqQ", 9, 1, -1, 0, 3) + b"abc" + struct.pack("<qq", -1, 3)
+    assert body_of(msg) == want
+    assert m.decode_body(m.OPCODE_OF[m.Step], want) == msg
+
+
+def _step_graph():
+    g = GraphBuilder()
+    tokens = g.input("tokens", (T,), DType.I32)
+    h = g.input("h", (T, 3), DType.F16)  # 6 bytes a token: the next tensor needs padding
+    params = g.input("params", (5,), DType.F32)
+    x = g.matmul(g.get_rows(g.weight(1, 0, (16, 3), DType.F32), tokens), g.weight(1, 256, (4, 3), DType.F32))
+    return g.build(g.argmax(x), h, params)
+
+
+def _step_inputs(n: int) -> dict:
+    return {"tokens": np.arange(n, dtype=np.int32), "h": np.ones((n, 3), np.float16),
+            "params": np.linspace(0, 1, 5, dtype=np.float32)}
+
+
+def test_step_layout_round_trips_inputs_and_outputs():
+    layout = StepLayout.of(_step_graph())
+    for n in (1, 2, 7):
+        inputs = _step_inputs(n)
+        n_tokens, payload = layout.pack_inputs(inputs)
+        assert n_tokens == n
+        place = layout.placement(False, n)
+        assert all(offset % ALIGN == 0 for offset, _ in place.places) and len(payload) == place.size
+        back = layout.unpack_inputs(bytearray(payload), n)
+        assert list(back) == ["tokens", "h", "params"]
+        for name, a in back.items():
+            assert a.dtype == inputs[name].dtype and np.array_equal(a, inputs[name]) and a.flags.writeable
+        outs = [np.arange(n, dtype=np.int32), inputs["h"], inputs["params"]]
+        out_place = layout.output_placement(outs, n)
+        got = layout.unpack_outputs(pack(outs, out_place), n)
+        assert all(np.array_equal(a, b) and a.dtype == b.dtype for a, b in zip(got, outs))
+
+
+@pytest.mark.parametrize("change", [
+    lambda d: d.pop("h"),
+    lambda d: d.update(extra=np.zeros(1, np.int32)),
+    lambda d: d.update(h=np.ones((2, 3), np.float32)),  # dtype
+    lambda d: d.update(h=np.ones((3, 3), np.float16)),  # T disagrees with tokens
+    lambda d: d.update(h=np.ones((2, 4), np.float16)),  # fixed dim
+    lambda d: d.update(params=np.zeros((1, 5), np.float32)),  # rank
+    lambda d: d.update(params=[0.0] * 5),  # not an array
+    lambda d: d.update(tokens=np.zeros(0, np.int32), h=np.ones((0, 3), np.float16)),  # T = 0
+])
+def test_inputs_off_the_registered_form_take_the_general_path(change):
+    inputs = _step_inputs(2)
+    change(inputs)
+    assert StepLayout.of(_step_graph()).pack_inputs(inputs) is None
+
+
+def test_step_payloads_are_checked_before_use():
+    layout = StepLayout.of(_step_graph())
+    _, payload = layout.pack_inputs(_step_inputs(2))
+    for bad in (payload[:-1], payload + b"\0", b""):
+        with pytest.raises(ProtocolError, match="step inputs of .* bytes; the graph's layout takes"):
+            layout.unpack_inputs(bytearray(bad), 2)
+    for n in (0, -1, MAX_TOKENS + 1):
+        with pytest.raises(ProtocolError, match=f"step with T={n}: T must be 1.."):
+            layout.unpack_inputs(bytearray(payload), n)
+    with pytest.raises(ProtocolError, match="step outputs of 3 bytes"):
+        layout.unpack_outputs(b"abc", 2)
+    g = GraphBuilder()
+    fixed = StepLayout.of(g.build(g.argmax(g.input("x", (2, 4)))))  # no token axis
+    with pytest.raises(ProtocolError, match=r"T must be 0 \(the graph has no token axis\)"):
+        fixed.unpack_inputs(bytearray(32), 1)
+    assert fixed.unpack_inputs(bytearray(32), 0)["x"].shape == (2, 4)
+
+
+def test_executor_outputs_off_the_layout_have_no_placement():
+    """Then the host replies with a general Outputs, which names dtypes and shapes."""
+    layout = StepLayout.of(_step_graph())
+    good = [np.zeros(2, np.int32), np.ones((2, 3), np.float16), np.zeros(5, np.float32)]
+    assert layout.output_placement(good, 2) is not None
+    for outs in (good[:2], [np.zeros(2, np.int64), *good[1:]], [good[0], np.ones((3, 3), np.float16), good[2]],
+                 [np.zeros((1, 2), np.int32), *good[1:]]):
+        assert layout.output_placement(outs, 2) is None
+
+
+def test_graphs_with_tensors_numpy_cannot_hold_have_no_layout():
+    g = GraphBuilder()
+    assert StepLayout.of(g.build(g.weight(1, 0, (4, 32), DType.Q8_0))) is None

@@ -109,12 +109,61 @@ def test_other_protocol_version_is_refused_with_both_versions_named(host):
     assert "version 99" in reply.message and f"version {m.PROTOCOL_VERSION}" in reply.message
 
 
-def test_other_protocol_version_raises_typed_error(host, monkeypatch):
+@pytest.mark.parametrize("version", [1, 42])  # 1: a guest from before the Step message
+def test_other_protocol_version_raises_typed_error(host, monkeypatch, version):
     import apir.backends.remote as remote
 
-    monkeypatch.setattr(remote, "PROTOCOL_VERSION", 42)
-    with pytest.raises(VersionMismatchError, match="guest speaks version 42"):
+    monkeypatch.setattr(remote, "PROTOCOL_VERSION", version)
+    with pytest.raises(VersionMismatchError, match=f"guest speaks version {version}, this host speaks "
+                                                   f"version {m.PROTOCOL_VERSION}"):
         remote.RemoteBackend(host.unix)
+
+
+def _step_graphs(b, w: np.ndarray) -> tuple[int, int]:
+    """On ``b``: a decode-like graph (token ids and an F16 input in; argmax, logits and that
+    input out) and one that returns a 0-d input (the executor gives it back 1-d)."""
+    from apir.backends import BufferPurpose
+    from apir.graph import DType, GraphBuilder, T
+
+    buf = b.alloc_buffer(w.nbytes, BufferPurpose.WEIGHTS)
+    b.set_tensor(buf, 0, w)
+    g = GraphBuilder()
+    x, ids = g.input("x", (T, 8), DType.F16), g.input("ids", (T,), DType.I32)
+    table = g.weight(buf, 0, (16, 8), DType.F32)
+    logits = g.matmul(g.scale(g.get_rows(table, ids), 0.5), table)  # (T, 16)
+    main = b.register_graph(g.build(g.argmax(logits), logits, x))
+    g = GraphBuilder()
+    return main, b.register_graph(g.build(g.input("s", (), DType.F32)))
+
+
+@pytest.mark.parametrize("transport", ["unix", "tcp"])
+def test_steps_give_exactly_the_local_outputs(host, transport):
+    """Computes in the registered form travel as fixed-layout Steps (small and large,
+    inline and through the arena); anything else as a general Compute, whose error names
+    what is wrong. Either way the outputs are the local backend's, dtype and shape."""
+    from apir.backends.base import BackendError
+    from apir.backends.local import LocalBackend
+    from apir.backends.remote import RemoteBackend
+
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((16, 8)).astype(np.float32)
+    url = host.unix if transport == "unix" else host.tcp
+    with LocalBackend("cpu") as local, RemoteBackend(url, token_file=host.token_file) as remote:
+        sent = []
+        send = remote.chan.send
+        remote.chan.send = lambda msg, *a, **k: (sent.append(type(msg)), send(msg, *a, **k))[1]
+        graphs = _step_graphs(local, w), _step_graphs(remote, w)
+        for n in (1, 3, 700):  # 700 tokens: 45 KB of logits, through the arena on unix
+            main = {"x": rng.standard_normal((n, 8)).astype(np.float16), "ids": rng.integers(0, 16, n).astype(np.int32)}
+            for i, inputs in enumerate((main, {"s": np.full((), n, np.float32)})):
+                want = local.compute(graphs[0][i], inputs)
+                got = remote.compute(graphs[1][i], inputs)
+                assert [(a.dtype, a.shape) for a in got] == [(a.dtype, a.shape) for a in want]
+                assert all(np.array_equal(a, b) and a.flags.writeable for a, b in zip(got, want))
+        assert sent.count(m.Step) == 6 and m.Compute not in sent
+        with pytest.raises(BackendError, match="input 'x' must be F16"):
+            remote.compute(graphs[1][0], {"x": np.ones((1, 8), np.float32), "ids": np.zeros(1, np.int32)})
+        assert sent[-1] is m.Compute
 
 
 def test_tcp_without_token_is_refused(host, monkeypatch):

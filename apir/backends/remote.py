@@ -22,6 +22,7 @@ from ..graph import DType, Graph, GraphError, Op, T
 from ..graph.dtypes import NUMPY_DTYPES, from_numpy
 from ..protocol import PROTOCOL_VERSION, WANT_REPLY, ErrorCode, ProtocolError, op_table_hash
 from ..protocol import messages as m
+from ..protocol.step import StepLayout
 from ..transport import Arena, ArenaRing, Channel, ConnectionClosed, Frame, connect, parse_address
 from ..transport.arena import check_sealed
 from ..transport.doorbell import Doorbell
@@ -123,6 +124,7 @@ class RemoteBackend(Backend):
         self._ids = itertools.count(1)
         self._rids = itertools.count(1)
         self._graphs: dict[int, Graph] = {}
+        self._layouts: dict[int, StepLayout | None] = {}  # graph id -> its Step layout
         self.closed = False
         self.round_trip_seconds = 0.0  # of the last request that waited for the host
         want_arena = arena_size if injected or self.address.scheme == "unix" else 0
@@ -220,8 +222,9 @@ class RemoteBackend(Backend):
         self.closed = True
         self.chan.close()
         why = "timed out" if isinstance(exc, TimeoutError) else "connection closed"
+        what = "Compute" if isinstance(msg, m.Step) else type(msg).__name__  # a Step is a compute
         return HostGoneError(
-            f"the apir host at {self.address} went away during {type(msg).__name__} ({why}): "
+            f"the apir host at {self.address} went away during {what} ({why}): "
             "the daemon or this session's worker stopped; its log says which (restart the daemon "
             "if it is gone, or reconnect)"
         )
@@ -237,7 +240,7 @@ class RemoteBackend(Backend):
             off = self.ring.alloc(n)
         return off
 
-    def _blob(self, data: memoryview) -> m.Blob:
+    def _blob(self, data: bytes | memoryview) -> m.Blob:
         off = self._arena_slot(len(data))
         if off is None:
             return m.Blob(bytes(data), -1, len(data))
@@ -245,11 +248,17 @@ class RemoteBackend(Backend):
         return m.Blob(b"", off, len(data))
 
     def _read_blob(self, blob: m.Blob) -> bytes:
+        """A private copy of the blob's bytes."""
+        data = self._blob_view(blob)
+        return data if isinstance(data, bytes) else bytes(data)
+
+    def _blob_view(self, blob: m.Blob) -> bytes | memoryview:
+        """The blob's bytes; in place when they lie in the arena (copy before keeping)."""
         if blob.arena_offset < 0:
             return blob.inline
         if self.arena is None:
             raise ProtocolError("the host sent arena data but this session has no arena")
-        return self.arena.read(blob.arena_offset, blob.size)
+        return self.arena.window(blob.arena_offset, blob.size)
 
     # ------------------------------------------------------------ the backend API
     def device(self) -> DeviceInfo:
@@ -293,13 +302,35 @@ class RemoteBackend(Backend):
         gid = next(self._ids)
         self._call(m.RegisterGraph(gid, graph))  # waits: graph errors belong here
         self._graphs[gid] = graph
+        self._layouts[gid] = StepLayout.of(graph)
         return gid
 
     def free_graph(self, gid: int) -> None:
         self._graphs.pop(gid, None)
+        self._layouts.pop(gid, None)
         self._post(m.FreeGraph(gid))
 
     def compute(self, gid: int, inputs: Mapping[str, np.ndarray]) -> list[np.ndarray]:
+        layout = self._layouts.get(gid)
+        packed = layout.pack_inputs(inputs) if layout is not None else None
+        if packed is None:  # not the registered form: the host says exactly what is wrong
+            return self._compute_named(gid, inputs)
+        n_tokens, payload = packed
+        size = layout.placement(True, n_tokens).size
+        slot = self._arena_slot(size) if size > INLINE_MAX else None
+        # (if placing the inputs wraps the arena, they may overlap the outputs' range:
+        # harmless, the host copies its inputs out before it writes any output)
+        step = m.Step(gid, n_tokens, -1 if slot is None else slot, 0 if slot is None else size,
+                      self._blob(payload))
+        reply = self._call(step)
+        if isinstance(reply, m.Outputs):  # the host's outputs differ from the graph's: as they are
+            return self._arrays(reply)
+        if not isinstance(reply, m.Data):
+            raise ProtocolError(f"expected Data for a Step, got {type(reply).__name__}")
+        return layout.unpack_outputs(self._blob_view(reply.data), n_tokens)
+
+    def _compute_named(self, gid: int, inputs: Mapping[str, np.ndarray]) -> list[np.ndarray]:
+        """The general compute: every input with its name, dtype and shape."""
         tensors, n_tokens = [], None
         for name, arr in inputs.items():
             arr = np.ascontiguousarray(arr)
@@ -316,11 +347,13 @@ class RemoteBackend(Backend):
             if need > INLINE_MAX:
                 slot = self._arena_slot(need)
                 out_off, cap = (slot, need) if slot is not None else (-1, 0)
-        reply = self._call(m.Compute(gid, tuple(tensors), out_off, cap))
+        return self._arrays(self._call(m.Compute(gid, tuple(tensors), out_off, cap)))
+
+    def _arrays(self, reply: m.Outputs) -> list[np.ndarray]:
         outs = []
         for t in reply.outputs:
             dtype = DType.parse(t.dtype)
-            outs.append(np.frombuffer(self._read_blob(t.data), NUMPY_DTYPES[dtype]).reshape(t.shape).copy())
+            outs.append(np.frombuffer(self._blob_view(t.data), NUMPY_DTYPES[dtype]).reshape(t.shape).copy())
         return outs
 
     def synchronize(self) -> None:

@@ -1,9 +1,17 @@
 """``apir bench transport``: what the transport itself costs, per transport, side by side.
 
 Measures, against a real daemon (started here, or ``--remote`` ones): the null-call round
-trip (a Synchronize: frame out, dispatch, frame back), a one-token compute round trip (a
-tiny graph, the shape of a decode step's traffic), and bulk upload bandwidth (set_tensor
-of a large buffer, then a synchronize so the host has really consumed it).
+trip (a Synchronize: frame out, dispatch, frame back), a decode-shaped step (a tiny graph
+with a decode step's inputs and output: token, position and sampling parameters in, one
+token id out), and bulk upload bandwidth (set_tensor of a large buffer, then a
+synchronize so the host has really consumed it).
+
+When the bench starts its own daemon it also runs the same step natively, in this
+process (the executor called directly), interleaving native and remote calls in short
+rounds so that drift (frequency scaling, a noisy neighbour) hits both alike; the step's
+"overhead" is remote p50 minus native p50: what remoting adds to every decode step.
+Set ``APIR_SPIN_US=2000`` to measure as a GPU host behaves (both sides busy-poll for the
+next frame); by default a CPU host sleeps on its eventfd and pays the scheduler's wake-up.
 """
 
 from __future__ import annotations
@@ -16,23 +24,30 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from ..backends.base import Backend, BufferPurpose
 from ..errors import ApirError
 from ..graph import DType, GraphBuilder, T
+
+ROUND = 100  # step calls per backend per interleaved round
+WARMUP = 200
+VOCAB, DIM = 16, 8  # tiny tensors: the executor's own work is as small as it gets
 
 
 @dataclass(frozen=True)
 class TransportResult:
     transport: str
-    null_p50_us: float
-    null_p99_us: float
+    null_p50_us: float | None  # None: not measured (native has no round trip)
+    null_p99_us: float | None
     step_p50_us: float
     step_p99_us: float
-    upload_gbps: float
+    step_overhead_us: float | None  # step p50 minus native step p50 (None: no native run)
+    upload_gbps: float | None
 
 
 def _percentile(samples: list[float], q: float) -> float:
@@ -40,53 +55,115 @@ def _percentile(samples: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(q * len(s)))]
 
 
-def measure(url: str, token_file: str | None, calls: int, upload_mb: int) -> TransportResult:
-    from ..backends import BufferPurpose
+def _us(samples: list[float]) -> tuple[float, float]:
+    return statistics.median(samples) * 1e6, _percentile(samples, 0.99) * 1e6
+
+
+def decode_step(b: Backend) -> Callable[[int], None]:
+    """Register a decode-shaped graph on ``b``; returns ``step(i)``, one compute call.
+
+    Inputs as the engine's sample graph has them (tokens (T,) i32, pos (T,) i32, params (5,)
+    f32, T = 1); two row lookups, a matmul and an argmax: one i32 token id comes back."""
+    rng = np.random.default_rng(0)
+    buf = b.alloc_buffer(2 * VOCAB * DIM * 4, BufferPurpose.WEIGHTS)
+    b.set_tensor(buf, 0, rng.standard_normal(2 * VOCAB * DIM).astype(np.float32))
+    g = GraphBuilder()
+    tokens, pos = g.input("tokens", (T,), DType.I32), g.input("pos", (T,), DType.I32)
+    g.input("params", (5,), DType.F32)  # bound and shipped like the engine's, not used here
+    emb = g.weight(buf, 0, (VOCAB, DIM), DType.F32)
+    out = g.weight(buf, VOCAB * DIM * 4, (VOCAB, DIM), DType.F32)  # (vocab, dim)
+    x = g.add(g.get_rows(emb, tokens), g.get_rows(emb, pos))  # (T, dim)
+    gid = b.register_graph(g.build(g.argmax(g.matmul(x, out))))
+    params = np.array([0.8, 40, 0.95, 0.05, 0.5], np.float32)
+
+    def step(i: int) -> None:
+        b.compute(gid, {"tokens": np.array([i % VOCAB], np.int32),
+                        "pos": np.array([i % VOCAB], np.int32), "params": params})
+
+    return step
+
+
+def _null_calls(b: Backend, calls: int) -> list[float]:
+    for _ in range(WARMUP):
+        b.synchronize()
+    samples = []
+    for _ in range(calls):
+        t = time.perf_counter()
+        b.synchronize()
+        samples.append(time.perf_counter() - t)
+    return samples
+
+
+def _steps(steps: dict[str, Callable[[int], None]], calls: int) -> dict[str, list[float]]:
+    """``calls`` timed steps of each, interleaved in rounds of ``ROUND``."""
+    for step in steps.values():
+        for i in range(WARMUP):
+            step(i)
+    samples: dict[str, list[float]] = {name: [] for name in steps}
+    for start in range(0, calls, ROUND):
+        for name, step in steps.items():
+            for i in range(start, min(start + ROUND, calls)):
+                t = time.perf_counter()
+                step(i)
+                samples[name].append(time.perf_counter() - t)
+    return samples
+
+
+def _upload(b: Backend, upload_mb: int) -> float:
+    data = np.random.default_rng(0).integers(0, 255, upload_mb << 20, dtype=np.uint8)
+    buf = b.alloc_buffer(data.nbytes, BufferPurpose.WEIGHTS)
+    b.set_tensor(buf, 0, data)  # first pass touches the host's fresh pages
+    b.synchronize()
+    t = time.perf_counter()
+    b.set_tensor(buf, 0, data)
+    b.synchronize()
+    seconds = time.perf_counter() - t
+    b.free_buffer(buf)
+    return data.nbytes / seconds / 1e9
+
+
+def _label(url: str) -> str:
+    scheme = url.split("://")[0]
+    return scheme + ("-shm" if scheme == "unix" else "")
+
+
+def measure(urls: list[str], token_file: str | None, calls: int, upload_mb: int,
+            native_device: str | None = None) -> list[TransportResult]:
+    """Every figure for each daemon in ``urls``, plus a native row when ``native_device``
+    names the device to run the step on in this process."""
     from ..backends.remote import RemoteBackend
 
-    b = RemoteBackend(url, token_file=token_file)
+    remotes: dict[str, Backend] = {}
     try:
-        for _ in range(50):  # warm up
-            b.synchronize()
-        null = []
-        for _ in range(calls):
-            t = time.perf_counter()
-            b.synchronize()
-            null.append(time.perf_counter() - t)
-        # a decode step's traffic: one token id in, one token id out
-        g = GraphBuilder()
-        gid = b.register_graph(g.build(g.argmax(g.input("h", (T, 8), DType.F32))))
-        inputs = {"h": np.ones((1, 8), np.float32)}
-        for _ in range(50):
-            b.compute(gid, inputs)
-        step = []
-        for _ in range(calls):
-            t = time.perf_counter()
-            b.compute(gid, inputs)
-            step.append(time.perf_counter() - t)
-        data = np.random.default_rng(0).integers(0, 255, upload_mb << 20, dtype=np.uint8)
-        buf = b.alloc_buffer(data.nbytes, BufferPurpose.WEIGHTS)
-        b.set_tensor(buf, 0, data)  # first pass touches the host's fresh pages
-        b.synchronize()
-        t = time.perf_counter()
-        b.set_tensor(buf, 0, data)
-        b.synchronize()
-        upload = data.nbytes / (time.perf_counter() - t) / 1e9
+        for url in urls:
+            remotes[_label(url)] = RemoteBackend(url, token_file=token_file)
+        null = {name: _null_calls(b, calls) for name, b in remotes.items()}
+        backends = dict(remotes)
+        if native_device is not None:
+            from ..backends.local import LocalBackend
+
+            backends = {"native": LocalBackend(native_device), **remotes}
+        steps = _steps({name: decode_step(b) for name, b in backends.items()}, calls)
+        upload = {name: _upload(b, upload_mb) for name, b in remotes.items()}
     finally:
-        b.close()
-    scheme = url.split("://")[0]
-    return TransportResult(
-        f"{scheme}" + ("-shm" if scheme == "unix" else ""),
-        statistics.median(null) * 1e6, _percentile(null, 0.99) * 1e6,
-        statistics.median(step) * 1e6, _percentile(step, 0.99) * 1e6, upload,
-    )
+        for b in remotes.values():
+            b.close()
+    native = statistics.median(steps["native"]) * 1e6 if "native" in steps else None
+    results = []
+    for name, samples in steps.items():
+        p50, p99 = _us(samples)
+        n50, n99 = _us(null[name]) if name in null else (None, None)
+        results.append(TransportResult(name, n50, n99, p50, p99, None if native is None else p50 - native,
+                                       upload.get(name)))
+    return results
 
 
 def run(remotes: list[str] | None, token_file: str | None, calls: int = 2000,
         upload_mb: int = 256, device: str | None = "cpu") -> list[TransportResult]:
-    """Start a daemon on unix + tcp (unless ``remotes`` are given) and measure each."""
+    """Start a daemon on unix + tcp (unless ``remotes`` are given) and measure each,
+    against the same step run natively on ``device``."""
     if remotes:
-        return [measure(u, token_file, calls, upload_mb) for u in remotes]
+        return measure(remotes, token_file, calls, upload_mb)
     from ..backends.remote import host_status
     from ..transport import HostUnreachable
 
@@ -114,16 +191,21 @@ def run(remotes: list[str] | None, token_file: str | None, calls: int = 2000,
                 if proc.poll() is not None or time.monotonic() > deadline:
                     raise ApirError("the benchmark's host daemon did not start") from None
                 time.sleep(0.1)
-        return [measure(u, str(token), calls, upload_mb) for u in urls]
+        return measure(urls, str(token), calls, upload_mb, native_device=device or "cpu")
     finally:
         proc.terminate()
         proc.wait(10)
 
 
+def _cell(value: float | None, fmt: str = ".1f") -> str:
+    return "–" if value is None else format(value, fmt)
+
+
 def markdown(results: list[TransportResult]) -> str:
-    rows = ["| transport | null call p50 (µs) | p99 (µs) | 1-token step p50 (µs) | p99 (µs) | upload (GB/s) |",
-            "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    rows = ["| transport | null call p50 (µs) | p99 (µs) | decode step p50 (µs) | p99 (µs) | "
+            "step overhead (µs) | upload (GB/s) |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in results:
-        rows.append(f"| {r.transport} | {r.null_p50_us:.1f} | {r.null_p99_us:.1f} | {r.step_p50_us:.1f} | "
-                    f"{r.step_p99_us:.1f} | {r.upload_gbps:.2f} |")
+        rows.append(f"| {r.transport} | {_cell(r.null_p50_us)} | {_cell(r.null_p99_us)} | {r.step_p50_us:.1f} | "
+                    f"{r.step_p99_us:.1f} | {_cell(r.step_overhead_us, '+.1f')} | {_cell(r.upload_gbps, '.2f')} |")
     return "\n".join(rows)

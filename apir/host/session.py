@@ -26,6 +26,7 @@ from ..graph import DType, GraphError, Op
 from ..graph.dtypes import NUMPY_DTYPES, from_numpy
 from ..protocol import PROTOCOL_VERSION, WANT_REPLY, ErrorCode, ProtocolError
 from ..protocol import messages as m
+from ..protocol.step import StepLayout, pack
 from ..transport import Arena, ArenaError, Channel, ConnectionClosed
 from ..transport.arena import SEALS
 from ..transport.doorbell import Doorbell
@@ -91,6 +92,8 @@ class Session:
         self.deferred: m.Error | None = None  # first failure of a request nobody waited for
         self.publish = publish or (lambda allocated, peak: None)
         self.busy = False  # a request is being served (see _watch_hangup)
+        self.layouts: dict[int, StepLayout | None] = {}  # graph id -> its Step layout
+        self._published: tuple[int, int] | None = None  # the memory figures last published
 
     # ------------------------------------------------------------ loop
     def serve(self) -> None:
@@ -135,7 +138,7 @@ class Session:
                 reply = self.dispatch(msg)
             except Exception as e:  # noqa: BLE001 - every failure becomes an Error reply
                 reply = error_for(e)
-            self.publish(self.backend.allocated_bytes(), self.backend.peak_bytes)
+            self._publish()
             if frame.header.flags & WANT_REPLY:
                 if self.deferred is not None:  # the root cause first
                     reply, self.deferred = self.deferred, None
@@ -143,6 +146,13 @@ class Session:
                     return
             elif isinstance(reply, m.Error) and self.deferred is None:
                 self.deferred = m.Error(reply.code, f"an earlier {type(msg).__name__} failed: {reply.message}")
+
+    def _publish(self) -> None:
+        """Report the session's memory to the daemon when it changed (not per decode step)."""
+        usage = (self.backend.allocated_bytes(), self.backend.peak_bytes)
+        if usage != self._published:
+            self._published = usage
+            self.publish(*usage)
 
     def _watch_hangup(self, sock: socket.socket) -> None:
         """A guest that dies (or hangs up) while its request runs, or with requests still
@@ -196,6 +206,8 @@ class Session:
         """The one place a request becomes a backend call."""
         b = self.backend
         match msg:
+            case m.Step(graph_id=gid, n_tokens=n, out_offset=off, out_capacity=cap, inputs=blob):
+                return self._step(gid, n, blob, off, cap)  # first: a decode step's request
             case m.GetDevices():
                 return m.Devices((device_message(b),))
             case m.Supports(op=op, dtypes=dtypes):
@@ -214,8 +226,10 @@ class Session:
                 b.copy_tensor(s, so, d, do, n)
             case m.RegisterGraph(graph_id=gid, graph=graph):
                 b.register_graph(graph, gid=gid)
+                self.layouts[gid] = StepLayout.of(graph)
             case m.FreeGraph(graph_id=gid):
                 b.free_graph(gid)
+                self.layouts.pop(gid, None)
             case m.Compute(graph_id=gid, inputs=inputs, out_offset=off, out_capacity=cap):
                 return self._compute(gid, inputs, off, cap)
             case m.Synchronize():
@@ -236,7 +250,10 @@ class Session:
             if len(raw) != dtype.nbytes(t.shape):
                 raise BackendError(f"input {t.name!r}: {len(raw)} bytes for shape {t.shape} {dtype.name}")
             arrays[t.name] = np.frombuffer(raw, NUMPY_DTYPES[dtype]).reshape(t.shape)
-        outs = self.backend.compute(gid, arrays)
+        return self._outputs(self.backend.compute(gid, arrays), out_offset, capacity)
+
+    def _outputs(self, outs: list[np.ndarray], out_offset: int, capacity: int) -> m.Outputs:
+        """Outputs with their dtypes and shapes; big ones in the arena range when given."""
         place = out_offset if self.arena is not None and out_offset >= 0 else -1
         result = []
         for i, arr in enumerate(outs):
@@ -253,6 +270,25 @@ class Session:
                 blob = m.Blob(raw, -1, len(raw))
             result.append(m.Tensor(f"out{i}", int(dtype), tuple(arr.shape), blob))
         return m.Outputs(tuple(result))
+
+    def _step(self, gid: int, n_tokens: int, inputs: m.Blob, out_offset: int,
+              capacity: int) -> m.Data | m.Outputs:
+        """A compute in its graph's fixed layout: bind the payload's bytes in place (one
+        private, writeable copy of them), run, and send the outputs back the same way."""
+        layout = self.layouts.get(gid)
+        if layout is None:
+            raise BackendError(f"unknown graph id {gid}" if gid not in self.layouts
+                               else f"graph {gid} has tensors a Step cannot carry: use Compute")
+        outs = self.backend.compute(gid, layout.unpack_inputs(bytearray(self._blob_bytes(inputs, True)), n_tokens))
+        place = layout.output_placement(outs, n_tokens)
+        if place is None:  # outputs unlike the graph's (a 0-d one came back 1-d): say exactly what
+            return self._outputs(outs, out_offset, capacity)
+        if self.arena is not None and out_offset >= 0 and INLINE_MAX < place.size <= capacity:
+            self.arena.check(out_offset, place.size)
+            for arr, (offset, _) in zip(outs, place.places):
+                self.arena.write(out_offset + offset, memoryview(np.ascontiguousarray(arr)).cast("B"))
+            return m.Data(m.Blob(b"", out_offset, place.size))
+        return m.Data(m.Blob(pack(outs, place), -1, place.size))
 
     def _blob_bytes(self, blob: m.Blob, in_place: bool = False) -> bytes | memoryview:
         if blob.arena_offset < 0:

@@ -22,7 +22,9 @@ the host keeps the error and returns it from the next request that does want a r
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
+import operator
 import struct
 import typing
 from dataclasses import dataclass
@@ -32,7 +34,8 @@ from . import graph_codec
 from .wire import MAX_ITEMS, ProtocolError, Reader, Writer
 
 MAGIC = b"APIR"
-PROTOCOL_VERSION = 1
+# 2: Step (the fixed-layout compute of a decode step) and its Data reply
+PROTOCOL_VERSION = 2
 HEADER = struct.Struct("<4sHHII")
 MAX_BODY = 64 << 20  # one frame; bulk uploads are chunked below this
 WANT_REPLY = 1
@@ -171,6 +174,19 @@ class Compute:
 
 
 @dataclass(frozen=True)
+class Step:
+    """A compute in the fixed layout its graph's registration implies (see
+    ``apir.protocol.step``): the inputs' bytes back to back, no names, dtypes or shapes.
+    The hot path of decoding; the reply is a ``Data`` holding the outputs the same way."""
+
+    graph_id: int
+    n_tokens: int  # T (0 for a graph without a token axis)
+    out_offset: int  # arena range for the outputs; -1: inline
+    out_capacity: int
+    inputs: Blob
+
+
+@dataclass(frozen=True)
 class Synchronize:
     pass
 
@@ -246,6 +262,7 @@ OPCODES: dict[int, type] = {
     40: RegisterGraph,
     41: FreeGraph,
     42: Compute,
+    43: Step,
     50: Synchronize,
     99: Goodbye,
     101: Welcome,
@@ -290,9 +307,15 @@ def _fields(cls: type) -> list[tuple[str, object]]:
 
 
 # Codecs are compiled once per type into closures: the decode step runs for every request,
-# so type dispatch happens here, not per field per message.
+# so type dispatch happens here, not per field per message. Consecutive fixed-size fields
+# (int, float, bool) are packed and unpacked by one struct call, and so are tuples of ints
+# or floats: the bytes are exactly those of encoding the fields one by one.
 _WRITERS: dict[object, typing.Callable] = {}
 _READERS: dict[object, typing.Callable] = {}
+
+# struct codes of the fixed-size types: (pack, unpack). A bool packs from any truth value
+# but must read back as exactly 0 or 1.
+_FIXED = {int: ("q", "q"), float: ("d", "d"), bool: ("?", "B")}
 
 
 def _bool(r: Reader) -> bool:
@@ -302,6 +325,45 @@ def _bool(r: Reader) -> bool:
     return bool(v)
 
 
+@functools.lru_cache(maxsize=64)
+def _array(code: str, n: int) -> struct.Struct:
+    return struct.Struct(f"<{n}{code}")
+
+
+def _groups(tp: type) -> list[list[tuple[str, object]]]:
+    """The fields of dataclass ``tp`` in wire order: runs of two or more consecutive
+    fixed-size fields, and every other field on its own."""
+    groups: list[list[tuple[str, object]]] = []
+    for name, ftp in _fields(tp):
+        if ftp in _FIXED and groups and groups[-1][-1][1] in _FIXED:
+            groups[-1].append((name, ftp))
+        else:
+            groups.append([(name, ftp)])
+    return groups
+
+
+def _run_writer(run: list[tuple[str, object]]) -> typing.Callable[[Writer, tuple], None]:
+    st = struct.Struct("<" + "".join(_FIXED[t][0] for _, t in run))
+    return lambda w, values: w.parts.append(st.pack(*values))
+
+
+def _run_reader(run: list[tuple[str, object]]) -> typing.Callable[[Reader], tuple]:
+    st = struct.Struct("<" + "".join(_FIXED[t][1] for _, t in run))
+    bools = [i for i, (_, t) in enumerate(run) if t is bool]
+    if not bools:
+        return lambda r: r.unpack(st)
+
+    def read(r: Reader) -> tuple:
+        values = list(r.unpack(st))
+        for i in bools:
+            if values[i] > 1:
+                raise ProtocolError(f"bad boolean {values[i]}")
+            values[i] = bool(values[i])
+        return tuple(values)
+
+    return read
+
+
 def _writer(tp: object) -> typing.Callable[[Writer, object], None]:
     if tp in _WRITERS:
         return _WRITERS[tp]
@@ -309,6 +371,12 @@ def _writer(tp: object) -> typing.Callable[[Writer, object], None]:
               bool: lambda w, v: w.u8(1 if v else 0), Graph: graph_codec.write_graph}
     if tp in simple:
         fn = simple[tp]
+    elif typing.get_origin(tp) is tuple and typing.get_args(tp)[0] in (int, float):
+        code = _FIXED[typing.get_args(tp)[0]][0]
+
+        def fn(w: Writer, value: tuple) -> None:
+            w.u32(len(value))
+            w.parts.append(_array(code, len(value)).pack(*value))
     elif typing.get_origin(tp) is tuple:
         item = _writer(typing.get_args(tp)[0])
 
@@ -317,11 +385,13 @@ def _writer(tp: object) -> typing.Callable[[Writer, object], None]:
             for v in value:
                 item(w, v)
     else:
-        fields = [(name, _writer(ftp)) for name, ftp in _fields(tp)]
+        # (getter, writer): a run's getter returns a tuple of its fields' values
+        steps = [(operator.attrgetter(*[n for n, _ in g]), _run_writer(g)) if len(g) > 1
+                 else (operator.attrgetter(g[0][0]), _writer(g[0][1])) for g in _groups(tp)]
 
         def fn(w: Writer, value: object) -> None:
-            for name, write in fields:
-                write(w, getattr(value, name))
+            for get, write in steps:
+                write(w, get(value))
     _WRITERS[tp] = fn
     return fn
 
@@ -333,16 +403,28 @@ def _reader(tp: object) -> typing.Callable[[Reader], object]:
               bool: _bool, Graph: graph_codec.read_graph}
     if tp in simple:
         fn = simple[tp]
+    elif typing.get_origin(tp) is tuple and typing.get_args(tp)[0] in (int, float):
+        code = _FIXED[typing.get_args(tp)[0]][1]
+
+        def fn(r: Reader) -> object:
+            return r.unpack(_array(code, r.count(MAX_ITEMS)))
     elif typing.get_origin(tp) is tuple:
         item = _reader(typing.get_args(tp)[0])
 
         def fn(r: Reader) -> object:
             return tuple([item(r) for _ in range(r.count(MAX_ITEMS))])
     else:
-        readers = [read for _, read in ((n, _reader(ftp)) for n, ftp in _fields(tp))]
+        # (True, reader of a run: a tuple of values) or (False, reader of one value)
+        steps = [(True, _run_reader(g)) if len(g) > 1 else (False, _reader(g[0][1])) for g in _groups(tp)]
 
         def fn(r: Reader) -> object:
-            return tp(*[read(r) for read in readers])
+            values: list = []
+            for many, read in steps:
+                if many:
+                    values.extend(read(r))
+                else:
+                    values.append(read(r))
+            return tp(*values)
     _READERS[tp] = fn
     return fn
 

@@ -56,6 +56,10 @@ class Writer:
         self.u64(len(v))
         self.parts.append(bytes(v))
 
+    def pack(self, st: struct.Struct, *values: object) -> None:
+        """Several fixed-size fields in one call (see ``Reader.unpack``)."""
+        self.parts.append(st.pack(*values))
+
     def getvalue(self) -> bytes:
         return b"".join(self.parts)
 
@@ -71,6 +75,14 @@ class Reader:
         out = self.data[self.pos : self.pos + n]
         self.pos += n
         return out
+
+    def unpack(self, st: struct.Struct) -> tuple:
+        """Several fixed-size fields at once, bounds-checked like every other read."""
+        pos = self.pos
+        if pos + st.size > len(self.data):
+            raise ProtocolError(f"truncated message: wanted {st.size} bytes at {pos}, frame has {len(self.data)}")
+        self.pos = pos + st.size
+        return st.unpack_from(self.data, pos)
 
     def u8(self) -> int:
         return self._take(1)[0]

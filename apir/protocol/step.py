@@ -1,0 +1,157 @@
+"""The fixed layout of a ``Step``: a compute whose tensors travel as bare bytes.
+
+Registering a graph already fixed everything about its inputs and outputs but the token
+count T: their names, order, dtypes and shapes. So a Step carries T and the bytes only,
+and its ``Data`` reply the outputs' bytes only:
+
+    payload := tensor 0, zero padding, tensor 1, zero padding, ..., tensor n-1
+
+Inputs go in the graph's input order (the order of its INPUT nodes), outputs in its
+output order; each tensor is C-contiguous with the shape the graph gives it (T
+substituted) and starts at a multiple of ``ALIGN`` bytes, so every view of the payload is
+aligned for its dtype. Both ends derive the layout from the same registered Graph. The
+receiver checks the payload's size against the layout before slicing it; the host's
+executor then checks the inputs as for any compute.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..graph import Graph, T
+from ..graph.dtypes import NUMPY_DTYPES
+from .wire import ProtocolError
+
+ALIGN = 16
+MAX_TOKENS = 1 << 31  # T beyond this is refused before any size is worked out
+_CACHED = 16  # placements remembered per layout (decode uses one T, prefill one or two)
+
+
+@dataclass(frozen=True)
+class Slot:
+    name: str
+    dtype: np.dtype
+    shape: tuple[int, ...]  # may hold T
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where each tensor lies in the payload for one T: (offset, shape) per slot."""
+
+    places: tuple[tuple[int, tuple[int, ...]], ...]
+    size: int
+
+
+class StepLayout:
+    """The inputs and outputs of one registered graph, and how they pack for a given T."""
+
+    def __init__(self, inputs: tuple[Slot, ...], outputs: tuple[Slot, ...]) -> None:
+        self.inputs, self.outputs = inputs, outputs
+        self.has_tokens = any(T in s.shape for s in inputs)
+        self._placements: dict[tuple[bool, int], Placement] = {}
+
+    @classmethod
+    def of(cls, graph: Graph) -> StepLayout | None:
+        """The layout of a (validated) graph; None when a tensor has no numpy dtype
+        (such a graph computes through the general ``Compute`` message)."""
+        inputs = tuple((name, node) for name, node in graph.inputs().items())
+        outputs = tuple((f"out{i}", graph.nodes[o]) for i, o in enumerate(graph.outputs))
+        if any(node.dtype not in NUMPY_DTYPES for _, node in inputs + outputs):
+            return None
+        return cls(*(tuple(Slot(name, NUMPY_DTYPES[node.dtype], node.shape) for name, node in side)
+                     for side in (inputs, outputs)))
+
+    def placement(self, outputs: bool, n_tokens: int) -> Placement:
+        key = (outputs, n_tokens)
+        place = self._placements.get(key)
+        if place is None:
+            if len(self._placements) >= _CACHED:
+                self._placements.clear()
+            place = self._placements[key] = _place(self.outputs if outputs else self.inputs, n_tokens)
+        return place
+
+    def check_tokens(self, n_tokens: int) -> None:
+        """Refuse a T this layout cannot take (before any size is worked out from it)."""
+        if not (0 < n_tokens <= MAX_TOKENS if self.has_tokens else n_tokens == 0):
+            want = f"1..{MAX_TOKENS}" if self.has_tokens else "0 (the graph has no token axis)"
+            raise ProtocolError(f"step with T={n_tokens}: T must be {want}")
+
+    # ------------------------------------------------------------ guest
+    def pack_inputs(self, inputs: Mapping[str, np.ndarray]) -> tuple[int, bytes] | None:
+        """(T, payload) for ``inputs``; None when they do not have the registered names,
+        dtypes and shapes (the general ``Compute`` then reports exactly what is wrong)."""
+        if len(inputs) != len(self.inputs):
+            return None
+        n_tokens = 0  # T, once an input has shown it
+        arrays = []
+        for slot in self.inputs:
+            a = inputs.get(slot.name)
+            if not isinstance(a, np.ndarray) or a.dtype != slot.dtype or a.ndim != len(slot.shape):
+                return None
+            for want, got in zip(slot.shape, a.shape):
+                if want == T and got > 0 and n_tokens in (0, got):
+                    n_tokens = got
+                elif want != got:
+                    return None
+            arrays.append(a)
+        return n_tokens, pack(arrays, self.placement(False, n_tokens))
+
+    def unpack_outputs(self, payload: bytes | memoryview, n_tokens: int) -> list[np.ndarray]:
+        """The outputs of a ``Data`` reply: one private, writeable copy of the payload."""
+        return _views(self.outputs, self.placement(True, n_tokens), bytearray(payload), "outputs")
+
+    # ------------------------------------------------------------ host
+    def unpack_inputs(self, payload: bytearray, n_tokens: int) -> dict[str, np.ndarray]:
+        """The inputs of a Step, as views of ``payload`` (which the caller owns)."""
+        self.check_tokens(n_tokens)
+        arrays = _views(self.inputs, self.placement(False, n_tokens), payload, "inputs")
+        return {slot.name: a for slot, a in zip(self.inputs, arrays)}
+
+    def output_placement(self, outputs: Sequence[np.ndarray], n_tokens: int) -> Placement | None:
+        """Where ``outputs`` go in a Data reply; None when they are not exactly the graph's
+        dtypes and shapes (then the reply must be an ``Outputs``, which names them)."""
+        place = self.placement(True, n_tokens)
+        if len(outputs) != len(self.outputs):
+            return None
+        for slot, a, (_, shape) in zip(self.outputs, outputs, place.places):
+            if a.dtype != slot.dtype or a.shape != shape:
+                return None
+        return place
+
+
+def pack(arrays: Sequence[np.ndarray], place: Placement) -> bytes:
+    """The payload: each array's bytes (C order) at its offset, zeros between."""
+    parts, end = [], 0
+    for a, (offset, _) in zip(arrays, place.places):
+        if offset > end:
+            parts.append(bytes(offset - end))
+        parts.append(a.tobytes())
+        end = offset + a.nbytes
+    return b"".join(parts)
+
+
+def _place(slots: tuple[Slot, ...], n_tokens: int) -> Placement:
+    places, offset = [], 0
+    for slot in slots:
+        shape = tuple(n_tokens if d == T else d for d in slot.shape)
+        offset = -(-offset // ALIGN) * ALIGN
+        places.append((offset, shape))
+        offset += slot.dtype.itemsize * _count(shape)
+    return Placement(tuple(places), offset)
+
+
+def _views(slots: tuple[Slot, ...], place: Placement, payload: bytearray, what: str) -> list[np.ndarray]:
+    if len(payload) != place.size:
+        raise ProtocolError(f"step {what} of {len(payload)} bytes; the graph's layout takes {place.size}")
+    return [np.frombuffer(payload, slot.dtype, _count(shape), offset).reshape(shape)
+            for slot, (offset, shape) in zip(slots, place.places)]
+
+
+def _count(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
