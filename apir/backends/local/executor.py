@@ -16,9 +16,9 @@ import torch
 
 from ...graph import DType, Graph, Op
 from ..base import NO_LIMITS, BackendError, Buffer, DeviceInfo, Executor, Limits, Registered
+from . import kernels
 from .capture import CapturedStep
 from .dequant import dequantize
-from .kernels import sample_greedy
 from .program import FusedMatmul, Input, Leaf, Part, Program, Step, compile_program
 
 log = logging.getLogger("apir.local")
@@ -77,6 +77,7 @@ class LocalBackend(Executor):
         mode = env.COMPILE.get() or "1"
         self.compile = self.cuda_graphs and mode != "0"
         self.compile_prefill = mode == "all"
+        kernels.REDUCE_SMALL_PRODUCTS = (env.GEMV.get() or "triton") != "cublas"
         # Weights computed in f32 on the CPU; on accelerators they keep a 16-bit form.
         self._weights: dict[tuple, tuple[int, torch.Tensor]] = {}
 
@@ -187,7 +188,7 @@ class LocalBackend(Executor):
         for nid, step in enumerate(reg.program.steps):
             if isinstance(step, Step):
                 args = [values[i] for i in step.inputs]
-                kernel = sample_greedy if greedy and step.op is Op.SAMPLE else step.kernel
+                kernel = kernels.sample_greedy if greedy and step.op is Op.SAMPLE else step.kernel
                 try:
                     if step.memo_key is None:
                         values.append(kernel(*args, *step.attrs))
@@ -198,12 +199,11 @@ class LocalBackend(Executor):
                 except (RuntimeError, ValueError, IndexError) as e:
                     raise BackendError(f"{reg.graph.nodes[nid].describe(nid)} failed: {e}") from None
             elif isinstance(step, FusedMatmul):
-                w = constants[nid]
-                y = torch.matmul(values[step.x].to(w.dtype), w.T).split(step.widths, dim=-1)
+                y = kernels.fused_matmul(values[step.x], constants[nid], step.widths)
                 parts.update(zip(step.members[1:], y[1:]))
-                values.append(y[0].float())
+                values.append(y[0])
             elif isinstance(step, Part):
-                values.append(parts.pop(nid).float())
+                values.append(parts.pop(nid))
             elif isinstance(step, Input):
                 t = tensors[step.name]
                 if step.dtype is DType.BF16:
