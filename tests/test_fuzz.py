@@ -25,6 +25,7 @@ from apir.graph.ops import FLOAT, INT, INTS, LEAVES, infer
 from apir.protocol import ProtocolError
 from apir.protocol import messages as m
 from apir.protocol.step import StepLayout
+from apir.protocol.wire import Reader
 
 torch = pytest.importorskip("torch")
 from apir.backends.base import Limits  # noqa: E402
@@ -200,6 +201,30 @@ def test_random_bodies_decode_or_raise_protocol_error(opcode, body):
         return
     assert isinstance(msg, m.OPCODES[opcode])
     assert m.encode(msg)[m.HEADER.size:] == body  # accepted bytes are canonical
+
+
+def _generic(cls: type, body: bytes) -> object:
+    r = Reader(body)
+    msg = m._reader(cls)(r)
+    r.end()
+    return msg
+
+
+@budget(1500)
+@given(st.sampled_from([m.Step, m.Data]), st.one_of(
+    st.binary(max_size=120),
+    st.builds(lambda msg, cut, junk: m.encode(msg)[m.HEADER.size:][:cut] + junk,
+              st.one_of(value_of(m.Step), value_of(m.Data)), st.integers(0, 200), st.binary(max_size=3))))
+def test_hand_coded_decoders_agree_with_the_generic_one(cls, body):
+    """Step and Data bodies are parsed by hand on the hot path: they accept and refuse
+    exactly what the generic, field-by-field decoder does."""
+    try:
+        want = _generic(cls, body)
+    except ProtocolError:
+        with pytest.raises(ProtocolError):
+            m.decode_body(m.OPCODE_OF[cls], body)
+        return
+    assert m.decode_body(m.OPCODE_OF[cls], body) == want
 
 
 @budget(1500)

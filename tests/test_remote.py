@@ -149,9 +149,10 @@ def test_steps_give_exactly_the_local_outputs(host, transport):
     w = rng.standard_normal((16, 8)).astype(np.float32)
     url = host.unix if transport == "unix" else host.tcp
     with LocalBackend("cpu") as local, RemoteBackend(url, token_file=host.token_file) as remote:
-        sent = []
-        send = remote.chan.send
-        remote.chan.send = lambda msg, *a, **k: (sent.append(type(msg)), send(msg, *a, **k))[1]
+        sent = []  # the message type of every frame the guest sends
+        send = remote.chan.send_frame
+        remote.chan.send_frame = lambda frame, *a: (sent.append(m.OPCODES[m.decode_header(frame[:16]).opcode]),
+                                                    send(frame, *a))[1]
         graphs = _step_graphs(local, w), _step_graphs(remote, w)
         for n in (1, 3, 700):  # 700 tokens: 45 KB of logits, through the arena on unix
             main = {"x": rng.standard_normal((n, 8)).astype(np.float16), "ids": rng.integers(0, 16, n).astype(np.int32)}

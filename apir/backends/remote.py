@@ -20,7 +20,16 @@ from .. import __version__
 from ..errors import ApirError
 from ..graph import DType, Graph, GraphError, Op, T
 from ..graph.dtypes import NUMPY_DTYPES, from_numpy
-from ..protocol import PROTOCOL_VERSION, WANT_REPLY, ErrorCode, ProtocolError, op_table_hash
+from ..protocol import (
+    PROTOCOL_VERSION,
+    WANT_REPLY,
+    ErrorCode,
+    FrameHeader,
+    ProtocolError,
+    decode_body,
+    encode,
+    op_table_hash,
+)
 from ..protocol import messages as m
 from ..protocol.step import StepLayout
 from ..transport import Arena, ArenaRing, Channel, ConnectionClosed, Frame, connect, parse_address
@@ -196,33 +205,41 @@ class RemoteBackend(Backend):
         try:
             self.chan.send(msg, next(self._rids))
         except ConnectionClosed:
-            raise self._gone(msg) from None
+            raise self._gone(type(msg).__name__) from None
 
     def _call(self, msg: object) -> object:
+        rid = next(self._rids)
+        return self._reply(*self._exchange(encode(msg, rid, WANT_REPLY), rid, type(msg).__name__), rid)
+
+    def _exchange(self, frame: bytes, rid: int, what: str) -> tuple[FrameHeader, bytearray]:
+        """One round trip: send a request's frame, read the reply's (its body undecoded)."""
         if self.closed:
             raise BackendError("remote backend is closed")
-        rid = next(self._rids)
         t0 = time.perf_counter()
         try:
-            self.chan.send(msg, rid, WANT_REPLY)
-            frame = self.chan.recv()
+            self.chan.send_frame(frame)
+            header, body, fds = self.chan.recv_frame()
         except (ConnectionClosed, TimeoutError, OSError) as e:
-            raise self._gone(msg, e) from None
+            raise self._gone(what, e) from None
         self.round_trip_seconds = time.perf_counter() - t0
-        for fd in frame.fds:
+        for fd in fds:
             os.close(fd)
-        reply = frame.message
+        return header, body
+
+    @staticmethod
+    def _reply(header: FrameHeader, body: bytearray, rid: int) -> object:
+        """The reply to request ``rid``, decoded; an Error is raised as its exception."""
+        reply = decode_body(header.opcode, body)
         if isinstance(reply, m.Error):
             raise_error(reply)
-        if frame.header.request_id != rid:
-            raise ProtocolError(f"reply to request {frame.header.request_id}, expected {rid}")
+        if header.request_id != rid:
+            raise ProtocolError(f"reply to request {header.request_id}, expected {rid}")
         return reply
 
-    def _gone(self, msg: object, exc: BaseException | None = None) -> HostGoneError:
+    def _gone(self, what: str, exc: BaseException | None = None) -> HostGoneError:
         self.closed = True
         self.chan.close()
         why = "timed out" if isinstance(exc, TimeoutError) else "connection closed"
-        what = "Compute" if isinstance(msg, m.Step) else type(msg).__name__  # a Step is a compute
         return HostGoneError(
             f"the apir host at {self.address} went away during {what} ({why}): "
             "the daemon or this session's worker stopped; its log says which (restart the daemon "
@@ -241,11 +258,15 @@ class RemoteBackend(Backend):
         return off
 
     def _blob(self, data: bytes | memoryview) -> m.Blob:
+        return m.Blob(*self._blob_fields(data))
+
+    def _blob_fields(self, data: bytes | memoryview) -> tuple[bytes, int, int]:
+        """(inline, arena_offset, size) of a blob holding ``data``: big ones in the arena."""
         off = self._arena_slot(len(data))
         if off is None:
-            return m.Blob(bytes(data), -1, len(data))
+            return bytes(data), -1, len(data)
         self.arena.write(off, data)
-        return m.Blob(b"", off, len(data))
+        return b"", off, len(data)
 
     def _read_blob(self, blob: m.Blob) -> bytes:
         """A private copy of the blob's bytes."""
@@ -320,14 +341,21 @@ class RemoteBackend(Backend):
         slot = self._arena_slot(size) if size > INLINE_MAX else None
         # (if placing the inputs wraps the arena, they may overlap the outputs' range:
         # harmless, the host copies its inputs out before it writes any output)
-        step = m.Step(gid, n_tokens, -1 if slot is None else slot, 0 if slot is None else size,
-                      self._blob(payload))
-        reply = self._call(step)
-        if isinstance(reply, m.Outputs):  # the host's outputs differ from the graph's: as they are
+        out_offset, capacity = (-1, 0) if slot is None else (slot, size)
+        rid = next(self._rids)
+        frame = m.step_frame(rid, WANT_REPLY, gid, n_tokens, out_offset, capacity, *self._blob_fields(payload))
+        header, body = self._exchange(frame, rid, "Compute")
+        if header.opcode != m.DATA_OPCODE:  # an Error, or Outputs unlike the graph's
+            reply = self._reply(header, body, rid)
+            if not isinstance(reply, m.Outputs):
+                raise ProtocolError(f"expected Data for a Step, got {type(reply).__name__}")
             return self._arrays(reply)
-        if not isinstance(reply, m.Data):
-            raise ProtocolError(f"expected Data for a Step, got {type(reply).__name__}")
-        return layout.unpack_outputs(self._blob_view(reply.data), n_tokens)
+        if header.request_id != rid:
+            raise ProtocolError(f"reply to request {header.request_id}, expected {rid}")
+        inline, arena_offset, size = m.parse_data(body)
+        if arena_offset < 0:  # a view of the reply's body: already private and writeable
+            return layout.unpack_outputs(inline, n_tokens)
+        return layout.unpack_outputs(bytearray(self._blob_view(m.Blob(b"", arena_offset, size))), n_tokens)
 
     def _compute_named(self, gid: int, inputs: Mapping[str, np.ndarray]) -> list[np.ndarray]:
         """The general compute: every input with its name, dtype and shape."""

@@ -24,7 +24,7 @@ from ..backends.base import BackendError, BufferPurpose, Executor, Limits, Quota
 from ..errors import ApirError
 from ..graph import DType, GraphError, Op
 from ..graph.dtypes import NUMPY_DTYPES, from_numpy
-from ..protocol import PROTOCOL_VERSION, WANT_REPLY, ErrorCode, ProtocolError
+from ..protocol import PROTOCOL_VERSION, WANT_REPLY, ErrorCode, ProtocolError, decode_body, encode
 from ..protocol import messages as m
 from ..protocol.step import StepLayout, pack
 from ..transport import Arena, ArenaError, Channel, ConnectionClosed
@@ -115,8 +115,12 @@ class Session:
                 self.busy = False
                 if sock is not None:
                     self._wait_for_frame(idle)
-                frame = self.chan.recv()
+                header, body, fds = self.chan.recv_frame()
                 self.busy = True
+                for fd in fds:  # guests never send descriptors
+                    os.close(fd)
+                # a Step stays a tuple of fields: the hot path makes no message objects
+                msg = m.parse_step(body) if header.opcode == m.STEP_OPCODE else decode_body(header.opcode, body)
             except ConnectionClosed:
                 return
             except ProtocolError as e:
@@ -129,23 +133,25 @@ class Session:
                 self._send(m.Error(ErrorCode.PROTOCOL, f"frame not completed within "
                                    f"{self.config.io_timeout:g}s; closing the session"), 0)
                 return
-            msg, rid = frame.message, frame.header.request_id
-            for fd in frame.fds:  # guests never send descriptors
-                os.close(fd)
             if isinstance(msg, m.Goodbye):
                 return
+            rid = header.request_id
             try:
-                reply = self.dispatch(msg)
+                if header.opcode == m.STEP_OPCODE:
+                    reply = self._step_reply(self._step(*msg), rid)
+                else:
+                    reply = self.dispatch(msg)
             except Exception as e:  # noqa: BLE001 - every failure becomes an Error reply
                 reply = error_for(e)
             self._publish()
-            if frame.header.flags & WANT_REPLY:
+            if header.flags & WANT_REPLY:
                 if self.deferred is not None:  # the root cause first
                     reply, self.deferred = self.deferred, None
                 if not self._send(reply, rid):
                     return
             elif isinstance(reply, m.Error) and self.deferred is None:
-                self.deferred = m.Error(reply.code, f"an earlier {type(msg).__name__} failed: {reply.message}")
+                what = m.OPCODES[header.opcode].__name__
+                self.deferred = m.Error(reply.code, f"an earlier {what} failed: {reply.message}")
 
     def _publish(self) -> None:
         """Report the session's memory to the daemon when it changed (not per decode step)."""
@@ -183,10 +189,11 @@ class Session:
                 return
 
     def _send(self, msg: object, rid: int) -> bool:
-        """Send a reply; False when the guest is gone or stopped reading (end the session)."""
+        """Send a reply (a message, or a frame already encoded); False when the guest is
+        gone or stopped reading (end the session)."""
         try:
             try:
-                self.chan.send(msg, rid)
+                self.chan.send_frame(msg if isinstance(msg, bytes) else encode(msg, rid))
             except ProtocolError as e:  # a reply too large for one frame (inline, no arena)
                 self.chan.send(m.Error(ErrorCode.INVALID, f"the reply cannot be sent: {scrub(str(e))}; "
                                        "read in smaller pieces or through the shared arena"), rid)
@@ -207,7 +214,8 @@ class Session:
         b = self.backend
         match msg:
             case m.Step(graph_id=gid, n_tokens=n, out_offset=off, out_capacity=cap, inputs=blob):
-                return self._step(gid, n, blob, off, cap)  # first: a decode step's request
+                reply = self._step(gid, n, off, cap, blob.inline, blob.arena_offset, blob.size)
+                return reply if isinstance(reply, m.Outputs) else m.Data(m.Blob(*reply))
             case m.GetDevices():
                 return m.Devices((device_message(b),))
             case m.Supports(op=op, dtypes=dtypes):
@@ -271,37 +279,55 @@ class Session:
             result.append(m.Tensor(f"out{i}", int(dtype), tuple(arr.shape), blob))
         return m.Outputs(tuple(result))
 
-    def _step(self, gid: int, n_tokens: int, inputs: m.Blob, out_offset: int,
-              capacity: int) -> m.Data | m.Outputs:
-        """A compute in its graph's fixed layout: bind the payload's bytes in place (one
-        private, writeable copy of them), run, and send the outputs back the same way."""
+    def _step(self, gid: int, n_tokens: int, out_offset: int, capacity: int, inline: bytes | memoryview,
+              arena_offset: int, size: int) -> m.Outputs | tuple[bytes, int, int]:
+        """A compute in its graph's fixed layout (the fields of a Step): bind the inputs'
+        bytes in place, run, and place the outputs the same way. Returns the reply's blob
+        fields (inline, arena_offset, size), or Outputs when the executor's outputs are not
+        the graph's (a 0-d one comes back 1-d): those say exactly what they are."""
         layout = self.layouts.get(gid)
         if layout is None:
             raise BackendError(f"unknown graph id {gid}" if gid not in self.layouts
                                else f"graph {gid} has tensors a Step cannot carry: use Compute")
-        outs = self.backend.compute(gid, layout.unpack_inputs(bytearray(self._blob_bytes(inputs, True)), n_tokens))
+        payload = self._blob_range(inline, arena_offset, size, in_place=True)
+        if arena_offset >= 0 or not isinstance(payload, memoryview):
+            # One copy, private (the guest may change the arena at any time) and writeable.
+            # Inline bytes that arrive as a view of the frame's body are both already.
+            payload = bytearray(payload)
+        outs = self.backend.compute(gid, layout.unpack_inputs(payload, n_tokens))
         place = layout.output_placement(outs, n_tokens)
-        if place is None:  # outputs unlike the graph's (a 0-d one came back 1-d): say exactly what
+        if place is None:
             return self._outputs(outs, out_offset, capacity)
         if self.arena is not None and out_offset >= 0 and INLINE_MAX < place.size <= capacity:
             self.arena.check(out_offset, place.size)
             for arr, (offset, _) in zip(outs, place.places):
                 self.arena.write(out_offset + offset, memoryview(np.ascontiguousarray(arr)).cast("B"))
-            return m.Data(m.Blob(b"", out_offset, place.size))
-        return m.Data(m.Blob(pack(outs, place), -1, place.size))
+            return b"", out_offset, place.size
+        return pack(outs, place), -1, place.size
+
+    @staticmethod
+    def _step_reply(reply: m.Outputs | tuple[bytes, int, int], rid: int) -> m.Outputs | bytes:
+        """A Step's Data reply as a frame, encoded without message objects."""
+        return reply if isinstance(reply, m.Outputs) else m.data_frame(rid, 0, *reply)
 
     def _blob_bytes(self, blob: m.Blob, in_place: bool = False) -> bytes | memoryview:
-        if blob.arena_offset < 0:
-            if blob.size != len(blob.inline):
+        return self._blob_range(blob.inline, blob.arena_offset, blob.size, in_place)
+
+    def _blob_range(self, inline: bytes | memoryview, arena_offset: int, size: int,
+                    in_place: bool = False) -> bytes | memoryview:
+        """A blob's bytes, every field checked. In the arena: a private copy, or with
+        ``in_place`` a window (only for bytes that are copied before anything uses them)."""
+        if arena_offset < 0:
+            if size != len(inline):
                 raise ProtocolError("inline data length disagrees with its size field")
-            return blob.inline
+            return inline
         if self.arena is None:
             raise ArenaError("this session has no shared arena (TCP?): send data inline")
-        if blob.inline:
+        if len(inline):
             raise ProtocolError("a blob cannot be both inline and in the arena")
         if in_place:  # opaque tensor bytes, copied once, straight into the buffer
-            return self.arena.window(blob.arena_offset, blob.size)
-        return self.arena.read(blob.arena_offset, blob.size)  # a private copy
+            return self.arena.window(arena_offset, size)
+        return self.arena.read(arena_offset, size)  # a private copy
 
     def _out_blob(self, data: bytes, dest: int) -> m.Blob:
         if dest >= 0 and self.arena is not None and len(data) > INLINE_MAX:

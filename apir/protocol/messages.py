@@ -431,6 +431,8 @@ def _reader(tp: object) -> typing.Callable[[Reader], object]:
 
 def encode(msg: object, request_id: int = 0, flags: int = 0) -> bytes:
     """A whole frame: header + body."""
+    if type(msg) in _FIXED_ENCODERS:
+        return _FIXED_ENCODERS[type(msg)](msg, request_id, flags)
     w = Writer()
     _writer(type(msg))(w, msg)
     body = w.getvalue()
@@ -439,8 +441,7 @@ def encode(msg: object, request_id: int = 0, flags: int = 0) -> bytes:
     return HEADER.pack(MAGIC, OPCODE_OF[type(msg)], flags, request_id, len(body)) + body
 
 
-@dataclass(frozen=True)
-class FrameHeader:
+class FrameHeader(typing.NamedTuple):  # a tuple: made once per frame, on the hot path
     opcode: int
     flags: int
     request_id: int
@@ -463,7 +464,97 @@ def decode_header(raw: bytes, max_body: int = MAX_BODY) -> FrameHeader:
 
 
 def decode_body(opcode: int, body: bytes | memoryview) -> object:
+    if opcode in _FIXED_DECODERS:
+        return _FIXED_DECODERS[opcode](body)
     r = Reader(body)
     msg = _reader(OPCODES[opcode])(r)
     r.end()
     return msg
+
+
+# ---------------------------------------------------------------- fixed layouts
+#
+# Step and its Data reply carry every decode step, so they are coded by hand: one struct
+# call for the header and the fixed fields, one for the blob's tail. The bytes are exactly
+# those of the field-by-field rules above (a test holds them to it):
+#
+#   Step body := i64 graph_id, i64 n_tokens, i64 out_offset, i64 out_capacity,
+#                u64 n, n inline bytes, i64 arena_offset, i64 size        (Blob inputs)
+#   Data body := u64 n, n inline bytes, i64 arena_offset, i64 size        (Blob data)
+
+_STEP_FIELDS = struct.Struct("<qqqqQ")  # ... u64 n: the inline length
+_DATA_FIELDS = struct.Struct("<Q")
+_STEP_HEAD = struct.Struct(HEADER.format + _STEP_FIELDS.format[1:])
+_DATA_HEAD = struct.Struct(HEADER.format + _DATA_FIELDS.format[1:])
+_BLOB_TAIL = struct.Struct("<qq")  # arena_offset, size
+STEP_OPCODE, DATA_OPCODE = OPCODE_OF[Step], OPCODE_OF[Data]
+
+
+def step_frame(request_id: int, flags: int, graph_id: int, n_tokens: int, out_offset: int, out_capacity: int,
+               inline: bytes, arena_offset: int, size: int) -> bytes:
+    """The frame of ``Step(graph_id, n_tokens, out_offset, out_capacity, Blob(inline,
+    arena_offset, size))``, built without message objects."""
+    length = _STEP_FIELDS.size + len(inline) + _BLOB_TAIL.size
+    if length > MAX_BODY:
+        raise ProtocolError(f"Step of {length} bytes exceeds the {MAX_BODY}-byte frame limit")
+    head = _STEP_HEAD.pack(MAGIC, STEP_OPCODE, flags, request_id, length, graph_id, n_tokens, out_offset,
+                           out_capacity, len(inline))
+    return b"".join((head, inline, _BLOB_TAIL.pack(arena_offset, size)))
+
+
+def data_frame(request_id: int, flags: int, inline: bytes, arena_offset: int, size: int) -> bytes:
+    """The frame of ``Data(Blob(inline, arena_offset, size))``."""
+    length = _DATA_FIELDS.size + len(inline) + _BLOB_TAIL.size
+    if length > MAX_BODY:
+        raise ProtocolError(f"Data of {length} bytes exceeds the {MAX_BODY}-byte frame limit")
+    head = _DATA_HEAD.pack(MAGIC, DATA_OPCODE, flags, request_id, length, len(inline))
+    return b"".join((head, inline, _BLOB_TAIL.pack(arena_offset, size)))
+
+
+def _parse_fixed(fields: struct.Struct, body: bytes | memoryview) -> tuple:
+    """A body of ``fields`` ending in a blob's inline length, then the blob: (*fields,
+    inline, arena_offset, size), ``inline`` a view of ``body``. Checked like any decode."""
+    fixed, total = fields.size, len(body)
+    if total < fixed:
+        raise ProtocolError(f"truncated message: wanted {fixed} bytes at 0, frame has {total}")
+    values = fields.unpack_from(body)
+    n = values[-1]
+    if n > total - fixed:
+        raise ProtocolError(f"truncated message: {n} bytes of data announced, {total - fixed} present")
+    end = fixed + n
+    if end + _BLOB_TAIL.size > total:
+        raise ProtocolError(f"truncated message: wanted {_BLOB_TAIL.size} bytes at {end}, frame has {total}")
+    if end + _BLOB_TAIL.size < total:
+        raise ProtocolError(f"{total - end - _BLOB_TAIL.size} unexpected bytes after the message")
+    return (*values[:-1], memoryview(body)[fixed:end], *_BLOB_TAIL.unpack_from(body, end))
+
+
+def parse_step(body: bytes | memoryview) -> tuple[int, int, int, int, memoryview, int, int]:
+    """A Step body: (graph_id, n_tokens, out_offset, out_capacity, inline, arena_offset, size)."""
+    return _parse_fixed(_STEP_FIELDS, body)
+
+
+def parse_data(body: bytes | memoryview) -> tuple[memoryview, int, int]:
+    """A Data body: (inline, arena_offset, size)."""
+    return _parse_fixed(_DATA_FIELDS, body)
+
+
+def _decode_step(body: bytes | memoryview) -> Step:
+    gid, n_tokens, out_offset, capacity, inline, arena_offset, size = parse_step(body)
+    return Step(gid, n_tokens, out_offset, capacity, Blob(bytes(inline), arena_offset, size))
+
+
+def _decode_data(body: bytes | memoryview) -> Data:
+    inline, arena_offset, size = parse_data(body)
+    return Data(Blob(bytes(inline), arena_offset, size))
+
+
+_FIXED_ENCODERS: dict[type, typing.Callable[[typing.Any, int, int], bytes]] = {
+    Step: lambda s, rid, flags: step_frame(rid, flags, s.graph_id, s.n_tokens, s.out_offset, s.out_capacity,
+                                           s.inputs.inline, s.inputs.arena_offset, s.inputs.size),
+    Data: lambda d, rid, flags: data_frame(rid, flags, d.data.inline, d.data.arena_offset, d.data.size),
+}
+_FIXED_DECODERS: dict[int, typing.Callable[[bytes | memoryview], object]] = {
+    STEP_OPCODE: _decode_step,
+    DATA_OPCODE: _decode_data,
+}

@@ -99,12 +99,13 @@ class StepLayout:
             arrays.append(a)
         return n_tokens, pack(arrays, self.placement(False, n_tokens))
 
-    def unpack_outputs(self, payload: bytes | memoryview, n_tokens: int) -> list[np.ndarray]:
-        """The outputs of a ``Data`` reply: one private, writeable copy of the payload."""
-        return _views(self.outputs, self.placement(True, n_tokens), bytearray(payload), "outputs")
+    def unpack_outputs(self, payload: bytearray | memoryview, n_tokens: int) -> list[np.ndarray]:
+        """The outputs of a ``Data`` reply, as views of ``payload`` (which the caller owns:
+        private and writeable, so the arrays are the caller's to keep and change)."""
+        return _views(self.outputs, self.placement(True, n_tokens), payload, "outputs")
 
     # ------------------------------------------------------------ host
-    def unpack_inputs(self, payload: bytearray, n_tokens: int) -> dict[str, np.ndarray]:
+    def unpack_inputs(self, payload: bytearray | memoryview, n_tokens: int) -> dict[str, np.ndarray]:
         """The inputs of a Step, as views of ``payload`` (which the caller owns)."""
         self.check_tokens(n_tokens)
         arrays = _views(self.inputs, self.placement(False, n_tokens), payload, "inputs")
@@ -143,7 +144,8 @@ def _place(slots: tuple[Slot, ...], n_tokens: int) -> Placement:
     return Placement(tuple(places), offset)
 
 
-def _views(slots: tuple[Slot, ...], place: Placement, payload: bytearray, what: str) -> list[np.ndarray]:
+def _views(slots: tuple[Slot, ...], place: Placement, payload: bytearray | memoryview,
+           what: str) -> list[np.ndarray]:
     if len(payload) != place.size:
         raise ProtocolError(f"step {what} of {len(payload)} bytes; the graph's layout takes {place.size}")
     return [np.frombuffer(payload, slot.dtype, _count(shape), offset).reshape(shape)

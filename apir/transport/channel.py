@@ -10,10 +10,10 @@ import array
 import select
 import socket
 import time
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from ..errors import ApirError
-from ..protocol import FrameHeader, decode_body, decode_header, encode
+from ..protocol import FrameHeader, ProtocolError, decode_body, decode_header, encode
 from ..protocol.messages import HEADER, MAX_BODY
 
 MAX_FDS = 4
@@ -23,8 +23,7 @@ class ConnectionClosed(ApirError):
     """The peer closed the connection (or died)."""
 
 
-@dataclass(frozen=True)
-class Frame:
+class Frame(NamedTuple):  # a tuple: made once per frame, on the hot path
     header: FrameHeader
     message: object
     fds: tuple[int, ...] = ()
@@ -54,7 +53,10 @@ class Channel:
                 return  # data (or EOF) is there: the blocking read returns at once
 
     def send(self, msg: object, request_id: int = 0, flags: int = 0, fds: tuple[int, ...] = ()) -> None:
-        frame = encode(msg, request_id, flags)
+        self.send_frame(encode(msg, request_id, flags), fds)
+
+    def send_frame(self, frame: bytes, fds: tuple[int, ...] = ()) -> None:
+        """Send an encoded frame (the hot path builds its frames without message objects)."""
         try:
             if fds:
                 anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())]
@@ -69,13 +71,28 @@ class Channel:
 
     def recv(self) -> Frame:
         """Read one whole frame; raises ConnectionClosed on EOF, ProtocolError on garbage."""
+        header, body, fds = self.recv_frame()
+        try:
+            return Frame(header, decode_body(header.opcode, body), fds)
+        except ProtocolError:
+            for fd in fds:
+                _close(fd)
+            raise
+
+    def recv_frame(self) -> tuple[FrameHeader, bytearray, tuple[int, ...]]:
+        """One whole frame, its header checked, its body not decoded yet (a private copy)."""
         if self.spin_seconds:
             self._spin()
         raw, fds = self._recv_exact(HEADER.size, want_fds=self.unix)
-        header = decode_header(raw, self.max_body)
-        body = self._recv_exact(header.length)[0] if header.length else b""
+        try:
+            header = decode_header(raw, self.max_body)
+        except ProtocolError:
+            for fd in fds:
+                _close(fd)
+            raise
+        body = self._recv_exact(header.length)[0] if header.length else bytearray()
         self.bytes_received += HEADER.size + header.length
-        return Frame(header, decode_body(header.opcode, body), fds)
+        return header, body, fds
 
     def _recv_exact(self, n: int, want_fds: bool = False) -> tuple[bytearray, tuple[int, ...]]:
         buf = bytearray(n)

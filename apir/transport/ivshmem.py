@@ -180,7 +180,9 @@ class Region:
         self.ring_size, self.arena_offset, self.arena_size = ring, a_off, a_size
 
     # ------------------------------------------------------------ u64 words
-    def _word(self, off: int) -> ctypes.c_uint64:
+    def word(self, off: int) -> ctypes.c_uint64:
+        """The u64 at ``off``, live: reading or assigning its ``.value`` is one aligned
+        8-byte load or store (atomic on x86-64). Hot loops keep the word, not the offset."""
         w = self._words.get(off)
         if w is None:
             w = self._words[off] = ctypes.c_uint64.from_buffer(self.map, off)
@@ -188,30 +190,23 @@ class Region:
 
     def load(self, off: int) -> int:
         """One aligned 8-byte load (atomic on x86-64)."""
-        return self._word(off).value
+        return self.word(off).value
 
     def store(self, off: int, value: int) -> None:
         """One aligned 8-byte store (atomic on x86-64)."""
-        self._word(off).value = value
+        self.word(off).value = value
 
     def arena(self) -> Arena:
         return Arena(self.view[self.arena_offset : self.arena_offset + self.arena_size])
 
     def close(self) -> None:
+        """Unmap (close the channels on it first: their counter words pin the mapping)."""
         if self.map.closed:
             return
         self._words.clear()  # ctypes views pin the mapping
         self.view.release()
         self.map.close()
         os.close(self.fd)
-
-
-def _pause(spins_until: float, sleep: float) -> float:
-    """Spin while before ``spins_until``, then sleep ``sleep``; returns the next sleep."""
-    if time.perf_counter() < spins_until:
-        return sleep
-    time.sleep(sleep)
-    return min(sleep * 2, MAX_SLEEP)
 
 
 class RingChannel:
@@ -239,26 +234,29 @@ class RingChannel:
         self.R = region.ring_size
         req, rep = DATA, DATA + self.R
         if side == "guest":
-            self._out, self._out_head, self._out_tail = req, _REQ_HEAD, _REQ_TAIL
-            self._in, self._in_head, self._in_tail = rep, _REP_HEAD, _REP_TAIL
-            self._mine, self._peer = GUEST_CLOSED, HOST_CLOSED
+            self._out, out_head, out_tail = req, _REQ_HEAD, _REQ_TAIL
+            self._in, in_head, in_tail = rep, _REP_HEAD, _REP_TAIL
+            mine, peer = GUEST_CLOSED, HOST_CLOSED
         else:
-            self._out, self._out_head, self._out_tail = rep, _REP_HEAD, _REP_TAIL
-            self._in, self._in_head, self._in_tail = req, _REQ_HEAD, _REQ_TAIL
-            self._mine, self._peer = HOST_CLOSED, GUEST_CLOSED
+            self._out, out_head, out_tail = rep, _REP_HEAD, _REP_TAIL
+            self._in, in_head, in_tail = req, _REQ_HEAD, _REQ_TAIL
+            mine, peer = HOST_CLOSED, GUEST_CLOSED
+        w = region.word
+        self._out_head, self._out_tail, self._in_head, self._in_tail = w(out_head), w(out_tail), w(in_head), w(in_tail)
+        self._mine, self._peer = w(mine), w(peer)
         # Private copies of the counters this side owns; starting from whatever is there
         # lets a fresh channel pick up a region whose previous user left cleanly.
-        self.head = region.load(self._out_head)  # bytes this side has written
-        self.tail = region.load(self._in_tail)  # bytes this side has read
+        self.head = self._out_head.value  # bytes this side has written
+        self.tail = self._in_tail.value  # bytes this side has read
         self.closed = False
 
     # ------------------------------------------------------------ checks
     def _peer_gone(self) -> bool:
-        return self.region.load(self._peer) != 0 or not self.alive()
+        return self._peer.value != 0 or not self.alive()
 
     def _readable(self) -> int:
         """Bytes the peer has published and we have not read; checks the peer's counter."""
-        head = self.region.load(self._in_head)
+        head = self._in_head.value
         n = head - self.tail
         if not 0 <= n <= self.R:
             raise ProtocolError(f"shared-memory ring: the peer's head {head} is out of range "
@@ -266,7 +264,7 @@ class RingChannel:
         return n
 
     def _writable(self) -> int:
-        tail = self.region.load(self._out_tail)
+        tail = self._out_tail.value
         used = self.head - tail
         if not 0 <= used <= self.R:
             raise ProtocolError(f"shared-memory ring: the peer's tail {tail} is out of range "
@@ -275,14 +273,10 @@ class RingChannel:
 
     def _wait(self, ready: Callable[[], int], deadline: float | None, what: str) -> int:
         n = ready()
-        if n:
-            return n
-        spin_until = time.perf_counter() + self.spin_seconds
+        if not n and self.spin_seconds:
+            n = self._spin(ready)
         sleep = MIN_SLEEP
-        while True:
-            n = ready()
-            if n:
-                return n
+        while not n:
             if self._peer_gone():
                 n = ready()  # bytes published right before closing still count
                 if n:
@@ -290,10 +284,25 @@ class RingChannel:
                 raise ConnectionClosed(f"the peer closed the shared-memory channel {what}")
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(f"shared-memory channel: timed out {what}")
-            if self.doorbell is not None and time.perf_counter() >= spin_until:
+            if self.doorbell is not None:
                 self.doorbell.wait(MAX_DOORBELL_WAIT)  # rung, or the socket said something
             else:
-                sleep = _pause(spin_until, sleep)
+                time.sleep(sleep)
+                sleep = min(sleep * 2, MAX_SLEEP)
+            n = ready()
+        return n
+
+    def _spin(self, ready: Callable[[], int]) -> int:
+        """Busy-poll ``ready`` for up to ``spin_seconds``: a side asleep on its eventfd (or
+        in a backoff sleep) is woken tens of microseconds late, a spinning one within one
+        load. Only shared-memory loads here, no system call: one per iteration (a liveness
+        select) would delay the detection, and what it evicts would slow the compute that
+        follows. A peer that went away is noticed once the spin gives up."""
+        end = time.perf_counter() + self.spin_seconds
+        while True:
+            n = ready()
+            if n or time.perf_counter() >= end:
+                return n
 
     # ------------------------------------------------------------ bytes
     def _write(self, data: bytes | memoryview) -> None:
@@ -306,12 +315,13 @@ class RingChannel:
             base = self._out + pos
             self.region.view[base : base + n] = view[done : done + n]  # 1. payload
             self.head += n
-            self.region.store(self._out_head, self.head)  # 2. then publish it
+            self._out_head.value = self.head  # 2. then publish it
             if self.doorbell is not None:
                 self.doorbell.ring()  # 3. and wake the reader if it sleeps
             done += n
 
-    def _read(self, n: int, deadline: float | None, what: str) -> bytes:
+    def _read(self, n: int, deadline: float | None, what: str) -> bytearray:
+        """``n`` bytes copied out of the ring (a private copy: decode it, not the ring)."""
         out, got = bytearray(n), 0
         while got < n:
             avail = self._wait(self._readable, deadline, what)  # 1. the peer's head
@@ -320,43 +330,55 @@ class RingChannel:
             base = self._in + pos
             out[got : got + k] = self.region.view[base : base + k]  # 2. then its payload (a copy)
             self.tail += k
-            self.region.store(self._in_tail, self.tail)  # 3. then free the space
+            self._in_tail.value = self.tail  # 3. then free the space
             if self.doorbell is not None and avail == self.R:
                 self.doorbell.ring()  # the ring was full: the writer may be waiting for space
             got += k
             deadline = time.monotonic() + self.io_timeout  # progress: the frame continues
-        return bytes(out)
+        return out
 
     # ------------------------------------------------------------ frames
     def send(self, msg: object, request_id: int = 0, flags: int = 0, fds: tuple[int, ...] = ()) -> None:
         if fds:
             raise IvshmemError("file descriptors cannot cross a VM boundary")
+        self.send_frame(encode(msg, request_id, flags))
+
+    def send_frame(self, frame: bytes, fds: tuple[int, ...] = ()) -> None:
+        """Send an encoded frame (the hot path builds its frames without message objects)."""
+        if fds:
+            raise IvshmemError("file descriptors cannot cross a VM boundary")
         if self.closed:
             raise ConnectionClosed("the shared-memory channel is closed")
-        frame = encode(msg, request_id, flags)
         self._write(frame)
         self.bytes_sent += len(frame)
 
     def recv(self) -> Frame:
         """One whole frame: ConnectionClosed when the peer is gone, TimeoutError when
         nothing (or only part of a frame) arrives in time, ProtocolError on garbage."""
+        header, body, _ = self.recv_frame()
+        return Frame(header, decode_body(header.opcode, body))
+
+    def recv_frame(self) -> tuple[FrameHeader, bytearray, tuple[int, ...]]:
+        """One whole frame, its header checked, its body not decoded yet (a private copy)."""
         if self.closed:
             raise ConnectionClosed("the shared-memory channel is closed")
         deadline = None if self.timeout is None else time.monotonic() + self.timeout
         raw = self._read(HEADER.size, deadline, "waiting for a frame")
         header: FrameHeader = decode_header(raw, self.max_body)
         body = self._read(header.length, time.monotonic() + self.io_timeout,
-                          "mid-frame (the peer stalled)") if header.length else b""
+                          "mid-frame (the peer stalled)") if header.length else bytearray()
         self.bytes_received += HEADER.size + header.length
-        return Frame(header, decode_body(header.opcode, body))
+        return header, body, ()
 
     def close(self) -> None:
         """Tell the peer we are gone (the region itself belongs to whoever opened it)."""
         if not self.closed and not self.region.map.closed:
-            self.region.store(self._mine, 1)
+            self._mine.value = 1
             if self.doorbell is not None:
                 self.doorbell.ring()
         self.closed = True
+        # the counter words pin the mapping: drop them so that the region can be closed
+        self._out_head = self._out_tail = self._in_head = self._in_tail = self._mine = self._peer = None
 
 
 # ---------------------------------------------------------------- guest: the PCI device
