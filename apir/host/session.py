@@ -113,7 +113,7 @@ class Session:
         while True:
             try:
                 self.busy = False
-                if sock is not None:
+                if sock is not None and not self.chan.buffered():  # (a socket Channel)
                     self._wait_for_frame(idle)
                 header, body, fds = self.chan.recv_frame()
                 self.busy = True

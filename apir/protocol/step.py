@@ -39,10 +39,13 @@ class Slot:
 
 @dataclass(frozen=True)
 class Placement:
-    """Where each tensor lies in the payload for one T: (offset, shape) per slot."""
+    """Where each tensor lies in the payload for one T."""
 
-    places: tuple[tuple[int, tuple[int, ...]], ...]
+    places: tuple[tuple[int, tuple[int, ...]], ...]  # (offset, shape) per slot
     size: int
+    # per slot, what slicing it out of the payload takes: (dtype, element count, offset,
+    # the shape to give the 1-d slice, or None when it has it already)
+    cuts: tuple[tuple[np.dtype, int, int, tuple[int, ...] | None], ...]
 
 
 class StepLayout:
@@ -50,6 +53,7 @@ class StepLayout:
 
     def __init__(self, inputs: tuple[Slot, ...], outputs: tuple[Slot, ...]) -> None:
         self.inputs, self.outputs = inputs, outputs
+        self.names = [slot.name for slot in inputs]
         self.has_tokens = any(T in s.shape for s in inputs)
         self._placements: dict[tuple[bool, int], Placement] = {}
 
@@ -102,14 +106,13 @@ class StepLayout:
     def unpack_outputs(self, payload: bytearray | memoryview, n_tokens: int) -> list[np.ndarray]:
         """The outputs of a ``Data`` reply, as views of ``payload`` (which the caller owns:
         private and writeable, so the arrays are the caller's to keep and change)."""
-        return _views(self.outputs, self.placement(True, n_tokens), payload, "outputs")
+        return _views(self.placement(True, n_tokens), payload, "outputs")
 
     # ------------------------------------------------------------ host
     def unpack_inputs(self, payload: bytearray | memoryview, n_tokens: int) -> dict[str, np.ndarray]:
         """The inputs of a Step, as views of ``payload`` (which the caller owns)."""
         self.check_tokens(n_tokens)
-        arrays = _views(self.inputs, self.placement(False, n_tokens), payload, "inputs")
-        return {slot.name: a for slot, a in zip(self.inputs, arrays)}
+        return dict(zip(self.names, _views(self.placement(False, n_tokens), payload, "inputs")))
 
     def output_placement(self, outputs: Sequence[np.ndarray], n_tokens: int) -> Placement | None:
         """Where ``outputs`` go in a Data reply; None when they are not exactly the graph's
@@ -135,21 +138,25 @@ def pack(arrays: Sequence[np.ndarray], place: Placement) -> bytes:
 
 
 def _place(slots: tuple[Slot, ...], n_tokens: int) -> Placement:
-    places, offset = [], 0
+    places, cuts, offset = [], [], 0
     for slot in slots:
         shape = tuple(n_tokens if d == T else d for d in slot.shape)
         offset = -(-offset // ALIGN) * ALIGN
+        count = _count(shape)
         places.append((offset, shape))
-        offset += slot.dtype.itemsize * _count(shape)
-    return Placement(tuple(places), offset)
+        cuts.append((slot.dtype, count, offset, None if shape == (count,) else shape))
+        offset += slot.dtype.itemsize * count
+    return Placement(tuple(places), offset, tuple(cuts))
 
 
-def _views(slots: tuple[Slot, ...], place: Placement, payload: bytearray | memoryview,
-           what: str) -> list[np.ndarray]:
+def _views(place: Placement, payload: bytearray | memoryview, what: str) -> list[np.ndarray]:
     if len(payload) != place.size:
         raise ProtocolError(f"step {what} of {len(payload)} bytes; the graph's layout takes {place.size}")
-    return [np.frombuffer(payload, slot.dtype, _count(shape), offset).reshape(shape)
-            for slot, (offset, shape) in zip(slots, place.places)]
+    views = []
+    for dtype, count, offset, shape in place.cuts:
+        a = np.frombuffer(payload, dtype, count, offset)
+        views.append(a if shape is None else a.reshape(shape))
+    return views
 
 
 def _count(shape: tuple[int, ...]) -> int:

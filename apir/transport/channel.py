@@ -17,6 +17,8 @@ from ..protocol import FrameHeader, ProtocolError, decode_body, decode_header, e
 from ..protocol.messages import HEADER, MAX_BODY
 
 MAX_FDS = 4
+RECV_BUFFER = 1 << 16  # one read takes in a small frame whole (header and body), often more
+_CMSG_SPACE = socket.CMSG_SPACE(MAX_FDS * array.array("i").itemsize)
 
 
 class ConnectionClosed(ApirError):
@@ -39,6 +41,17 @@ class Channel:
         self.bytes_sent = 0
         self.bytes_received = 0
         self.spin_seconds = 0.0  # poll this long before sleeping in recv (see _spin)
+        # Bytes read from the socket but not consumed yet: [_start, _end) of _buf. Reading
+        # into a buffer takes a small frame in one system call instead of two.
+        self._buf = bytearray(RECV_BUFFER)
+        self._view = memoryview(self._buf)
+        self._start = self._end = 0
+        self._fds: list[int] = []  # descriptors received with the frame being read
+
+    def buffered(self) -> bool:
+        """Whether the next frame has begun to arrive already (a poll on the socket would
+        not say so: its bytes were read with the previous frame's)."""
+        return self._end > self._start
 
     def _spin(self) -> None:
         """Busy-poll for the next frame before blocking. A thread asleep in recv is woken
@@ -81,44 +94,63 @@ class Channel:
 
     def recv_frame(self) -> tuple[FrameHeader, bytearray, tuple[int, ...]]:
         """One whole frame, its header checked, its body not decoded yet (a private copy)."""
-        if self.spin_seconds:
+        if self.spin_seconds and not self.buffered():
             self._spin()
-        raw, fds = self._recv_exact(HEADER.size, want_fds=self.unix)
         try:
-            header = decode_header(raw, self.max_body)
-        except ProtocolError:
-            for fd in fds:
-                _close(fd)
+            header = decode_header(self._take(HEADER.size, "between messages"), self.max_body)
+            body = self._take(header.length, "mid-frame") if header.length else bytearray()
+        except (ProtocolError, ConnectionClosed, OSError):
+            self._drop_fds()
             raise
-        body = self._recv_exact(header.length)[0] if header.length else bytearray()
+        fds, self._fds = tuple(self._fds), []
         self.bytes_received += HEADER.size + header.length
         return header, body, fds
 
-    def _recv_exact(self, n: int, want_fds: bool = False) -> tuple[bytearray, tuple[int, ...]]:
-        buf = bytearray(n)
-        view = memoryview(buf)
-        got, fds = 0, []
+    def _take(self, n: int, where: str) -> bytearray:
+        """The stream's next ``n`` bytes: from the buffer, refilled by reads as large as the
+        socket allows; a body larger than the buffer is read straight into its place."""
+        start, end = self._start, self._end
+        if end - start >= n:
+            self._start = start + n
+            return self._buf[start : start + n]
+        out, got = bytearray(n), end - start
+        out[:got] = self._view[start:end]
+        self._start = self._end = 0
+        view = memoryview(out)
         while got < n:
-            try:
-                if want_fds and got == 0:
-                    size = socket.CMSG_SPACE(MAX_FDS * array.array("i").itemsize)
-                    k, anc, _, _ = self.sock.recvmsg_into([view[got:]], size)
-                    for level, kind, data in anc:
-                        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                            a = array.array("i")
-                            a.frombytes(data[: len(data) - len(data) % a.itemsize])
-                            fds.extend(a)
-                else:
-                    k = self.sock.recv_into(view[got:])
-            except (ConnectionResetError, BrokenPipeError):
-                k = 0
-            if k == 0:
-                for fd in fds:
-                    _close(fd)
-                where = "between messages" if got == 0 else f"mid-frame ({got} of {n} bytes)"
-                raise ConnectionClosed(f"the peer closed the connection {where}")
-            got += k
-        return buf, tuple(fds)
+            if n - got >= RECV_BUFFER:
+                got += self._recv_into(view[got:], where, got, n)
+            else:
+                k = self._recv_into(self._view, where, got, n)
+                used = min(k, n - got)
+                out[got : got + used] = self._view[:used]
+                self._start, self._end = used, k
+                got += used
+        return out
+
+    def _recv_into(self, view: memoryview, where: str, got: int, n: int) -> int:
+        """One read (with any descriptors, on Unix sockets); EOF is ConnectionClosed."""
+        try:
+            if self.unix:
+                k, anc, _, _ = self.sock.recvmsg_into([view], _CMSG_SPACE)
+                for level, kind, data in anc:
+                    if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                        a = array.array("i")
+                        a.frombytes(data[: len(data) - len(data) % a.itemsize])
+                        self._fds.extend(a)
+            else:
+                k = self.sock.recv_into(view)
+        except (ConnectionResetError, BrokenPipeError):
+            k = 0
+        if k == 0:
+            place = where if got == 0 and where == "between messages" else f"mid-frame ({got} of {n} bytes)"
+            raise ConnectionClosed(f"the peer closed the connection {place}")
+        return k
+
+    def _drop_fds(self) -> None:
+        for fd in self._fds:
+            _close(fd)
+        self._fds = []
 
     def close(self) -> None:
         try:

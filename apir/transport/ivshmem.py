@@ -306,36 +306,58 @@ class RingChannel:
 
     # ------------------------------------------------------------ bytes
     def _write(self, data: bytes | memoryview) -> None:
-        view, done = memoryview(data), 0
-        deadline = time.monotonic() + self.io_timeout
+        n, pos = len(data), self.head % self.R
+        if n <= self._writable() and pos + n <= self.R:  # room for all of it, in one piece
+            base = self._out + pos
+            self.region.view[base : base + n] = data  # 1. payload
+            self._published(n)
+        else:
+            self._write_chunks(memoryview(data))
+
+    def _write_chunks(self, view: memoryview) -> None:
+        """Stream ``view`` through the ring as room appears (a frame larger than the ring,
+        or a reader that is behind)."""
+        done, deadline = 0, time.monotonic() + self.io_timeout
         while done < len(view):
             free = self._wait(self._writable, deadline, "waiting for ring space (the peer stopped reading)")
             pos = self.head % self.R
             n = min(free, len(view) - done, self.R - pos)
             base = self._out + pos
             self.region.view[base : base + n] = view[done : done + n]  # 1. payload
-            self.head += n
-            self._out_head.value = self.head  # 2. then publish it
-            if self.doorbell is not None:
-                self.doorbell.ring()  # 3. and wake the reader if it sleeps
+            self._published(n)
             done += n
+
+    def _published(self, n: int) -> None:
+        self.head += n
+        self._out_head.value = self.head  # 2. then publish it
+        if self.doorbell is not None:
+            self.doorbell.ring()  # 3. and wake the reader if it sleeps
 
     def _read(self, n: int, deadline: float | None, what: str) -> bytearray:
         """``n`` bytes copied out of the ring (a private copy: decode it, not the ring)."""
+        avail, pos = self._readable(), self.tail % self.R  # 1. the peer's head
+        if n <= avail and pos + n <= self.R:  # all there, in one piece
+            base = self._in + pos
+            out = bytearray(self.region.view[base : base + n])  # 2. then its payload (a copy)
+            self._consumed(n, avail)
+            return out
         out, got = bytearray(n), 0
         while got < n:
-            avail = self._wait(self._readable, deadline, what)  # 1. the peer's head
+            avail = self._wait(self._readable, deadline, what)
             pos = self.tail % self.R
             k = min(avail, n - got, self.R - pos)
             base = self._in + pos
-            out[got : got + k] = self.region.view[base : base + k]  # 2. then its payload (a copy)
-            self.tail += k
-            self._in_tail.value = self.tail  # 3. then free the space
-            if self.doorbell is not None and avail == self.R:
-                self.doorbell.ring()  # the ring was full: the writer may be waiting for space
+            out[got : got + k] = self.region.view[base : base + k]
+            self._consumed(k, avail)
             got += k
             deadline = time.monotonic() + self.io_timeout  # progress: the frame continues
         return out
+
+    def _consumed(self, k: int, avail: int) -> None:
+        self.tail += k
+        self._in_tail.value = self.tail  # 3. then free the space
+        if self.doorbell is not None and avail == self.R:
+            self.doorbell.ring()  # the ring was full: the writer may be waiting for space
 
     # ------------------------------------------------------------ frames
     def send(self, msg: object, request_id: int = 0, flags: int = 0, fds: tuple[int, ...] = ()) -> None:
@@ -363,6 +385,7 @@ class RingChannel:
         if self.closed:
             raise ConnectionClosed("the shared-memory channel is closed")
         deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        self._wait(self._readable, deadline, "waiting for a frame")  # then, mostly, all of it is there
         raw = self._read(HEADER.size, deadline, "waiting for a frame")
         header: FrameHeader = decode_header(raw, self.max_body)
         body = self._read(header.length, time.monotonic() + self.io_timeout,
