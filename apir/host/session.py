@@ -103,18 +103,16 @@ class Session:
         # drain within it, so a stalled or non-reading guest ends its own session.
         # A channel without a socket (ivshmem) waits and times out inside recv itself.
         sock = getattr(self.chan, "sock", None)
-        idle = select.poll()
         if sock is not None:
             sock.settimeout(self.config.io_timeout)
-            idle.register(sock, select.POLLIN)
         if self.liveness is not None:
             threading.Thread(target=self._watch_hangup, args=(self.liveness,), name="hangup",
                              daemon=True).start()
         while True:
             try:
                 self.busy = False
-                if sock is not None and not self.chan.buffered():  # (a socket Channel)
-                    self._wait_for_frame(idle)
+                if sock is not None:  # a socket Channel: wait with no timeout between frames
+                    self.chan.wait_idle()
                 header, body, fds = self.chan.recv_frame()
                 self.busy = True
                 for fd in fds:  # guests never send descriptors
@@ -178,15 +176,6 @@ class Session:
             log.info("session %d: the guest went away mid-request; ending its worker now",
                      self.config.session)
             os._exit(0)
-
-    def _wait_for_frame(self, idle: select.poll) -> None:
-        """Block (no timeout) until the next frame starts, after the channel's short spin:
-        a blocking poll here must not undo the latency ``Channel.spin_seconds`` buys."""
-        deadline = time.perf_counter() + getattr(self.chan, "spin_seconds", 0.0)
-        while not idle.poll(0):
-            if time.perf_counter() >= deadline:
-                idle.poll()
-                return
 
     def _send(self, msg: object, rid: int) -> bool:
         """Send a reply (a message, or a frame already encoded); False when the guest is

@@ -47,23 +47,35 @@ class Channel:
         self._view = memoryview(self._buf)
         self._start = self._end = 0
         self._fds: list[int] = []  # descriptors received with the frame being read
+        self._arrived = False  # wait_idle saw the next frame arrive: recv_frame need not spin
 
     def buffered(self) -> bool:
         """Whether the next frame has begun to arrive already (a poll on the socket would
         not say so: its bytes were read with the previous frame's)."""
         return self._end > self._start
 
-    def _spin(self) -> None:
+    def _spin(self) -> bool:
         """Busy-poll for the next frame before blocking. A thread asleep in recv is woken
         by the scheduler tens to hundreds of microseconds late on an idle machine; a short
         spin on the hot path (a decode step's reply, the next step's request) avoids that.
-        Costs one core while it spins; gives up and blocks after ``spin_seconds``."""
+        Costs one core while it spins; gives up after ``spin_seconds`` (returns False)."""
         deadline = time.perf_counter() + self.spin_seconds
         while time.perf_counter() < deadline:
             # select with a zero timeout, not a peeking recv: a socket with a timeout set
             # would make recv wait for data instead of returning at once
             if select.select([self.sock], [], [], 0)[0]:
-                return  # data (or EOF) is there: the blocking read returns at once
+                return True  # data (or EOF) is there: the blocking read returns at once
+        return False
+
+    def wait_idle(self) -> None:
+        """Block, with no timeout, until the next frame starts to arrive (after the short
+        spin): a server's wait between requests, which may last as long as its user
+        thinks. The frame's own reads then run under the socket's timeout."""
+        if not self.buffered() and not self._spin():
+            idle = select.poll()
+            idle.register(self.sock, select.POLLIN)
+            idle.poll()
+        self._arrived = True
 
     def send(self, msg: object, request_id: int = 0, flags: int = 0, fds: tuple[int, ...] = ()) -> None:
         self.send_frame(encode(msg, request_id, flags), fds)
@@ -94,8 +106,9 @@ class Channel:
 
     def recv_frame(self) -> tuple[FrameHeader, bytearray, tuple[int, ...]]:
         """One whole frame, its header checked, its body not decoded yet (a private copy)."""
-        if self.spin_seconds and not self.buffered():
+        if self.spin_seconds and not self._arrived and not self.buffered():
             self._spin()
+        self._arrived = False
         try:
             header = decode_header(self._take(HEADER.size, "between messages"), self.max_body)
             body = self._take(header.length, "mid-frame") if header.length else bytearray()
