@@ -13,7 +13,7 @@ Region layout (little-endian; S is a power of two, a PCI BAR's requirement):
 
     offset     size   field                                   written by
     0x0000     8      magic b"APIRSHM1"                       host, at creation
-    0x0008     8      layout version (1)                      host, at creation
+    0x0008     8      layout version (2)                      host, at creation
     0x0010     8      region size S                           host, at creation
     0x0018     8      ring size R (each direction)            host, at creation
     0x0020     8      arena offset A                          host, at creation
@@ -21,6 +21,8 @@ Region layout (little-endian; S is a power of two, a PCI BAR's requirement):
     0x0100     8      host closed (0 open, 1 closed)          host
     0x0140     8      guest closed                            guest
     0x0180     8      guest exit status + 1 (0: not yet)      guest (apir vm's init)
+    0x01c0     8      host asleep (1: may be in its doorbell wait)   host
+    0x0200     8      guest asleep                            guest
     0x1000     8      requests.head   bytes ever written      guest
     0x1040     8      requests.tail   bytes ever read         host
     0x1080     8      replies.head                            host
@@ -54,6 +56,15 @@ socket. Arena ranges are checked by ``Arena``.
 Wake-ups: there is no doorbell (ivshmem-plain has no interrupts); a waiting side spins
 for ``spin_seconds`` and then sleeps with a doubling backoff (capped at ``MAX_SLEEP``);
 every wait has a deadline and notices the peer's "closed" flag.
+
+Where there is a doorbell (an eventfd per direction, Unix guests), a side rings it only
+when the other may be asleep on it: a spinning reader (a GPU host, a guest waiting for
+its step) costs the writer no system call. The sleeper raises its "asleep" flag, then
+checks the ring once more, then sleeps; the writer publishes its head, then reads the
+flag. Each pair is a store followed by a load of another address, which x86-64 may
+reorder, so each side puts a full fence between them (``_fence``): then either the writer
+sees the flag and rings, or the sleeper sees the bytes and does not sleep. Neither side
+trusts the other's flag: a wrong one can only cost its owner a wake-up (or a spurious one).
 """
 
 from __future__ import annotations
@@ -61,6 +72,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -72,7 +84,7 @@ from .arena import Arena
 from .channel import ConnectionClosed, Frame
 
 MAGIC = b"APIRSHM1"
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2  # 2: the "asleep" flags
 HEADER_SIZE = 0x1000
 COUNTERS = 0x1000
 DATA = 0x2000
@@ -85,6 +97,7 @@ MAX_DOORBELL_WAIT = 0.5  # a sleeping side re-checks the peer's liveness this of
 # header fields (byte offsets)
 _SIZE, _RING, _ARENA_OFF, _ARENA_SIZE = 0x10, 0x18, 0x20, 0x28
 HOST_CLOSED, GUEST_CLOSED, GUEST_EXIT = 0x100, 0x140, 0x180
+HOST_ASLEEP, GUEST_ASLEEP = 0x1C0, 0x200
 _REQ_HEAD, _REQ_TAIL, _REP_HEAD, _REP_TAIL = 0x1000, 0x1040, 0x1080, 0x10C0
 
 
@@ -209,6 +222,14 @@ class Region:
         os.close(self.fd)
 
 
+def _fence(lock: threading.Lock) -> None:
+    """A full memory fence: no later load is performed before an earlier store is visible.
+    Taking a lock is an atomic read-modify-write (``lock cmpxchg`` or ``xadd``, whatever
+    the lock's implementation), which x86-64 orders against every other memory access."""
+    lock.acquire()
+    lock.release()
+
+
 class RingChannel:
     """A ``Channel``-compatible frame channel over a region's two rings.
 
@@ -236,14 +257,16 @@ class RingChannel:
         if side == "guest":
             self._out, out_head, out_tail = req, _REQ_HEAD, _REQ_TAIL
             self._in, in_head, in_tail = rep, _REP_HEAD, _REP_TAIL
-            mine, peer = GUEST_CLOSED, HOST_CLOSED
+            mine, peer, asleep, peer_asleep = GUEST_CLOSED, HOST_CLOSED, GUEST_ASLEEP, HOST_ASLEEP
         else:
             self._out, out_head, out_tail = rep, _REP_HEAD, _REP_TAIL
             self._in, in_head, in_tail = req, _REQ_HEAD, _REQ_TAIL
-            mine, peer = HOST_CLOSED, GUEST_CLOSED
+            mine, peer, asleep, peer_asleep = HOST_CLOSED, GUEST_CLOSED, HOST_ASLEEP, GUEST_ASLEEP
         w = region.word
         self._out_head, self._out_tail, self._in_head, self._in_tail = w(out_head), w(out_tail), w(in_head), w(in_tail)
         self._mine, self._peer = w(mine), w(peer)
+        self._asleep, self._peer_asleep = w(asleep), w(peer_asleep)
+        self._fence_lock = threading.Lock()
         # Private copies of the counters this side owns; starting from whatever is there
         # lets a fresh channel pick up a region whose previous user left cleanly.
         self.head = self._out_head.value  # bytes this side has written
@@ -285,12 +308,26 @@ class RingChannel:
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(f"shared-memory channel: timed out {what}")
             if self.doorbell is not None:
-                self.doorbell.wait(MAX_DOORBELL_WAIT)  # rung, or the socket said something
+                self._sleep(ready)
             else:
                 time.sleep(sleep)
                 sleep = min(sleep * 2, MAX_SLEEP)
             n = ready()
         return n
+
+    def _sleep(self, ready: Callable[[], int]) -> None:
+        """Wait on the doorbell, having said so (see "Wake-ups" above)."""
+        self._asleep.value = 1
+        _fence(self._fence_lock)  # the flag is visible before the ring is checked again
+        if not ready():
+            self.doorbell.wait(MAX_DOORBELL_WAIT)  # rung, or the socket said something
+        self._asleep.value = 0
+
+    def _ring(self) -> None:
+        """Wake the peer if it may be asleep (after a store that it must see)."""
+        _fence(self._fence_lock)  # the store is visible before the flag is read
+        if self._peer_asleep.value:
+            self.doorbell.ring()
 
     def _spin(self, ready: Callable[[], int]) -> int:
         """Busy-poll ``ready`` for up to ``spin_seconds``: a side asleep on its eventfd (or
@@ -331,7 +368,7 @@ class RingChannel:
         self.head += n
         self._out_head.value = self.head  # 2. then publish it
         if self.doorbell is not None:
-            self.doorbell.ring()  # 3. and wake the reader if it sleeps
+            self._ring()  # 3. and wake the reader if it sleeps
 
     def _read(self, n: int, deadline: float | None, what: str) -> bytearray:
         """``n`` bytes copied out of the ring (a private copy: decode it, not the ring)."""
@@ -357,7 +394,7 @@ class RingChannel:
         self.tail += k
         self._in_tail.value = self.tail  # 3. then free the space
         if self.doorbell is not None and avail == self.R:
-            self.doorbell.ring()  # the ring was full: the writer may be waiting for space
+            self._ring()  # the ring was full: the writer may be waiting for space
 
     # ------------------------------------------------------------ frames
     def send(self, msg: object, request_id: int = 0, flags: int = 0, fds: tuple[int, ...] = ()) -> None:
@@ -402,6 +439,7 @@ class RingChannel:
         self.closed = True
         # the counter words pin the mapping: drop them so that the region can be closed
         self._out_head = self._out_tail = self._in_head = self._in_tail = self._mine = self._peer = None
+        self._asleep = self._peer_asleep = None
 
 
 # ---------------------------------------------------------------- guest: the PCI device

@@ -1,0 +1,111 @@
+"""The Unix transport's shared-memory rings and eventfd doorbells across real processes."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+
+from apir.protocol import messages as m
+from apir.transport.doorbell import Doorbell
+from apir.transport.ivshmem import Region, RingChannel
+
+
+def test_doorbells_lose_no_wake_up():
+    """Round trips between two processes that go to sleep on their eventfd between frames,
+    after spins of every length up to about a round trip, so that frames keep arriving just
+    as the reader goes to sleep. A side rings only when the other says it may be asleep; a
+    lost wake-up would stall a round trip for the doorbell's 0.5 s re-check."""
+    n = 4000
+    fd = os.memfd_create("apir-test", os.MFD_CLOEXEC)
+    region = Region.create_fd(fd, 4 << 20, ring_size=4096)
+    to_host, to_guest = Doorbell.pair()
+    mine, theirs = socket.socketpair()
+    pid = os.fork()
+    if pid == 0:  # the host: echo every request
+        code = 1
+        try:
+            host = RingChannel(Region.open_fd(os.dup(fd)), "host", doorbell=Doorbell(to_guest, to_host, theirs))
+            for i in range(n):
+                host.spin_seconds = _spin(i)
+                frame = host.recv()
+                host.send(m.Ok(), frame.header.request_id)
+            code = 0
+        finally:
+            os._exit(code)
+    theirs.close()
+    guest = RingChannel(region, "guest", timeout=10, doorbell=Doorbell(to_host, to_guest, mine))
+    worst = 0.0
+    try:
+        for i in range(n):
+            guest.spin_seconds = _spin(i * 7)
+            t = time.perf_counter()
+            guest.send(m.Synchronize(), i, m.WANT_REPLY)
+            assert guest.recv().header.request_id == i
+            worst = max(worst, time.perf_counter() - t)
+    finally:
+        guest.close()
+        _, status = os.waitpid(pid, 0)
+        guest.doorbell.close()
+        mine.close()
+        region.close()
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert worst < 0.25, f"a round trip took {worst * 1e3:.0f} ms: a wake-up was lost"
+
+
+def _spin(i: int) -> float:
+    return (i % 100) * 1e-6  # 0 to 99 us
+
+
+class _Bell:
+    """A doorbell that records what the channel does with it."""
+
+    def __init__(self) -> None:
+        self.rings = self.waits = 0
+
+    def ring(self) -> None:
+        self.rings += 1
+
+    def wait(self, timeout: float) -> None:
+        self.waits += 1
+
+    def alive(self) -> bool:
+        return True
+
+
+def _pair_on(region: Region) -> tuple[RingChannel, RingChannel]:
+    return (RingChannel(region, "guest", doorbell=_Bell(), timeout=1),
+            RingChannel(region, "host", doorbell=_Bell(), timeout=1))
+
+
+def test_a_writer_rings_only_a_reader_that_may_be_asleep():
+    region = Region.create_fd(os.memfd_create("apir-test", os.MFD_CLOEXEC), 4 << 20, ring_size=4096)
+    guest, host = _pair_on(region)
+    guest.send(m.Ok())
+    assert guest.doorbell.rings == 0  # the host is not asleep: no system call
+    host._asleep.value = 1  # the host is going to sleep
+    guest.send(m.Ok())
+    assert guest.doorbell.rings == 1
+    host.close()
+    guest.close()
+    region.close()
+
+
+def test_a_reader_looks_once_more_after_saying_it_sleeps():
+    """A frame published just before the flag went up (the writer saw no flag, so did not
+    ring) is found by the last look, and the reader does not sleep through it."""
+    region = Region.create_fd(os.memfd_create("apir-test", os.MFD_CLOEXEC), 4 << 20, ring_size=4096)
+    guest, host = _pair_on(region)
+    looks = []
+
+    def ready() -> int:
+        looks.append(host._asleep.value)
+        return 16 if len(looks) == 1 else 0  # the frame is there at the look after the flag
+
+    host._sleep(ready)
+    assert looks == [1] and host.doorbell.waits == 0 and host._asleep.value == 0
+    host._sleep(lambda: 0)  # nothing there: it sleeps, and lowers its flag on waking
+    assert host.doorbell.waits == 1 and host._asleep.value == 0
+    host.close()
+    guest.close()
+    region.close()
