@@ -92,12 +92,6 @@ COMPILE = EnvVar(
     "host: torch.compile decode steps before capturing them (0 = capture eager kernels, "
     "all = prefill chunks too: faster prefill, a compile per chunk size)",
 )
-GEMV = EnvVar(
-    "APIR_GEMV", "triton",
-    "host: decode-sized matrix products under torch.compile: triton (Inductor reductions, "
-    "fused with their neighbours) or cublas",
-)
-
 SPIN_US = EnvVar(
     "APIR_SPIN_US", None,
     "guest and host: busy-poll this many microseconds for the next frame before sleeping "
@@ -118,7 +112,7 @@ CONFIG = EnvVar(
 
 ALL = (
     CONFIG, MODEL, BACKEND, DEVICE, CTX_SIZE, REMOTE, TOKEN, TOKEN_FILE, HOST_LISTEN, API_KEY,
-    CACHE_DIR, HF_ENDPOINT, HF_TOKEN, BENCH_HISTORY, CUDA_GRAPHS, COMPILE, GEMV, SPIN_US,
+    CACHE_DIR, HF_ENDPOINT, HF_TOKEN, BENCH_HISTORY, CUDA_GRAPHS, COMPILE, SPIN_US,
 )
 
 _cached: tuple[tuple, dict[str, str]] = ((), {})  # (path, mtime, size) -> parsed values

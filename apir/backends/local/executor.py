@@ -77,7 +77,6 @@ class LocalBackend(Executor):
         mode = env.COMPILE.get() or "1"
         self.compile = self.cuda_graphs and mode != "0"
         self.compile_prefill = mode == "all"
-        kernels.REDUCE_SMALL_PRODUCTS = (env.GEMV.get() or "triton") != "cublas"
         # Weights computed in f32 on the CPU; on accelerators they keep a 16-bit form.
         self._weights: dict[tuple, tuple[int, torch.Tensor]] = {}
 

@@ -32,38 +32,20 @@ def set_rows(dst: torch.Tensor, src: torch.Tensor, ids: torch.Tensor) -> torch.T
     return dst
 
 
-# Decode-sized products (up to this many rows) inside torch.compile are written as a
-# multiply and a sum, which Inductor turns into its own reduction kernels and fuses with
-# the elementwise work around them; a BLAS call is a separate launch per product.
-SMALL_ROWS = 8
-REDUCE_SMALL_PRODUCTS = True  # set from $APIR_GEMV by the executor ("cublas" turns it off)
-
-
-def small_product(x: torch.Tensor) -> bool:
-    rows = x.numel() // x.shape[-1]
-    return REDUCE_SMALL_PRODUCTS and rows <= SMALL_ROWS and torch.compiler.is_compiling()
-
-
-def _reduce(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    # (..., 1, K) * (N, K) summed over K in f32, then rounded to the weight's dtype like a
-    # BLAS product's output: compiled and eager steps then agree to the last bit almost always
-    return (x.float()[..., None, :] * w.float()).sum(-1).to(w.dtype).float()
-
-
 def matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x @ w.T in f32, x rounded to the weight's dtype first (as llama.cpp's CUDA path does)."""
-    x = x.to(w.dtype)
-    return _reduce(x, w) if small_product(x) else torch.matmul(x, w.T).float()
+    return torch.matmul(x.to(w.dtype), w.T).float()
 
 
 def fused_matmul(x: torch.Tensor, w: torch.Tensor, widths: tuple[int, ...]) -> list[torch.Tensor]:
-    """Products with several weights stacked in ``w`` (rows split by ``widths``): one BLAS
-    call, or per part one reduction (Inductor fuses those with each other and with what
-    consumes them, e.g. silu(gate) * up)."""
-    x = x.to(w.dtype)
-    if small_product(x):
-        return [_reduce(x, part) for part in w.split(widths, dim=0)]
-    return [y.float() for y in torch.matmul(x, w.T).split(widths, dim=-1)]
+    """Products with several weights stacked in ``w`` (rows split by ``widths``): one call."""
+    return [y.float() for y in torch.matmul(x.to(w.dtype), w.T).split(widths, dim=-1)]
+
+
+# Attention of up to this many query rows, inside torch.compile, is written as products
+# and sums, which Inductor fuses into a few kernels; cuBLAS picked a 22 µs kernel (H200)
+# for the value product of a few rows against the strided cache.
+SMALL_ROWS = 8
 
 
 def gelu(x: torch.Tensor) -> torch.Tensor:
@@ -122,14 +104,13 @@ def attention(q, k, v, pos, scale: float, window: int, softcap: float, *, memo=N
     filled part). Grouped-query heads without copying k or v per query head: for each kv
     head one batched matmul of its group's queries, all positions at once:
         q (T, Hq, D) -> (Hkv, T*G, D);  k (S, Hkv, D) -> (Hkv, D, S);  scores (Hkv, T*G, S)
+    (decode steps under torch.compile: the same as products and sums, see SMALL_ROWS).
     The mask is shared (``memo``) by every layer of a run that reads position node ``key``."""
     n_tok, n_head, dim = q.shape
     n_kv, n_head_kv = k.shape[0], k.shape[1]
     group = n_head // n_head_kv
     qh = q.float().reshape(n_tok, n_head_kv, group, dim).permute(1, 0, 2, 3).reshape(n_head_kv, n_tok * group, dim)
     kh, vh = k.float().transpose(0, 1), v.float().transpose(0, 1)  # (Hkv, S, D), (Hkv, S, Dv)
-    # decode under torch.compile: products and sums, fused by Inductor (cuBLAS picks slow
-    # kernels for a few rows against a strided cache); otherwise batched matmuls
     reduce = torch.compiler.is_compiling() and n_tok <= SMALL_ROWS
     if reduce:
         scores = (qh[:, :, None, :] * kh[:, None, :, :]).sum(-1) * scale
