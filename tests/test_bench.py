@@ -295,3 +295,13 @@ def test_compare_unreadable_input_exits_2(capsys, tmp_path: Path, content: str |
     code, out, err = bench(capsys, "compare", good, str(bad))
     assert code == 2 and out == ""
     assert len(err.strip().splitlines()) == 1 and "bad.json" in err
+
+
+def test_profile_times_decode_and_prefill_steps(capsys) -> None:
+    code, out, _ = bench(capsys, "profile", "--synthetic", "llama-tiny", "-n", "3", "-p", "16",
+                         "--device", "cpu")
+    assert code == 0
+    lines = [line for line in out.splitlines() if line.startswith("## ")]
+    assert [line.split(":")[0] for line in lines] == ["## llama-tiny decode", "## llama-tiny prefill of 16"]
+    walls = [float(line.split(": ")[1].split(" µs")[0].replace(",", "")) for line in lines]
+    assert all(w > 0 for w in walls)

@@ -64,6 +64,8 @@ def profile(model: Model, what: str, steps: int, run) -> Profile:
 
 
 def render(p: Profile) -> str:
+    if not p.kernels:  # a CPU run: the profiler records no device kernels
+        return f"## {p.what}: {p.wall_us:,.1f} µs/step wall (no GPU kernels to list)\n"
     lines = [
         f"## {p.what}: {p.wall_us:,.1f} µs/step wall, {p.gpu_us:,.1f} µs/step in kernels "
         f"({100 * p.gpu_us / p.wall_us:.0f}% busy), {p.kernels:,.1f} kernels/step",
