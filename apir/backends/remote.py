@@ -275,11 +275,12 @@ class RemoteBackend(Backend):
 
     def _blob_view(self, blob: m.Blob) -> bytes | memoryview:
         """The blob's bytes; in place when they lie in the arena (copy before keeping)."""
-        if blob.arena_offset < 0:
-            return blob.inline
+        return blob.inline if blob.arena_offset < 0 else self._arena_window(blob.arena_offset, blob.size)
+
+    def _arena_window(self, offset: int, size: int) -> memoryview:
         if self.arena is None:
             raise ProtocolError("the host sent arena data but this session has no arena")
-        return self.arena.window(blob.arena_offset, blob.size)
+        return self.arena.window(offset, size)
 
     # ------------------------------------------------------------ the backend API
     def device(self) -> DeviceInfo:
@@ -355,7 +356,7 @@ class RemoteBackend(Backend):
         inline, arena_offset, size = m.parse_data(body)
         if arena_offset < 0:  # a view of the reply's body: already private and writeable
             return layout.unpack_outputs(inline, n_tokens)
-        return layout.unpack_outputs(bytearray(self._blob_view(m.Blob(b"", arena_offset, size))), n_tokens)
+        return layout.unpack_outputs(bytearray(self._arena_window(arena_offset, size)), n_tokens)  # one copy
 
     def _compute_named(self, gid: int, inputs: Mapping[str, np.ndarray]) -> list[np.ndarray]:
         """The general compute: every input with its name, dtype and shape."""

@@ -135,10 +135,7 @@ class Session:
                 return
             rid = header.request_id
             try:
-                if header.opcode == m.STEP_OPCODE:
-                    reply = self._step_reply(self._step(*msg), rid)
-                else:
-                    reply = self.dispatch(msg)
+                reply = self._step(*msg) if header.opcode == m.STEP_OPCODE else self.dispatch(msg)
             except Exception as e:  # noqa: BLE001 - every failure becomes an Error reply
                 reply = error_for(e)
             self._publish()
@@ -178,11 +175,12 @@ class Session:
             os._exit(0)
 
     def _send(self, msg: object, rid: int) -> bool:
-        """Send a reply (a message, or a frame already encoded); False when the guest is
-        gone or stopped reading (end the session)."""
+        """Send a reply (a message, or the blob fields of a Step's Data reply, which is
+        encoded without message objects); False when the guest is gone or stopped reading
+        (end the session)."""
         try:
             try:
-                self.chan.send_frame(msg if isinstance(msg, bytes) else encode(msg, rid))
+                self.chan.send_frame(m.data_frame(rid, 0, *msg) if isinstance(msg, tuple) else encode(msg, rid))
             except ProtocolError as e:  # a reply too large for one frame (inline, no arena)
                 self.chan.send(m.Error(ErrorCode.INVALID, f"the reply cannot be sent: {scrub(str(e))}; "
                                        "read in smaller pieces or through the shared arena"), rid)
@@ -293,11 +291,6 @@ class Session:
                 self.arena.write(out_offset + offset, memoryview(np.ascontiguousarray(arr)).cast("B"))
             return b"", out_offset, place.size
         return pack(outs, place), -1, place.size
-
-    @staticmethod
-    def _step_reply(reply: m.Outputs | tuple[bytes, int, int], rid: int) -> m.Outputs | bytes:
-        """A Step's Data reply as a frame, encoded without message objects."""
-        return reply if isinstance(reply, m.Outputs) else m.data_frame(rid, 0, *reply)
 
     def _blob_bytes(self, blob: m.Blob, in_place: bool = False) -> bytes | memoryview:
         return self._blob_range(blob.inline, blob.arena_offset, blob.size, in_place)

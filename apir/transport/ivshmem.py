@@ -21,7 +21,7 @@ Region layout (little-endian; S is a power of two, a PCI BAR's requirement):
     0x0100     8      host closed (0 open, 1 closed)          host
     0x0140     8      guest closed                            guest
     0x0180     8      guest exit status + 1 (0: not yet)      guest (apir vm's init)
-    0x01c0     8      host asleep (1: may be in its doorbell wait)   host
+    0x01c0     8      host asleep (1: may wait on its eventfd) host
     0x0200     8      guest asleep                            guest
     0x1000     8      requests.head   bytes ever written      guest
     0x1040     8      requests.tail   bytes ever read         host
@@ -398,9 +398,7 @@ class RingChannel:
 
     # ------------------------------------------------------------ frames
     def send(self, msg: object, request_id: int = 0, flags: int = 0, fds: tuple[int, ...] = ()) -> None:
-        if fds:
-            raise IvshmemError("file descriptors cannot cross a VM boundary")
-        self.send_frame(encode(msg, request_id, flags))
+        self.send_frame(encode(msg, request_id, flags), fds)
 
     def send_frame(self, frame: bytes, fds: tuple[int, ...] = ()) -> None:
         """Send an encoded frame (the hot path builds its frames without message objects)."""
