@@ -1,14 +1,64 @@
-"""The Unix transport's shared-memory rings and eventfd doorbells across real processes."""
+"""Transports below the session: the socket channel's buffered reads, and the Unix
+transport's shared-memory rings and eventfd doorbells across real processes."""
 
 from __future__ import annotations
 
 import os
 import socket
+import threading
 import time
 
+import pytest
+
 from apir.protocol import messages as m
+from apir.transport import Channel, ConnectionClosed
+from apir.transport.channel import RECV_BUFFER
 from apir.transport.doorbell import Doorbell
 from apir.transport.ivshmem import Region, RingChannel
+
+
+def test_socket_frames_in_any_pieces():
+    """Frames read through the channel's buffer: several in one read, one split across
+    many, bodies larger than the buffer, and descriptors with the frame they came with."""
+    a, b = socket.socketpair()
+    reader = Channel(b)
+    frames = [m.encode(m.Synchronize(), 1), m.encode(m.Data(m.Blob(b"x" * 100, -1, 100)), 2),
+              m.encode(m.Data(m.Blob(bytes(range(256)) * (RECV_BUFFER // 64), -1, RECV_BUFFER * 4)), 3)]
+    a.sendall(b"".join(frames[:2]))  # two frames in one read
+    assert reader.recv().message == m.Synchronize() and reader.buffered()
+    assert reader.recv().message.data.size == 100 and not reader.buffered()
+
+    def dribble(data: bytes) -> None:
+        for i in range(0, len(data), 7000):
+            a.sendall(data[i : i + 7000])
+            time.sleep(0.001)
+
+    t = threading.Thread(target=dribble, args=(frames[2] + frames[0],))
+    t.start()
+    big = reader.recv()
+    assert big.header.request_id == 3 and big.message.data.inline == bytes(range(256)) * (RECV_BUFFER // 64)
+    assert reader.recv().header.request_id == 1
+    t.join()
+    r, w = os.pipe()
+    a.sendmsg([frames[0]], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, r.to_bytes(4, "little"))])
+    a.sendall(frames[1])
+    first, second = reader.recv(), reader.recv()
+    assert len(first.fds) == 1 and second.fds == ()
+    for fd in (r, w, *first.fds):
+        os.close(fd)
+    a.sendall(frames[0][:5])
+    a.close()
+    with pytest.raises(ConnectionClosed, match=r"mid-frame \(5 of 16 bytes\)"):
+        reader.recv()
+    reader.close()
+
+
+def test_socket_eof_between_frames():
+    a, b = socket.socketpair()
+    a.close()
+    with pytest.raises(ConnectionClosed, match="between messages"):
+        Channel(b).recv()
+    b.close()
 
 
 def test_doorbells_lose_no_wake_up():

@@ -110,8 +110,8 @@ class Channel:
             self._spin()
         self._arrived = False
         try:
-            header = decode_header(self._take(HEADER.size, "between messages"), self.max_body)
-            body = self._take(header.length, "mid-frame") if header.length else bytearray()
+            header = decode_header(self._take(HEADER.size, frame_start=True), self.max_body)
+            body = self._take(header.length) if header.length else bytearray()
         except (ProtocolError, ConnectionClosed, OSError):
             self._drop_fds()
             raise
@@ -119,7 +119,7 @@ class Channel:
         self.bytes_received += HEADER.size + header.length
         return header, body, fds
 
-    def _take(self, n: int, where: str) -> bytearray:
+    def _take(self, n: int, frame_start: bool = False) -> bytearray:
         """The stream's next ``n`` bytes: from the buffer, refilled by reads as large as the
         socket allows; a body larger than the buffer is read straight into its place."""
         start, end = self._start, self._end
@@ -131,18 +131,22 @@ class Channel:
         self._start = self._end = 0
         view = memoryview(out)
         while got < n:
-            if n - got >= RECV_BUFFER:
-                got += self._recv_into(view[got:], where, got, n)
+            big = n - got >= RECV_BUFFER
+            k = self._recv_into(view[got:] if big else self._view)
+            if k == 0:
+                where = "between messages" if frame_start and got == 0 else f"mid-frame ({got} of {n} bytes)"
+                raise ConnectionClosed(f"the peer closed the connection {where}")
+            if big:
+                got += k
             else:
-                k = self._recv_into(self._view, where, got, n)
                 used = min(k, n - got)
                 out[got : got + used] = self._view[:used]
                 self._start, self._end = used, k
                 got += used
         return out
 
-    def _recv_into(self, view: memoryview, where: str, got: int, n: int) -> int:
-        """One read (with any descriptors, on Unix sockets); EOF is ConnectionClosed."""
+    def _recv_into(self, view: memoryview) -> int:
+        """One read (with any descriptors, on Unix sockets); 0 at EOF."""
         try:
             if self.unix:
                 k, anc, _, _ = self.sock.recvmsg_into([view], _CMSG_SPACE)
@@ -154,10 +158,7 @@ class Channel:
             else:
                 k = self.sock.recv_into(view)
         except (ConnectionResetError, BrokenPipeError):
-            k = 0
-        if k == 0:
-            place = where if got == 0 and where == "between messages" else f"mid-frame ({got} of {n} bytes)"
-            raise ConnectionClosed(f"the peer closed the connection {place}")
+            return 0
         return k
 
     def _drop_fds(self) -> None:
