@@ -54,7 +54,9 @@ class StepLayout:
     def __init__(self, inputs: tuple[Slot, ...], outputs: tuple[Slot, ...]) -> None:
         self.inputs, self.outputs = inputs, outputs
         self.names = [slot.name for slot in inputs]
-        self.has_tokens = any(T in s.shape for s in inputs)
+        # where T shows first: (input index, axis); None for a graph without a token axis
+        self._token_at = next(((i, s.shape.index(T)) for i, s in enumerate(inputs) if T in s.shape), None)
+        self.has_tokens = self._token_at is not None
         self._placements: dict[tuple[bool, int], Placement] = {}
 
     @classmethod
@@ -87,21 +89,21 @@ class StepLayout:
     def pack_inputs(self, inputs: Mapping[str, np.ndarray]) -> tuple[int, bytes] | None:
         """(T, payload) for ``inputs``; None when they do not have the registered names,
         dtypes and shapes (the general ``Compute`` then reports exactly what is wrong)."""
-        if len(inputs) != len(self.inputs):
+        if len(inputs) != len(self.names):
             return None
-        n_tokens = 0  # T, once an input has shown it
-        arrays = []
-        for slot in self.inputs:
-            a = inputs.get(slot.name)
-            if not isinstance(a, np.ndarray) or a.dtype != slot.dtype or a.ndim != len(slot.shape):
+        arrays = [inputs.get(name) for name in self.names]
+        n_tokens = 0
+        if self._token_at is not None:  # T is what the first input with a token axis says
+            i, axis = self._token_at
+            a = arrays[i]
+            if not isinstance(a, np.ndarray) or a.ndim <= axis or a.shape[axis] == 0:
                 return None
-            for want, got in zip(slot.shape, a.shape):
-                if want == T and got > 0 and n_tokens in (0, got):
-                    n_tokens = got
-                elif want != got:
-                    return None
-            arrays.append(a)
-        return n_tokens, pack(arrays, self.placement(False, n_tokens))
+            n_tokens = a.shape[axis]
+        place = self.placement(False, n_tokens)
+        for a, slot, (_, shape) in zip(arrays, self.inputs, place.places):
+            if not isinstance(a, np.ndarray) or a.dtype != slot.dtype or a.shape != shape:
+                return None
+        return n_tokens, pack(arrays, place)
 
     def unpack_outputs(self, payload: bytearray | memoryview, n_tokens: int) -> list[np.ndarray]:
         """The outputs of a ``Data`` reply, as views of ``payload`` (which the caller owns:
