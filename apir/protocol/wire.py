@@ -56,10 +56,6 @@ class Writer:
         self.u64(len(v))
         self.parts.append(bytes(v))
 
-    def pack(self, st: struct.Struct, *values: object) -> None:
-        """Several fixed-size fields in one call (see ``Reader.unpack``)."""
-        self.parts.append(st.pack(*values))
-
     def getvalue(self) -> bytes:
         return b"".join(self.parts)
 
