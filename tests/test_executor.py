@@ -92,3 +92,79 @@ def test_compiled_decode_attention_equals_the_batched_matmul_form(n_tok, window,
     traced = torch.compile(attention, backend="aot_eager", fullgraph=True)(*args)
     torch.testing.assert_close(traced, attention(*args), rtol=1e-5, atol=1e-5)
     torch._dynamo.reset()
+
+
+# ---------------------------------------------------------------- feed
+
+
+def _feed_graph(backend, n_rows: int = 4, width: int = 8):
+    """ids (T,) -> rows of a table (n_rows, width) -> argmax per row (T,) in [0, width)."""
+    from apir.graph import DType, GraphBuilder, T
+
+    buf = backend.alloc_buffer(n_rows * width * 4)
+    table = np.arange(n_rows * width, dtype=np.float32).reshape(n_rows, width)[:, ::-1].copy()
+    table[:, 1] = 1e6  # the maximum of every row sits at column 1
+    backend.set_tensor(buf, 0, table)
+    g = GraphBuilder()
+    ids = g.input("ids", (T,), DType.I32)
+    scale = g.input("scale", (1,), DType.F32)
+    rows = g.get_rows(g.weight(buf, 0, (n_rows, width), DType.F32), ids)
+    return backend.register_graph(g.build(g.argmax(g.mul(rows, scale)), rows))
+
+
+@pytest.mark.parametrize("kind", ["local", "numpy"])
+def test_fed_input_takes_the_previous_output_on_the_device(kind):
+    from apir.backends import create_backend
+
+    with create_backend(kind, "cpu" if kind == "local" else None) as b:
+        gid = _feed_graph(b)
+        one = np.ones(1, np.float32)
+        first = b.compute(gid, {"ids": np.array([3, 0], np.int32), "scale": one})
+        np.testing.assert_array_equal(first[0], [1, 1])
+        fed = b.compute(gid, {"scale": one}, feed={"ids": 0})  # ids = [1, 1]
+        sent = b.compute(gid, {"ids": np.array([1, 1], np.int32), "scale": one})
+        for got, want in zip(fed, sent):
+            np.testing.assert_array_equal(got, want)
+        assert b.submit(gid, {"scale": one}, feed={"ids": 0}).result()[0].tolist() == [1, 1]
+
+
+@pytest.mark.parametrize("feed,inputs,message", [
+    ({"ids": 0}, {"ids": np.zeros(1, np.int32), "scale": np.ones(1, np.float32)}, "either sent or fed"),
+    ({"nope": 0}, {"scale": np.ones(1, np.float32)}, "not an input"),
+    ({"ids": 2}, {"scale": np.ones(1, np.float32)}, "has no output 2"),
+    ({"ids": 1}, {"scale": np.ones(1, np.float32)}, "cannot be fed from output 1"),
+    ({"scale": 0}, {"ids": np.zeros(1, np.int32)}, "cannot be fed"),
+])
+def test_bad_feeds_are_refused_clearly(feed, inputs, message):
+    with LocalBackend("cpu") as b:
+        gid = _feed_graph(b)
+        b.compute(gid, {"ids": np.zeros(1, np.int32), "scale": np.ones(1, np.float32)})
+        with pytest.raises(apir.backends.BackendError, match=message):
+            b.compute(gid, inputs, feed=feed)
+
+
+def test_feed_needs_a_successful_previous_compute():
+    with LocalBackend("cpu") as b:
+        gid = _feed_graph(b, n_rows=4, width=8)
+        one = np.ones(1, np.float32)
+        with pytest.raises(apir.backends.BackendError, match="has not been computed"):
+            b.compute(gid, {"scale": one}, feed={"ids": 0})
+        b.compute(gid, {"ids": np.zeros(1, np.int32), "scale": one})
+        with pytest.raises(apir.backends.BackendError, match="index out of range"):
+            b.compute(gid, {"ids": np.array([9], np.int32), "scale": one})
+        # the failed compute left nothing to feed from: no stale ids are used
+        with pytest.raises(apir.backends.BackendError, match="last compute failed"):
+            b.compute(gid, {"scale": one}, feed={"ids": 0})
+        failed = b.submit(gid, {"scale": one}, feed={"ids": 0})  # errors wait for result()
+        with pytest.raises(apir.backends.BackendError, match="last compute failed"):
+            failed.result()
+
+
+def test_fed_indices_without_a_known_bound_are_checked_on_the_host():
+    """argmax over 8 columns may exceed a table of 4 rows: the fed ids are checked."""
+    with LocalBackend("cpu") as b:
+        gid = _feed_graph(b, n_rows=4, width=8)
+        one = np.ones(1, np.float32)
+        b.compute(gid, {"ids": np.zeros(1, np.int32), "scale": -one})  # argmax of -row: column 7
+        with pytest.raises(apir.backends.BackendError, match="index out of range"):
+            b.compute(gid, {"scale": one}, feed={"ids": 0})

@@ -96,6 +96,24 @@ class Registered:
     # largest transient a single op needs (attention scores), same form
     scratch: dict[int, int] = field(default_factory=dict)
     transient: tuple[dict[int, int], ...] = ()
+    # the executor-native outputs of the last compute, for ``feed`` (None: none or it failed)
+    last_outputs: list | None = None
+
+
+Feed = Mapping[str, int]  # input name -> index of the output of the graph's previous compute
+FEED_MAX_BYTES = 64 << 10  # outputs kept on the device for feeding (tokens, not logits)
+
+
+class Pending:
+    """A submitted compute: ``result()`` gives its outputs, or raises its error."""
+
+    def __init__(self, outputs: list[np.ndarray] | None = None, error: ApirError | None = None) -> None:
+        self._outputs, self._error = outputs, error
+
+    def result(self) -> list[np.ndarray]:
+        if self._error is not None:
+            raise self._error
+        return self._outputs
 
 
 class Backend(ABC):
@@ -143,8 +161,23 @@ class Backend(ABC):
     def free_graph(self, gid: int) -> None: ...
 
     @abstractmethod
-    def compute(self, gid: int, inputs: Mapping[str, np.ndarray]) -> list[np.ndarray]:
-        """Bind ``inputs`` by name and run graph ``gid``; returns its outputs."""
+    def compute(self, gid: int, inputs: Mapping[str, np.ndarray], feed: Feed | None = None) -> list[np.ndarray]:
+        """Bind ``inputs`` by name and run graph ``gid``; returns its outputs.
+
+        ``feed`` binds more inputs, on the device: ``{name: k}`` gives input ``name`` the
+        value of output ``k`` of this graph's previous compute (I32 and F32 inputs only).
+        A decode step fed its own last sampled token needs nothing from the caller first.
+        """
+
+    def submit(self, gid: int, inputs: Mapping[str, np.ndarray], feed: Feed | None = None) -> Pending:
+        """``compute``, returning before it is done where the backend can (the remote one
+        sends the request and does not wait). Computes run in submission order, so a
+        ``feed`` refers to the compute submitted just before on this graph; errors surface
+        at ``result()``."""
+        try:
+            return Pending(self.compute(gid, inputs, feed))
+        except ApirError as e:
+            return Pending(error=e)
 
     @abstractmethod
     def synchronize(self) -> None:
@@ -327,10 +360,12 @@ class Executor(Backend):
         del self._graphs[gid]
         self._charged_extra -= GRAPH_NODE_BYTES * len(reg.graph.nodes)
 
-    def compute(self, gid: int, inputs: Mapping[str, np.ndarray]) -> list[np.ndarray]:
-        """Bind ``inputs`` by name and run graph ``gid``; returns its outputs as numpy arrays."""
+    def compute(self, gid: int, inputs: Mapping[str, np.ndarray], feed: Feed | None = None) -> list[np.ndarray]:
+        """Bind ``inputs`` by name (and ``feed``, see Backend.compute) and run graph ``gid``;
+        returns its outputs as numpy arrays."""
         reg = self._graph(gid)
-        bound, n_tokens = self._bind(reg, inputs)
+        fed, bounds = self._fed(reg, gid, feed or {})
+        bound, n_tokens = self._bind(reg, inputs, fed)
         for handle, buf in reg.buffers.items():
             if self._buffers.get(handle) is not buf:
                 raise BackendError(f"graph {gid} uses buffer {handle}, which was freed")
@@ -338,12 +373,15 @@ class Executor(Backend):
             t = n_tokens or 1
             need = _poly(reg.scratch, t) + max((_poly(p, t) for p in reg.transient), default=0)
             self._check_quota(need, f"computing graph {gid} with T={t} (about {need} bytes of intermediates)")
+        reg.last_outputs = None  # a failed compute leaves nothing to feed from
         try:
-            return self._run(reg, bound)
+            outputs = self._run(reg, bound, bounds)
         except (BackendError, GraphError):
             raise
         except IndexError as e:
             raise BackendError(f"graph {gid}: {e}") from None
+        reg.last_outputs = [o if o.nbytes <= FEED_MAX_BYTES else None for o in outputs]
+        return self._host_outputs(reg, outputs)
 
     def synchronize(self) -> None:
         """Wait for queued work. Executors here run synchronously, so this only checks state."""
@@ -386,19 +424,50 @@ class Executor(Backend):
             )
 
     @staticmethod
-    def _bind(reg: Registered, inputs: Mapping[str, np.ndarray]) -> tuple[dict[str, np.ndarray], int | None]:
-        """Check every input's name, dtype and shape; work out T. Returns the arrays and T."""
-        missing = set(reg.inputs) - set(inputs)
-        extra = set(inputs) - set(reg.inputs)
+    def _fed(reg: Registered, gid: int, feed: Feed) -> tuple[dict[str, object], dict[str, int | None]]:
+        """The values ``feed`` binds (executor-native outputs of the previous compute), and
+        per fed input an exclusive upper bound its values are known to respect (an ARGMAX
+        or SAMPLE output lies in [0, vocabulary)), else None."""
+        if not feed:
+            return {}, {}
+        if reg.last_outputs is None:
+            raise BackendError(f"graph {gid} has no outputs to feed from: it has not been computed "
+                               "yet, or its last compute failed")
+        nodes, values, bounds = reg.graph.nodes, {}, {}
+        for name, k in feed.items():
+            if name not in reg.inputs:
+                raise BackendError(f"feed names {name!r}, which is not an input of graph {gid}")
+            if not (isinstance(k, int) and 0 <= k < len(reg.graph.outputs)):
+                raise BackendError(f"feed of {name!r}: graph {gid} has no output {k!r}")
+            node, dtype = nodes[reg.graph.outputs[k]], reg.inputs[name][1]
+            if dtype not in (DType.I32, DType.F32) or node.dtype is not dtype:
+                raise BackendError(f"input {name!r} ({dtype.name}) cannot be fed from output {k} "
+                                   f"({node.dtype.name}): only I32 and F32 inputs, of the same dtype")
+            values[name] = reg.last_outputs[k]
+            if values[name] is None:
+                raise BackendError(f"feed of {name!r}: output {k} of graph {gid} is larger than "
+                                   f"{FEED_MAX_BYTES} bytes and is not kept for feeding")
+            picks = node.op in (Op.ARGMAX, Op.SAMPLE)
+            bounds[name] = nodes[node.inputs[0]].shape[-1] if picks else None
+        return values, bounds
+
+    @staticmethod
+    def _bind(reg: Registered, inputs: Mapping[str, np.ndarray],
+              fed: Mapping[str, object] = {}) -> tuple[dict[str, object], int | None]:  # noqa: B006 - read only
+        """Check every input's name, dtype and shape; work out T. Returns the values (numpy
+        arrays; fed ones executor-native) and T."""
+        missing = set(reg.inputs) - set(inputs) - set(fed)
+        extra = (set(inputs) - set(reg.inputs)) | (set(inputs) & set(fed))
         if missing or extra:
             raise BackendError(
-                f"graph inputs are {sorted(reg.inputs)}; missing {sorted(missing)}, unexpected {sorted(extra)}"
+                f"graph inputs are {sorted(reg.inputs)}; missing {sorted(missing)}, unexpected "
+                f"{sorted(extra)} (an input is either sent or fed, not both)"
             )
         n_tokens = None
         out = {}
         for name, (shape, dtype) in reg.inputs.items():
-            arr = np.asarray(inputs[name])
-            if arr.dtype != NUMPY_DTYPES[dtype]:
+            arr = fed[name] if name in fed else np.asarray(inputs[name])
+            if name not in fed and arr.dtype != NUMPY_DTYPES[dtype]:
                 raise BackendError(f"input {name!r} must be {dtype.name}, got numpy {arr.dtype}")
             if len(arr.shape) != len(shape):
                 raise BackendError(f"input {name!r} must have shape {fmt_shape(shape)}, got {arr.shape}")
@@ -409,7 +478,7 @@ class Executor(Backend):
                         raise BackendError(f"input {name!r}: token dim {got} disagrees with T={n_tokens}")
                 elif want != got:
                     raise BackendError(f"input {name!r} must have shape {fmt_shape(shape)}, got {arr.shape}")
-            out[name] = np.ascontiguousarray(arr)
+            out[name] = arr if name in fed else np.ascontiguousarray(arr)
         return out, n_tokens
 
     # ------------------------------------------------------------ executor hooks
@@ -432,7 +501,12 @@ class Executor(Backend):
     def _compile(self, graph: Graph) -> object: ...
 
     @abstractmethod
-    def _run(self, reg: Registered, inputs: dict[str, np.ndarray]) -> list[np.ndarray]: ...
+    def _run(self, reg: Registered, inputs: dict[str, object], bounds: dict[str, int | None]) -> list:
+        """Execute; returns the outputs in executor-native form. ``bounds``: see ``_fed``."""
+
+    @abstractmethod
+    def _host_outputs(self, reg: Registered, outputs: list) -> list[np.ndarray]:
+        """``_run``'s outputs as numpy arrays of their nodes' dtypes, owned by the caller."""
 
 
 # ---------------------------------------------------------------- scratch estimate

@@ -229,7 +229,10 @@ class NumpyBackend(Executor):
             self._weights[key] = cached
         return cached[1]
 
-    def _run(self, reg: Registered, inputs: dict[str, np.ndarray]) -> list[np.ndarray]:
+    def _host_outputs(self, reg: Registered, outputs: list) -> list[np.ndarray]:
+        return [o.copy() for o in outputs]  # the originals stay for ``feed``
+
+    def _run(self, reg: Registered, inputs: dict[str, np.ndarray], bounds: dict) -> list[np.ndarray]:
         values: list[np.ndarray] = []
         for nid, node in enumerate(reg.graph.nodes):
             if node.op is Op.INPUT:

@@ -7,7 +7,8 @@ live in backend buffers), and the inputs are copied into one fixed device buffer
     pinned host staging --(one async copy)--> device staging --(views)--> graph inputs
 
 so a step costs one host-to-device copy whatever the number of inputs, not one
-synchronous copy from pageable memory per input.
+synchronous copy from pageable memory per input. A fed input (a device tensor, see
+Backend.compute) is copied device to device into its view after that copy.
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ class CapturedStep:
     buffer it reads is rewritten (``versions``)."""
 
     def __init__(self, run: Callable[[dict[str, torch.Tensor]], list[torch.Tensor]],
-                 inputs: dict[str, np.ndarray], dtypes: dict[str, DType], device: torch.device,
-                 versions: tuple[int, ...]) -> None:
+                 inputs: dict[str, np.ndarray | torch.Tensor], dtypes: dict[str, DType],
+                 device: torch.device, versions: tuple[int, ...]) -> None:
         self.versions = versions
         self.layout: list[tuple[str, int, int]] = []  # (name, byte offset, byte count)
         offset = 0
@@ -42,7 +43,7 @@ class CapturedStep:
         self.host_bytes = self.host.numpy()
         self.staging = torch.empty_like(self.host, device=device)
         self.inputs = {
-            name: self.staging[off : off + n].view(STAGING_DTYPES[dtypes[name]]).view(inputs[name].shape)
+            name: self.staging[off : off + n].view(STAGING_DTYPES[dtypes[name]]).view(tuple(inputs[name].shape))
             for name, off, n in self.layout
         }
         self._stage(inputs)
@@ -55,13 +56,17 @@ class CapturedStep:
         with torch.cuda.graph(self.graph):
             self.outputs = run(self.inputs)
 
-    def _stage(self, inputs: dict[str, np.ndarray]) -> None:
+    def _stage(self, inputs: dict[str, np.ndarray | torch.Tensor]) -> None:
         # The previous step's copy has finished: its outputs were read back (a sync).
         for name, off, n in self.layout:
-            self.host_bytes[off : off + n] = inputs[name].reshape(-1).view(np.uint8)
+            if isinstance(inputs[name], np.ndarray):
+                self.host_bytes[off : off + n] = inputs[name].reshape(-1).view(np.uint8)
         self.staging.copy_(self.host, non_blocking=True)
+        for name, value in inputs.items():
+            if isinstance(value, torch.Tensor):  # fed: I32 or F32, as its view
+                self.inputs[name].copy_(value.reshape(self.inputs[name].shape))
 
-    def __call__(self, inputs: dict[str, np.ndarray]) -> list[torch.Tensor]:
+    def __call__(self, inputs: dict[str, np.ndarray | torch.Tensor]) -> list[torch.Tensor]:
         self._stage(inputs)
         self.graph.replay()
         return self.outputs

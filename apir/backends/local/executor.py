@@ -212,10 +212,15 @@ class LocalBackend(Executor):
                 values.append(constants.get(nid))  # None: a weight only fused products read
         return [values[o] for o in reg.program.outputs]
 
-    def _run(self, reg: Registered, inputs: dict[str, np.ndarray]) -> list[np.ndarray]:
+    def _run(self, reg: Registered, inputs: dict[str, object], bounds: dict[str, int | None]) -> list[torch.Tensor]:
+        """``inputs``: numpy arrays, or device tensors where fed (see Backend.compute)."""
         prog = reg.program
         for name, limit, what in prog.index_checks:
             ids = inputs[name]
+            if isinstance(ids, torch.Tensor):  # fed: safe by construction, or checked here
+                if bounds.get(name) is not None and bounds[name] <= limit:
+                    continue
+                ids = ids.cpu().numpy()
             if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= limit):
                 raise BackendError(f"{what} index out of range: input {name!r} must lie in [0, {limit})")
         # the host sees the sampling params: a greedy step needs no sort of the vocabulary
@@ -226,15 +231,19 @@ class LocalBackend(Executor):
         else:
             dev = self.torch_device
             tensors = {
-                name: torch.from_numpy(a if a.flags.writeable else a.copy()).to(dev)
+                name: a if isinstance(a, torch.Tensor)
+                else torch.from_numpy(a if a.flags.writeable else a.copy()).to(dev)
                 for name, a in inputs.items()
             }
             outs = self._execute(reg, tensors, self._constants(prog), greedy)
         for handle in prog.state_buffers:
             self._buffers[handle].version += 1
-        return [self._to_numpy(t, reg.graph.nodes[o].dtype) for t, o in zip(outs, prog.outputs)]
+        return outs
 
-    def _replay(self, reg: Registered, inputs: dict[str, np.ndarray], n_tokens: int,
+    def _host_outputs(self, reg: Registered, outputs: list[torch.Tensor]) -> list[np.ndarray]:
+        return [self._to_numpy(t, reg.graph.nodes[o].dtype) for t, o in zip(outputs, reg.program.outputs)]
+
+    def _replay(self, reg: Registered, inputs: dict[str, object], n_tokens: int,
                 greedy: bool) -> list[torch.Tensor]:
         prog = reg.program
         versions = tuple(self._buffers[h].version for h in prog.weight_buffers)
