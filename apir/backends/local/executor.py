@@ -79,6 +79,8 @@ class LocalBackend(Executor):
         self.compile_prefill = mode == "all"
         # Weights computed in f32 on the CPU; on accelerators they keep a 16-bit form.
         self._weights: dict[tuple, tuple[int, torch.Tensor]] = {}
+        # concatenated weights of fused products, keyed by their members' weight keys
+        self._fused: dict[tuple, tuple[tuple[int, ...], torch.Tensor]] = {}
 
     def device(self) -> DeviceInfo:
         dev = self.torch_device
@@ -115,9 +117,8 @@ class LocalBackend(Executor):
 
     def _release(self, buf: Buffer) -> None:
         super()._release(buf)
-        # keys: (handle, offset, dtype, shape) of a leaf, or a tuple of those (fused weights)
-        self._weights = {k: v for k, v in self._weights.items()
-                         if all(h in self._buffers for h in ([k[0]] if isinstance(k[0], int) else [m[0] for m in k]))}
+        self._weights = {k: v for k, v in self._weights.items() if k[0] in self._buffers}
+        self._fused = {k: v for k, v in self._fused.items() if all(m[0] in self._buffers for m in k)}
 
     # ------------------------------------------------------------ graphs
     def _weight_dtype(self, dtype: DType) -> torch.dtype:
@@ -134,10 +135,7 @@ class LocalBackend(Executor):
         key = (handle, offset, node.dtype, node.shape)
         cached = self._weights.get(key)
         if cached is None or cached[0] != buf.version:
-            if node.dtype is DType.I32:
-                value = raw.view(torch.int32).view(node.shape)
-            else:
-                value = dequantize(raw, node.dtype, node.shape).to(self._weight_dtype(node.dtype))
+            value = raw.view(torch.int32).view(node.shape) if node.dtype is DType.I32 else self._dequantized(node)
             cached = (buf.version, value)
             self._weights[key] = cached
         return cached[1]
@@ -146,11 +144,10 @@ class LocalBackend(Executor):
         """The members' weights, dequantized and concatenated along N (cached like leaves)."""
         key = tuple((n.attrs[0], n.attrs[1], n.dtype, n.shape) for n in step.weights)
         versions = tuple(self._buffers[n.attrs[0]].version for n in step.weights)
-        cached = self._weights.get(key)
+        cached = self._fused.get(key)
         if cached is None or cached[0] != versions:
-            parts = [self._dequantized(n) for n in step.weights]
-            cached = (versions, torch.cat(parts, dim=0))
-            self._weights[key] = cached
+            cached = (versions, torch.cat([self._dequantized(n) for n in step.weights], dim=0))
+            self._fused[key] = cached
         return cached[1]
 
     def _dequantized(self, node) -> torch.Tensor:
