@@ -574,6 +574,54 @@ def test_step_payloads_are_checked(host):
         expect(g.error(_step(2, x)), E.INVALID, "unknown graph id 2")  # a buffer handle
 
 
+def _fed_graph() -> Graph:
+    """ids (T,) I32 and x (T, 8) F32 in; out: ids (I32), x doubled (F32)."""
+    ids = x_input((T,), DType.I32, "ids")
+    return graph(ids, x_input(), Node(Op.SCALE, (1,), (2.0,), (T, 8), DType.F32), outputs=(0, 2))
+
+
+def test_feeds_are_checked(host):
+    """A feed names an input and an output of the graph, each input once, never an input
+    also sent; and there must be a previous compute whose output it takes."""
+    with guest(host) as g:
+        g.ok(m.RegisterGraph(1, _fed_graph()))
+        ids, x = np.array([3, 1], np.int32), np.ones((2, 8), np.float32)
+        both = ids.tobytes() + bytes(8) + x.tobytes()  # ids padded to 16 bytes, then x
+        fed = (m.Feed(0, 0),)  # ids from output 0
+        expect(g.error(m.Step(1, 2, -1, 0, m.Blob(x.tobytes(), -1, 64), fed)), E.INVALID,
+               "graph 1 has no outputs to feed from")
+        expect(g.error(m.Compute(1, (tensor("x", x),), -1, 0, (m.NamedFeed("ids", 0),))), E.INVALID,
+               "graph 1 has no outputs to feed from")
+        out = g.ok(m.Step(1, 2, -1, 0, m.Blob(both, -1, len(both))))
+        assert np.frombuffer(out.data.inline[:8], np.int32).tolist() == [3, 1]
+        for feed, message in [
+            ((m.Feed(2, 0),), "feed names input 2, but graph 1 has 2 inputs"),
+            ((m.Feed(-1, 0),), "feed names input -1"),
+            ((m.Feed(0, 2),), "feed of input 'ids' names output 2, but graph 1 has 2 outputs"),
+            ((m.Feed(0, -(2**63)),), "names output -9223372036854775808"),
+            ((m.Feed(0, 0), m.Feed(0, 0)), "input 'ids' is fed twice"),
+            ((m.Feed(0, 1),), "input 'ids' (I32) cannot be fed from output 1 (F32)"),
+        ]:
+            expect(g.error(m.Step(1, 2, -1, 0, m.Blob(x.tobytes(), -1, 64), feed)), E.INVALID, message)
+        # the fed input's bytes sent as well: the payload is not the layout's
+        expect(g.error(m.Step(1, 2, -1, 0, m.Blob(both, -1, len(both)), fed)), E.PROTOCOL,
+               "step inputs of 80 bytes; the graph's layout takes 64")
+        for inputs, feed, message in [
+            ((tensor("x", x),), (m.NamedFeed("nope", 0),), "feed names 'nope', which is not an input"),
+            ((tensor("x", x),), (m.NamedFeed("ids", 0), m.NamedFeed("ids", 0)), "input 'ids' is fed twice"),
+            ((tensor("x", x),), (m.NamedFeed("ids", 7),), "graph 1 has no output 7"),
+            ((tensor("ids", ids, DType.I32), tensor("x", x)), (m.NamedFeed("ids", 0),),
+             "input 'ids' is both sent and fed"),
+            ((), (m.NamedFeed("ids", 0),), "missing ['x']"),
+        ]:
+            expect(g.error(m.Compute(1, inputs, -1, 0, feed)), E.INVALID, message)
+        g.ok(m.Step(1, 2, -1, 0, m.Blob(both, -1, len(both))))
+        out = g.ok(m.Step(1, 2, -1, 0, m.Blob(x.tobytes(), -1, 64), fed))  # the last compute's ids
+        assert np.frombuffer(out.data.inline[:8], np.int32).tolist() == [3, 1]
+        reply = g.ok(m.Compute(1, (tensor("x", x),), -1, 0, (m.NamedFeed("ids", 0),)))
+        assert np.frombuffer(reply.outputs[0].data.inline, np.int32).tolist() == [3, 1]
+
+
 def test_unknown_ops_and_dtypes_in_queries(host):
     with guest(host) as g:
         expect(g.error(m.Supports(9999, ())), E.INVALID, "unknown op 9999")

@@ -44,8 +44,9 @@ SAMPLES: dict[type, object] = {
     m.RegisterGraph: m.RegisterGraph(9, _graph()),
     m.FreeGraph: m.FreeGraph(9),
     m.Compute: m.Compute(9, (m.Tensor("x", int(DType.F32), (2, 8), m.Blob(b"", 128, 64)),
-                             m.Tensor("pos", int(DType.I32), (2,), m.Blob(b"\0" * 8, -1, 8))), -1, 0),
-    m.Step: m.Step(9, 1, 4096, 1 << 16, BLOB),
+                             m.Tensor("pos", int(DType.I32), (2,), m.Blob(b"\0" * 8, -1, 8))), -1, 0,
+                         (m.NamedFeed("tokens", 0),)),
+    m.Step: m.Step(9, 1, 4096, 1 << 16, BLOB, (m.Feed(0, 0), m.Feed(-1, 2**62))),
     m.Synchronize: m.Synchronize(),
     m.Goodbye: m.Goodbye(),
     m.Welcome: m.Welcome(m.PROTOCOL_VERSION, 3, DEV, 0, 8 << 30),
@@ -234,15 +235,31 @@ def test_op_table_hash_is_pinned_to_the_table():
 
 def test_step_wire_layout_is_pinned():
     """Runs of fixed-size fields are packed in one call; the bytes are those of the
-    field-by-field encoding (and the layout PROTOCOL_VERSION 2 promises)."""
-    msg = m.Step(9, 1, -1, 0, m.Blob(b"abc", -1, 3))
-    want = struct.pack("<qqqqQ", 9, 1, -1, 0, 3) + b"abc" + struct.pack("<qq", -1, 3)
+    field-by-field encoding (and the layout PROTOCOL_VERSION 3 promises)."""
+    msg = m.Step(9, 1, -1, 0, m.Blob(b"abc", -1, 3), (m.Feed(0, 1), m.Feed(2, 0)))
+    want = (struct.pack("<qqqqQ", 9, 1, -1, 0, 3) + b"abc" + struct.pack("<qqI", -1, 3, 2)
+            + struct.pack("<qqqq", 0, 1, 2, 0))
     assert body_of(msg) == want
     assert m.decode_body(m.OPCODE_OF[m.Step], want) == msg
+    assert m.parse_step(want)[-1] == ((0, 1), (2, 0))  # the host's hot path: plain pairs
+
+
+def test_step_feed_counts_are_checked():
+    """A feed count past what the frame holds, or past the list cap, is refused before
+    anything is read or allocated for it."""
+    head = struct.pack("<qqqqQ", 9, 1, -1, 0, 0) + struct.pack("<qq", -1, 0)
+    for count, message in [(1, "truncated message: 1 feeds announced, 8 bytes present"),
+                           (MAX_ITEMS + 1, f"list of {MAX_ITEMS + 1} items exceeds the limit"),
+                           (2**32 - 1, "exceeds the limit")]:
+        with pytest.raises(ProtocolError, match=message):
+            m.decode_body(m.OPCODE_OF[m.Step], head + struct.pack("<I", count) + bytes(8))
+    with pytest.raises(ProtocolError, match="8 unexpected bytes after the message"):
+        m.decode_body(m.OPCODE_OF[m.Step], head + struct.pack("<I", 1) + bytes(24))
 
 
 @pytest.mark.parametrize("msg", [
     SAMPLES[m.Step], SAMPLES[m.Data], m.Step(-(2**63), 2**63 - 1, -1, 0, m.Blob(b"", -1, 0)),
+    m.Step(1, 1, -1, 0, m.Blob(b"x" * 20, -1, 20), tuple(m.Feed(i, -i) for i in range(5))),
     m.Data(m.Blob(bytes(range(256)) * 17, -1, 4352)), m.Data(m.Blob(b"", 2**40, 64)),
 ], ids=lambda msg: type(msg).__name__)
 def test_hand_coded_layouts_agree_with_the_generic_codec(msg):
@@ -286,6 +303,25 @@ def test_step_layout_round_trips_inputs_and_outputs():
         out_place = layout.output_placement(outs, n)
         got = layout.unpack_outputs(pack(outs, out_place), n)
         assert all(np.array_equal(a, b) and a.dtype == b.dtype for a, b in zip(got, outs))
+
+
+def test_fed_inputs_take_no_room_in_the_payload():
+    """The inputs a Step feeds are left out of its payload; the others keep their order,
+    and T comes from the first one sent that has a token axis."""
+    layout = StepLayout.of(_step_graph())
+    inputs = _step_inputs(3)
+    sent = {k: v for k, v in inputs.items() if k != "tokens"}
+    n_tokens, payload = layout.pack_inputs(sent, (0,))
+    assert n_tokens == 3 and len(payload) == layout.placement(False, 3, (0,)).size
+    assert payload == pack([inputs["h"], inputs["params"]], layout.placement(False, 3, (0,)))
+    back = layout.unpack_inputs(bytearray(payload), 3, (0,))
+    assert list(back) == ["h", "params"] and all(np.array_equal(back[k], sent[k]) for k in back)
+    assert layout.pack_inputs(inputs, (0,)) is None  # a fed input sent as well
+    assert layout.pack_inputs(sent, ()) is None  # an unfed input missing
+    # T shows only in fed inputs: the general Compute, where the host works it out
+    assert layout.pack_inputs({"params": inputs["params"]}, (0, 1)) is None
+    with pytest.raises(ProtocolError, match="step inputs of 16 bytes; the graph's layout takes 52"):
+        layout.unpack_inputs(bytearray(payload[:16]), 3, (0,))
 
 
 @pytest.mark.parametrize("change", [

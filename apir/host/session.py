@@ -200,8 +200,9 @@ class Session:
         """The one place a request becomes a backend call."""
         b = self.backend
         match msg:
-            case m.Step(graph_id=gid, n_tokens=n, out_offset=off, out_capacity=cap, inputs=blob):
-                reply = self._step(gid, n, off, cap, blob.inline, blob.arena_offset, blob.size)
+            case m.Step(graph_id=gid, n_tokens=n, out_offset=off, out_capacity=cap, inputs=blob, feed=feed):
+                reply = self._step(gid, n, off, cap, blob.inline, blob.arena_offset, blob.size,
+                                   [(f.input, f.output) for f in feed])
                 return reply if isinstance(reply, m.Outputs) else m.Data(m.Blob(*reply))
             case m.GetDevices():
                 return m.Devices((device_message(b),))
@@ -225,8 +226,8 @@ class Session:
             case m.FreeGraph(graph_id=gid):
                 b.free_graph(gid)
                 self.layouts.pop(gid, None)
-            case m.Compute(graph_id=gid, inputs=inputs, out_offset=off, out_capacity=cap):
-                return self._compute(gid, inputs, off, cap)
+            case m.Compute(graph_id=gid, inputs=inputs, out_offset=off, out_capacity=cap, feed=feed):
+                return self._compute(gid, inputs, off, cap, feed)
             case m.Synchronize():
                 b.synchronize()
             case m.Hello():
@@ -235,9 +236,17 @@ class Session:
                 raise ProtocolError(f"{type(msg).__name__} is not a request")
         return m.Ok()
 
-    def _compute(self, gid: int, inputs: tuple[m.Tensor, ...], out_offset: int, capacity: int) -> m.Outputs:
+    def _compute(self, gid: int, inputs: tuple[m.Tensor, ...], out_offset: int, capacity: int,
+                 fed: tuple[m.NamedFeed, ...]) -> m.Outputs:
+        feed: dict[str, int] = {}
+        for f in fed:  # names and output indices: the executor checks them against the graph
+            if f.name in feed:
+                raise BackendError(f"input {f.name!r} is fed twice")
+            feed[f.name] = f.output
         arrays = {}
         for t in inputs:
+            if t.name in feed:
+                raise BackendError(f"input {t.name!r} is both sent and fed")
             dtype = _dtype(t.dtype)
             if dtype not in NUMPY_DTYPES or len(t.shape) > 8 or any(d < 0 for d in t.shape):
                 raise BackendError(f"input {t.name!r}: bad dtype or shape")
@@ -245,7 +254,7 @@ class Session:
             if len(raw) != dtype.nbytes(t.shape):
                 raise BackendError(f"input {t.name!r}: {len(raw)} bytes for shape {t.shape} {dtype.name}")
             arrays[t.name] = np.frombuffer(raw, NUMPY_DTYPES[dtype]).reshape(t.shape)
-        return self._outputs(self.backend.compute(gid, arrays), out_offset, capacity)
+        return self._outputs(self.backend.compute(gid, arrays, feed or None), out_offset, capacity)
 
     def _outputs(self, outs: list[np.ndarray], out_offset: int, capacity: int) -> m.Outputs:
         """Outputs with their dtypes and shapes; big ones in the arena range when given."""
@@ -267,21 +276,23 @@ class Session:
         return m.Outputs(tuple(result))
 
     def _step(self, gid: int, n_tokens: int, out_offset: int, capacity: int, inline: bytes | memoryview,
-              arena_offset: int, size: int) -> m.Outputs | tuple[bytes, int, int]:
-        """A compute in its graph's fixed layout (the fields of a Step): bind the inputs'
-        bytes in place, run, and place the outputs the same way. Returns the reply's blob
-        fields (inline, arena_offset, size), or Outputs when the executor's outputs are not
-        the graph's (a 0-d one comes back 1-d): those say exactly what they are."""
+              arena_offset: int, size: int, pairs: list[tuple[int, int]] | tuple[tuple[int, int], ...]
+              ) -> m.Outputs | tuple[bytes, int, int]:
+        """A compute in its graph's fixed layout (the fields of a Step, ``pairs`` its feed):
+        bind the inputs' bytes in place, run, and place the outputs the same way. Returns
+        the reply's blob fields (inline, arena_offset, size), or Outputs when the executor's
+        outputs are not the graph's (a 0-d one comes back 1-d): those say what they are."""
         layout = self.layouts.get(gid)
         if layout is None:
             raise BackendError(f"unknown graph id {gid}" if gid not in self.layouts
                                else f"graph {gid} has tensors a Step cannot carry: use Compute")
+        feed, fed = _step_feed(gid, layout, pairs)
         payload = self._blob_range(inline, arena_offset, size, in_place=True)
         if arena_offset >= 0 or not isinstance(payload, memoryview):
             # One copy, private (the guest may change the arena at any time) and writeable.
             # Inline bytes that arrive as a view of the frame's body are both already.
             payload = bytearray(payload)
-        outs = self.backend.compute(gid, layout.unpack_inputs(payload, n_tokens))
+        outs = self.backend.compute(gid, layout.unpack_inputs(payload, n_tokens, fed), feed)
         place = layout.output_placement(outs, n_tokens)
         if place is None:
             return self._outputs(outs, out_offset, capacity)
@@ -316,6 +327,26 @@ class Session:
             self.arena.write(dest, data)
             return m.Blob(b"", dest, len(data))
         return m.Blob(data, -1, len(data))
+
+
+def _step_feed(gid: int, layout: StepLayout, pairs: list[tuple[int, int]] | tuple[tuple[int, int], ...]
+               ) -> tuple[dict[str, int] | None, tuple[int, ...]]:
+    """A Step's feed, (input index, output index) pairs, checked against its graph's
+    layout: ({input name: output index} or None for none, the fed inputs' indices, sorted)."""
+    if not pairs:
+        return None, ()
+    names, n_outputs = layout.names, len(layout.outputs)
+    feed: dict[str, int] = {}
+    for i, k in pairs:
+        if not 0 <= i < len(names):
+            raise BackendError(f"feed names input {i}, but graph {gid} has {len(names)} inputs")
+        if not 0 <= k < n_outputs:
+            raise BackendError(f"feed of input {names[i]!r} names output {k}, but graph {gid} "
+                               f"has {n_outputs} outputs")
+        if names[i] in feed:
+            raise BackendError(f"input {names[i]!r} is fed twice")
+        feed[names[i]] = k
+    return feed, tuple(sorted(i for i, _ in pairs))
 
 
 def _op(code: int) -> Op:

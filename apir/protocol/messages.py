@@ -17,6 +17,8 @@ opcode picks the class, the class's fields say what to read, nothing else is pos
 
 Requests the guest does not wait for (no WANT_REPLY) get no answer at all; if one fails,
 the host keeps the error and returns it from the next request that does want a reply.
+The host serves requests one at a time, in order, and replies in that order, so a guest
+may send several requests before it reads the first reply (a pipelined decode does).
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ from .wire import MAX_ITEMS, ProtocolError, Reader, Writer
 
 MAGIC = b"APIR"
 # 2: Step (the fixed-layout compute of a decode step) and its Data reply
-PROTOCOL_VERSION = 2
+# 3: Step and Compute carry ``feed`` (inputs bound on the host to the previous outputs)
+PROTOCOL_VERSION = 3
 HEADER = struct.Struct("<4sHHII")
 MAX_BODY = 64 << 20  # one frame; bulk uploads are chunked below this
 WANT_REPLY = 1
@@ -67,6 +70,25 @@ class Tensor:
     dtype: int
     shape: tuple[int, ...]
     data: Blob
+
+
+@dataclass(frozen=True)
+class Feed:
+    """An input the host binds itself, to an output of the graph's previous compute (kept
+    on the device, never crossing the boundary): a decode step's sampled token feeds the
+    next step, so the guest can send step n+1 before it reads token n. A Step names the
+    input by its index in the graph's input order (that of its INPUT nodes)."""
+
+    input: int
+    output: int  # index in the graph's outputs
+
+
+@dataclass(frozen=True)
+class NamedFeed:
+    """A ``Feed`` as a general ``Compute`` carries it: the input by name, as its inputs."""
+
+    name: str
+    output: int
 
 
 @dataclass(frozen=True)
@@ -171,19 +193,22 @@ class Compute:
     inputs: tuple[Tensor, ...]
     out_offset: int  # arena range for the outputs; -1: inline
     out_capacity: int
+    feed: tuple[NamedFeed, ...] = ()  # inputs bound on the host (absent from ``inputs``)
 
 
 @dataclass(frozen=True)
 class Step:
     """A compute in the fixed layout its graph's registration implies (see
     ``apir.protocol.step``): the inputs' bytes back to back, no names, dtypes or shapes.
-    The hot path of decoding; the reply is a ``Data`` holding the outputs the same way."""
+    The hot path of decoding; the reply is a ``Data`` holding the outputs the same way.
+    Fed inputs send no bytes: the payload holds the others, in the same order."""
 
     graph_id: int
     n_tokens: int  # T (0 for a graph without a token axis)
     out_offset: int  # arena range for the outputs; -1: inline
     out_capacity: int
     inputs: Blob
+    feed: tuple[Feed, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -479,7 +504,8 @@ def decode_body(opcode: int, body: bytes | memoryview) -> object:
 # those of the field-by-field rules above (a test holds them to it):
 #
 #   Step body := i64 graph_id, i64 n_tokens, i64 out_offset, i64 out_capacity,
-#                u64 n, n inline bytes, i64 arena_offset, i64 size        (Blob inputs)
+#                u64 n, n inline bytes, i64 arena_offset, i64 size,       (Blob inputs)
+#                u32 m, m x (i64 input, i64 output)                        (Feed feed)
 #   Data body := u64 n, n inline bytes, i64 arena_offset, i64 size        (Blob data)
 
 _STEP_FIELDS = struct.Struct("<qqqqQ")  # ... u64 n: the inline length
@@ -487,19 +513,23 @@ _DATA_FIELDS = struct.Struct("<Q")
 _STEP_HEAD = struct.Struct(HEADER.format + _STEP_FIELDS.format[1:])
 _DATA_HEAD = struct.Struct(HEADER.format + _DATA_FIELDS.format[1:])
 _BLOB_TAIL = struct.Struct("<qq")  # arena_offset, size
+_STEP_TAIL = struct.Struct("<qqI")  # arena_offset, size, then the feed's count
+_FEED = struct.Struct("<qq")  # input, output
 STEP_OPCODE, DATA_OPCODE = OPCODE_OF[Step], OPCODE_OF[Data]
 
 
 def step_frame(request_id: int, flags: int, graph_id: int, n_tokens: int, out_offset: int, out_capacity: int,
-               inline: bytes, arena_offset: int, size: int) -> bytes:
+               inline: bytes, arena_offset: int, size: int, feed: typing.Sequence[tuple[int, int]] = ()) -> bytes:
     """The frame of ``Step(graph_id, n_tokens, out_offset, out_capacity, Blob(inline,
-    arena_offset, size))``, built without message objects."""
-    length = _STEP_FIELDS.size + len(inline) + _BLOB_TAIL.size
+    arena_offset, size), feed)``, built without message objects; ``feed`` as (input,
+    output) pairs."""
+    length = _STEP_FIELDS.size + len(inline) + _STEP_TAIL.size + _FEED.size * len(feed)
     if length > MAX_BODY:
         raise ProtocolError(f"Step of {length} bytes exceeds the {MAX_BODY}-byte frame limit")
     head = _STEP_HEAD.pack(MAGIC, STEP_OPCODE, flags, request_id, length, graph_id, n_tokens, out_offset,
                            out_capacity, len(inline))
-    return b"".join((head, inline, _BLOB_TAIL.pack(arena_offset, size)))
+    tail = _STEP_TAIL.pack(arena_offset, size, len(feed))
+    return b"".join((head, inline, tail, *(_FEED.pack(*pair) for pair in feed)))
 
 
 def data_frame(request_id: int, flags: int, inline: bytes, arena_offset: int, size: int) -> bytes:
@@ -511,9 +541,10 @@ def data_frame(request_id: int, flags: int, inline: bytes, arena_offset: int, si
     return b"".join((head, inline, _BLOB_TAIL.pack(arena_offset, size)))
 
 
-def _parse_fixed(fields: struct.Struct, body: bytes | memoryview) -> tuple:
-    """A body of ``fields`` ending in a blob's inline length, then the blob: (*fields,
-    inline, arena_offset, size), ``inline`` a view of ``body``. Checked like any decode."""
+def _parse_fixed(fields: struct.Struct, tail: struct.Struct, body: bytes | memoryview) -> tuple[tuple, int]:
+    """A body of ``fields`` ending in a blob's inline length, then the blob, then ``tail``:
+    ((*fields, inline, *tail), where the tail ends), ``inline`` a view of ``body``.
+    Checked like any decode."""
     fixed, total = fields.size, len(body)
     if total < fixed:
         raise ProtocolError(f"truncated message: wanted {fixed} bytes at 0, frame has {total}")
@@ -522,26 +553,41 @@ def _parse_fixed(fields: struct.Struct, body: bytes | memoryview) -> tuple:
     if n > total - fixed:
         raise ProtocolError(f"truncated message: {n} bytes of data announced, {total - fixed} present")
     end = fixed + n
-    if end + _BLOB_TAIL.size > total:
-        raise ProtocolError(f"truncated message: wanted {_BLOB_TAIL.size} bytes at {end}, frame has {total}")
-    if end + _BLOB_TAIL.size < total:
-        raise ProtocolError(f"{total - end - _BLOB_TAIL.size} unexpected bytes after the message")
-    return (*values[:-1], memoryview(body)[fixed:end], *_BLOB_TAIL.unpack_from(body, end))
+    if end + tail.size > total:
+        raise ProtocolError(f"truncated message: wanted {tail.size} bytes at {end}, frame has {total}")
+    return (*values[:-1], memoryview(body)[fixed:end], *tail.unpack_from(body, end)), end + tail.size
 
 
-def parse_step(body: bytes | memoryview) -> tuple[int, int, int, int, memoryview, int, int]:
-    """A Step body: (graph_id, n_tokens, out_offset, out_capacity, inline, arena_offset, size)."""
-    return _parse_fixed(_STEP_FIELDS, body)
+def _end(body: bytes | memoryview, at: int) -> None:
+    if at < len(body):
+        raise ProtocolError(f"{len(body) - at} unexpected bytes after the message")
+
+
+def parse_step(body: bytes | memoryview) -> tuple[int, int, int, int, memoryview, int, int, tuple[tuple[int, int], ...]]:
+    """A Step body: (graph_id, n_tokens, out_offset, out_capacity, inline, arena_offset,
+    size, feed), ``feed`` as (input, output) pairs, not checked against any graph yet."""
+    (*fields, count), at = _parse_fixed(_STEP_FIELDS, _STEP_TAIL, body)
+    if count > MAX_ITEMS:
+        raise ProtocolError(f"list of {count} items exceeds the limit of {MAX_ITEMS}")
+    end = at + _FEED.size * count
+    if end > len(body):
+        raise ProtocolError(f"truncated message: {count} feeds announced, {len(body) - at} bytes present")
+    _end(body, end)
+    flat = _array("q", 2 * count).unpack_from(body, at) if count else ()
+    return (*fields, tuple(zip(flat[0::2], flat[1::2])))
 
 
 def parse_data(body: bytes | memoryview) -> tuple[memoryview, int, int]:
     """A Data body: (inline, arena_offset, size)."""
-    return _parse_fixed(_DATA_FIELDS, body)
+    fields, end = _parse_fixed(_DATA_FIELDS, _BLOB_TAIL, body)
+    _end(body, end)
+    return fields
 
 
 def _decode_step(body: bytes | memoryview) -> Step:
-    gid, n_tokens, out_offset, capacity, inline, arena_offset, size = parse_step(body)
-    return Step(gid, n_tokens, out_offset, capacity, Blob(bytes(inline), arena_offset, size))
+    gid, n_tokens, out_offset, capacity, inline, arena_offset, size, feed = parse_step(body)
+    return Step(gid, n_tokens, out_offset, capacity, Blob(bytes(inline), arena_offset, size),
+                tuple(Feed(i, k) for i, k in feed))
 
 
 def _decode_data(body: bytes | memoryview) -> Data:
@@ -551,7 +597,8 @@ def _decode_data(body: bytes | memoryview) -> Data:
 
 _FIXED_ENCODERS: dict[type, typing.Callable[[typing.Any, int, int], bytes]] = {
     Step: lambda s, rid, flags: step_frame(rid, flags, s.graph_id, s.n_tokens, s.out_offset, s.out_capacity,
-                                           s.inputs.inline, s.inputs.arena_offset, s.inputs.size),
+                                           s.inputs.inline, s.inputs.arena_offset, s.inputs.size,
+                                           [(f.input, f.output) for f in s.feed]),
     Data: lambda d, rid, flags: data_frame(rid, flags, d.data.inline, d.data.arena_offset, d.data.size),
 }
 _FIXED_DECODERS: dict[int, typing.Callable[[bytes | memoryview], object]] = {

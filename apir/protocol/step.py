@@ -6,10 +6,11 @@ and its ``Data`` reply the outputs' bytes only:
 
     payload := tensor 0, zero padding, tensor 1, zero padding, ..., tensor n-1
 
-Inputs go in the graph's input order (the order of its INPUT nodes), outputs in its
-output order; each tensor is C-contiguous with the shape the graph gives it (T
-substituted) and starts at a multiple of ``ALIGN`` bytes, so every view of the payload is
-aligned for its dtype. Both ends derive the layout from the same registered Graph. The
+Inputs go in the graph's input order (the order of its INPUT nodes), less those the Step
+feeds (the host binds them to the previous compute's outputs), outputs in its output
+order; each tensor is C-contiguous with the shape the graph gives it (T substituted) and
+starts at a multiple of ``ALIGN`` bytes, so every view of the payload is aligned for its
+dtype. Both ends derive the layout from the same registered Graph. The
 receiver checks the payload's size against the layout before slicing it; the host's
 executor then checks the inputs as for any compute.
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -37,6 +39,14 @@ class Slot:
     shape: tuple[int, ...]  # may hold T
 
 
+class Sent(NamedTuple):
+    """The inputs a Step carries, in payload order, for one set of fed inputs."""
+
+    slots: tuple[Slot, ...]
+    names: list[str]
+    token_at: tuple[int, int] | None  # (index in slots, axis) where T shows first
+
+
 @dataclass(frozen=True)
 class Placement:
     """Where each tensor lies in the payload for one T."""
@@ -49,15 +59,17 @@ class Placement:
 
 
 class StepLayout:
-    """The inputs and outputs of one registered graph, and how they pack for a given T."""
+    """The inputs and outputs of one registered graph, and how they pack for a given T.
+
+    ``fed``, where a method takes it, is the sorted tuple of the indices of the inputs the
+    host binds itself (a Step's ``feed``): they take no room in the payload."""
 
     def __init__(self, inputs: tuple[Slot, ...], outputs: tuple[Slot, ...]) -> None:
         self.inputs, self.outputs = inputs, outputs
         self.names = [slot.name for slot in inputs]
-        # where T shows first: (input index, axis); None for a graph without a token axis
-        self._token_at = next(((i, s.shape.index(T)) for i, s in enumerate(inputs) if T in s.shape), None)
-        self.has_tokens = self._token_at is not None
-        self._placements: dict[tuple[bool, int], Placement] = {}
+        self.has_tokens = any(T in s.shape for s in inputs)
+        self._placements: dict[tuple[bool, int, tuple[int, ...]], Placement] = {}
+        self._sent: dict[tuple[int, ...], Sent] = {}
 
     @classmethod
     def of(cls, graph: Graph) -> StepLayout | None:
@@ -70,13 +82,25 @@ class StepLayout:
         return cls(*(tuple(Slot(name, NUMPY_DTYPES[node.dtype], node.shape) for name, node in side)
                      for side in (inputs, outputs)))
 
-    def placement(self, outputs: bool, n_tokens: int) -> Placement:
-        key = (outputs, n_tokens)
+    def sent(self, fed: tuple[int, ...] = ()) -> Sent:
+        """The inputs a Step carries when those at ``fed`` are fed."""
+        sent = self._sent.get(fed)
+        if sent is None:
+            if len(self._sent) >= _CACHED:
+                self._sent.clear()
+            slots = tuple(slot for i, slot in enumerate(self.inputs) if i not in fed)
+            # where T shows first: (index among the sent, axis); None when no sent input has it
+            token_at = next(((i, s.shape.index(T)) for i, s in enumerate(slots) if T in s.shape), None)
+            sent = self._sent[fed] = Sent(slots, [slot.name for slot in slots], token_at)
+        return sent
+
+    def placement(self, outputs: bool, n_tokens: int, fed: tuple[int, ...] = ()) -> Placement:
+        key = (outputs, n_tokens, fed)
         place = self._placements.get(key)
         if place is None:
             if len(self._placements) >= _CACHED:
                 self._placements.clear()
-            place = self._placements[key] = _place(self.outputs if outputs else self.inputs, n_tokens)
+            place = self._placements[key] = _place(self.outputs if outputs else self.sent(fed).slots, n_tokens)
         return place
 
     def check_tokens(self, n_tokens: int) -> None:
@@ -86,21 +110,23 @@ class StepLayout:
             raise ProtocolError(f"step with T={n_tokens}: T must be {want}")
 
     # ------------------------------------------------------------ guest
-    def pack_inputs(self, inputs: Mapping[str, np.ndarray]) -> tuple[int, bytes] | None:
-        """(T, payload) for ``inputs``; None when they do not have the registered names,
-        dtypes and shapes (the general ``Compute`` then reports exactly what is wrong)."""
-        if len(inputs) != len(self.names):
+    def pack_inputs(self, inputs: Mapping[str, np.ndarray], fed: tuple[int, ...] = ()) -> tuple[int, bytes] | None:
+        """(T, payload) for ``inputs``; None when they are not exactly the graph's unfed
+        inputs with their registered dtypes and shapes, or when T shows only in fed ones
+        (the general ``Compute`` then reports what is wrong, or works T out on the host)."""
+        sent = self.sent(fed)
+        if len(inputs) != len(sent.names) or (sent.token_at is None and self.has_tokens):
             return None
-        arrays = [inputs.get(name) for name in self.names]
+        arrays = [inputs.get(name) for name in sent.names]
         n_tokens = 0
-        if self._token_at is not None:  # T is what the first input with a token axis says
-            i, axis = self._token_at
+        if sent.token_at is not None:  # T is what the first input with a token axis says
+            i, axis = sent.token_at
             a = arrays[i]
             if not isinstance(a, np.ndarray) or a.ndim <= axis or a.shape[axis] == 0:
                 return None
             n_tokens = a.shape[axis]
-        place = self.placement(False, n_tokens)
-        for a, slot, (_, shape) in zip(arrays, self.inputs, place.places):
+        place = self.placement(False, n_tokens, fed)
+        for a, slot, (_, shape) in zip(arrays, sent.slots, place.places):
             if not isinstance(a, np.ndarray) or a.dtype != slot.dtype or a.shape != shape:
                 return None
         return n_tokens, pack(arrays, place)
@@ -111,10 +137,11 @@ class StepLayout:
         return _views(self.placement(True, n_tokens), payload, "outputs")
 
     # ------------------------------------------------------------ host
-    def unpack_inputs(self, payload: bytearray | memoryview, n_tokens: int) -> dict[str, np.ndarray]:
-        """The inputs of a Step, as views of ``payload`` (which the caller owns)."""
+    def unpack_inputs(self, payload: bytearray | memoryview, n_tokens: int,
+                      fed: tuple[int, ...] = ()) -> dict[str, np.ndarray]:
+        """The sent inputs of a Step, as views of ``payload`` (which the caller owns)."""
         self.check_tokens(n_tokens)
-        return dict(zip(self.names, _views(self.placement(False, n_tokens), payload, "inputs")))
+        return dict(zip(self.sent(fed).names, _views(self.placement(False, n_tokens, fed), payload, "inputs")))
 
     def output_placement(self, outputs: Sequence[np.ndarray], n_tokens: int) -> Placement | None:
         """Where ``outputs`` go in a Data reply; None when they are not exactly the graph's
