@@ -4,15 +4,21 @@ Handles are minted here, so allocations, uploads and graph frees are sent withou
 (no reply is asked for); a failure among them is reported by the host at the next request
 that waits — a compute, a read, a synchronize — like an asynchronous GPU API. Bulk bytes
 go through the session's shared arena when there is one (Unix sockets), inline otherwise.
+
+Requests that do want a reply need not wait for it either: ``submit`` sends a compute and
+returns a Pending, and the host answers in request order, so whichever request reads
+replies takes them in that order and keeps each for its own request (see ``Awaited``).
 """
 
 from __future__ import annotations
 
+import collections
+import functools
 import itertools
 import os
 import socket
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -33,13 +39,16 @@ from ..protocol import (
 from ..protocol import messages as m
 from ..protocol.step import StepLayout
 from ..transport import Arena, ArenaRing, Channel, ConnectionClosed, Frame, connect, parse_address
-from ..transport.arena import check_sealed
+from ..transport.arena import ARENA_ALIGN, check_sealed
 from ..transport.doorbell import Doorbell
 from ..transport.ivshmem import Region, RingChannel
-from .base import Backend, BackendError, BufferPurpose, DeviceInfo, QuotaError
+from .base import Backend, BackendError, BufferPurpose, DeviceInfo, Feed, Pending, QuotaError
 
 CHUNK = 8 << 20  # upload pieces: well under the frame limit, big enough to stream fast
 INLINE_MAX = 4096  # inputs up to this size go inline even when an arena exists
+# Bytes sent while replies are awaited before the guest first takes them (see _send):
+# well under what a socket's buffers or a ring hold, so the host can always read them.
+PIPELINE_BYTES = 64 << 10
 DEFAULT_ARENA = 256 << 20
 
 
@@ -134,6 +143,8 @@ class RemoteBackend(Backend):
         self._rids = itertools.count(1)
         self._graphs: dict[int, Graph] = {}
         self._layouts: dict[int, StepLayout | None] = {}  # graph id -> its Step layout
+        self._awaited: collections.deque[Awaited] = collections.deque()  # sent, reply not read yet
+        self._unread = 0  # bytes sent while replies were awaited (see _send)
         self.closed = False
         self.round_trip_seconds = 0.0  # of the last request that waited for the host
         want_arena = arena_size if injected or self.address.scheme == "unix" else 0
@@ -198,33 +209,63 @@ class RemoteBackend(Backend):
         return self._region.arena()
 
     # ------------------------------------------------------------ plumbing
-    def _post(self, msg: object) -> None:
-        """Send without waiting; failures come back at the next ``_call``."""
+    def _send(self, frame: bytes, what: str) -> None:
+        """Send a frame. While replies are awaited the host may be blocked sending one and
+        reading nothing; so once PIPELINE_BYTES have gone out since, first take every
+        awaited reply, lest both sides wait forever on a full socket or ring."""
+        if self._awaited and self._unread + len(frame) > PIPELINE_BYTES:
+            while self._awaited:
+                self._take()
         if self.closed:
             raise BackendError("remote backend is closed")
-        try:
-            self.chan.send(msg, next(self._rids))
-        except ConnectionClosed:
-            raise self._gone(type(msg).__name__) from None
-
-    def _call(self, msg: object) -> object:
-        rid = next(self._rids)
-        return self._reply(*self._exchange(encode(msg, rid, WANT_REPLY), rid, type(msg).__name__), rid)
-
-    def _exchange(self, frame: bytes, rid: int, what: str) -> tuple[FrameHeader, bytearray]:
-        """One round trip: send a request's frame, read the reply's (its body undecoded)."""
-        if self.closed:
-            raise BackendError("remote backend is closed")
-        t0 = time.perf_counter()
         try:
             self.chan.send_frame(frame)
-            header, body, fds = self.chan.recv_frame()
         except (ConnectionClosed, TimeoutError, OSError) as e:
             raise self._gone(what, e) from None
-        self.round_trip_seconds = time.perf_counter() - t0
+        if self._awaited:
+            self._unread += len(frame)
+
+    def _post(self, msg: object) -> None:
+        """Send without waiting; failures come back at the next request that waits."""
+        self._send(encode(msg, next(self._rids)), type(msg).__name__)
+
+    def _request(self, frame: bytes, rid: int, what: str, decode: Decoder) -> Awaited:
+        """Send request ``rid`` (its frame asks for a reply) and return without waiting."""
+        self._send(frame, what)
+        awaited = Awaited(self, rid, what, decode)
+        if not self._awaited:
+            self._unread = len(frame)
+        self._awaited.append(awaited)
+        return awaited
+
+    def _call(self, msg: object) -> object:
+        """A request and its reply (after those of every request sent before it)."""
+        rid = next(self._rids)
+        return self._request(encode(msg, rid, WANT_REPLY), rid, type(msg).__name__, self._reply).result()
+
+    def _wait(self, awaited: Awaited) -> None:
+        """Take replies, in order, until ``awaited``'s has come."""
+        while not awaited.done:
+            self._take()
+
+    def _take(self) -> None:
+        """Read the next reply: the host answers in request order, so it is the oldest
+        awaited request's. Decode it now (copying anything in the arena, which a later
+        request may reuse once the host has read it) and keep the result, or the error,
+        for that request's ``result()``."""
+        try:
+            header, body, fds = self.chan.recv_frame()
+        except (ConnectionClosed, TimeoutError, OSError) as e:
+            self._gone(self._awaited[0].what, e)
+            return
         for fd in fds:
             os.close(fd)
-        return header, body
+        awaited = self._awaited.popleft()
+        self.round_trip_seconds = time.perf_counter() - awaited.sent
+        try:
+            awaited.finish(awaited.decode(header, body, awaited.rid))
+        except Exception as e:  # noqa: BLE001 - raised at the request's own result()
+            awaited.fail(e)
 
     @staticmethod
     def _reply(header: FrameHeader, body: bytearray, rid: int) -> object:
@@ -237,18 +278,27 @@ class RemoteBackend(Backend):
         return reply
 
     def _gone(self, what: str, exc: BaseException | None = None) -> HostGoneError:
+        """The host went away: close, fail every awaited request, and return the error for
+        ``what`` (the request that found out)."""
         self.closed = True
         self.chan.close()
         why = "timed out" if isinstance(exc, TimeoutError) else "connection closed"
-        return HostGoneError(
-            f"the apir host at {self.address} went away during {what} ({why}): "
-            "the daemon or this session's worker stopped; its log says which (restart the daemon "
-            "if it is gone, or reconnect)"
-        )
+
+        def error(what: str) -> HostGoneError:
+            return HostGoneError(
+                f"the apir host at {self.address} went away during {what} ({why}): "
+                "the daemon or this session's worker stopped; its log says which (restart the "
+                "daemon if it is gone, or reconnect)"
+            )
+
+        while self._awaited:
+            awaited = self._awaited.popleft()
+            awaited.fail(error(awaited.what))
+        return error(what)
 
     def _arena_slot(self, n: int) -> int | None:
-        """An arena offset for ``n`` bytes, or None to send them inline."""
-        if self.ring is None or n <= INLINE_MAX or n > self.ring.size:
+        """An arena offset for ``n`` bytes, or None (no arena, or not room enough)."""
+        if self.ring is None or n > self.ring.size:
             return None
         off = self.ring.alloc(n)
         if off is None:
@@ -257,16 +307,29 @@ class RemoteBackend(Backend):
             off = self.ring.alloc(n)
         return off
 
-    def _blob(self, data: bytes | memoryview) -> m.Blob:
-        return m.Blob(*self._blob_fields(data))
+    def _place(self, sizes: Sequence[int]) -> list[int]:
+        """Where each of a request's byte runs of ``sizes`` goes: an arena offset for those
+        over INLINE_MAX, -1 (inline) for the rest. The arena ones share one allocation, so
+        a wrap (which waits until the host has consumed every earlier request) comes before
+        any of them is written, and no two requests in flight share a byte."""
+        offsets, total = [], 0
+        for n in sizes:
+            offsets.append(total if n > INLINE_MAX else -1)
+            if n > INLINE_MAX:
+                total += -(-n // ARENA_ALIGN) * ARENA_ALIGN
+        base = self._arena_slot(total) if total else None
+        return [-1 if base is None or o < 0 else base + o for o in offsets]
 
-    def _blob_fields(self, data: bytes | memoryview) -> tuple[bytes, int, int]:
-        """(inline, arena_offset, size) of a blob holding ``data``: big ones in the arena."""
-        off = self._arena_slot(len(data))
-        if off is None:
+    def _blob(self, data: bytes | memoryview, offset: int) -> m.Blob:
+        return m.Blob(*self._blob_fields(data, offset))
+
+    def _blob_fields(self, data: bytes | memoryview, offset: int) -> tuple[bytes, int, int]:
+        """(inline, arena_offset, size) of a blob holding ``data``, at ``offset`` of the
+        arena (from ``_place``), or inline for -1."""
+        if offset < 0:
             return bytes(data), -1, len(data)
-        self.arena.write(off, data)
-        return b"", off, len(data)
+        self.arena.write(offset, data)
+        return b"", offset, len(data)
 
     def _read_blob(self, blob: m.Blob) -> bytes:
         """A private copy of the blob's bytes."""
@@ -309,11 +372,10 @@ class RemoteBackend(Backend):
         view = memoryview(data).cast("B")
         for start in range(0, max(len(view), 1), CHUNK):
             piece = view[start : start + CHUNK]
-            self._post(m.SetTensor(handle, offset + start, self._blob(piece)))
+            self._post(m.SetTensor(handle, offset + start, self._blob(piece, self._place([len(piece)])[0])))
 
     def get_tensor(self, handle: int, offset: int, size: int) -> bytes:
-        dest = self._arena_slot(size)
-        reply = self._call(m.GetTensor(handle, offset, size, -1 if dest is None else dest))
+        reply = self._call(m.GetTensor(handle, offset, size, self._place([size])[0]))
         return self._read_blob(reply.data)
 
     def copy_tensor(self, src: int, src_offset: int, dst: int, dst_offset: int, size: int) -> None:
@@ -332,20 +394,38 @@ class RemoteBackend(Backend):
         self._layouts.pop(gid, None)
         self._post(m.FreeGraph(gid))
 
-    def compute(self, gid: int, inputs: Mapping[str, np.ndarray]) -> list[np.ndarray]:
+    def compute(self, gid: int, inputs: Mapping[str, np.ndarray], feed: Feed | None = None) -> list[np.ndarray]:
+        return self.submit(gid, inputs, feed).result()
+
+    def submit(self, gid: int, inputs: Mapping[str, np.ndarray], feed: Feed | None = None) -> Pending:
+        """Send the compute and return without waiting for it: its ``result()`` reads the
+        reply (and those of the requests sent before it). Decode pipelines this way:
+        submit step n+1, fed step n's token on the host, then read token n."""
+        try:
+            return self._submit(gid, inputs, feed or {})
+        except ApirError as e:
+            return Pending(error=e)
+
+    def _submit(self, gid: int, inputs: Mapping[str, np.ndarray], feed: Feed) -> Awaited:
         layout = self._layouts.get(gid)
-        packed = layout.pack_inputs(inputs) if layout is not None else None
+        packed = None
+        if layout is not None and all(name in layout.names for name in feed):
+            pairs = [(layout.names.index(name), k) for name, k in feed.items()]
+            fed = tuple(sorted(i for i, _ in pairs))
+            packed = layout.pack_inputs(inputs, fed)
         if packed is None:  # not the registered form: the host says exactly what is wrong
-            return self._compute_named(gid, inputs)
+            return self._submit_named(gid, inputs, feed)
         n_tokens, payload = packed
-        size = layout.placement(True, n_tokens).size
-        slot = self._arena_slot(size) if size > INLINE_MAX else None
-        # (if placing the inputs wraps the arena, they may overlap the outputs' range:
-        # harmless, the host copies its inputs out before it writes any output)
-        out_offset, capacity = (-1, 0) if slot is None else (slot, size)
+        out_size = layout.placement(True, n_tokens).size
+        in_at, out_at = self._place([len(payload), out_size])
         rid = next(self._rids)
-        frame = m.step_frame(rid, WANT_REPLY, gid, n_tokens, out_offset, capacity, *self._blob_fields(payload))
-        header, body = self._exchange(frame, rid, "Compute")
+        frame = m.step_frame(rid, WANT_REPLY, gid, n_tokens, out_at, out_size if out_at >= 0 else 0,
+                             *self._blob_fields(payload, in_at), pairs)
+        return self._request(frame, rid, "Compute", functools.partial(self._step_reply, layout, n_tokens))
+
+    def _step_reply(self, layout: StepLayout, n_tokens: int, header: FrameHeader, body: bytearray,
+                    rid: int) -> list[np.ndarray]:
+        """The outputs a Step's reply holds."""
         if header.opcode != m.DATA_OPCODE:  # an Error, or Outputs unlike the graph's
             reply = self._reply(header, body, rid)
             if not isinstance(reply, m.Outputs):
@@ -358,25 +438,26 @@ class RemoteBackend(Backend):
             return layout.unpack_outputs(inline, n_tokens)
         return layout.unpack_outputs(bytearray(self._arena_window(arena_offset, size)), n_tokens)  # one copy
 
-    def _compute_named(self, gid: int, inputs: Mapping[str, np.ndarray]) -> list[np.ndarray]:
+    def _submit_named(self, gid: int, inputs: Mapping[str, np.ndarray], feed: Feed) -> Awaited:
         """The general compute: every input with its name, dtype and shape."""
-        tensors, n_tokens = [], None
+        arrays, n_tokens = {}, None
         for name, arr in inputs.items():
             arr = np.ascontiguousarray(arr)
             try:
-                dtype = DType.BF16 if arr.dtype == np.uint16 else from_numpy(arr.dtype)
+                arrays[name] = arr, DType.BF16 if arr.dtype == np.uint16 else from_numpy(arr.dtype)
             except ValueError as e:
                 raise BackendError(f"input {name!r}: {e}") from None
-            tensors.append(m.Tensor(name, int(dtype), tuple(arr.shape), self._blob(memoryview(arr).cast("B"))))
             n_tokens = n_tokens or (arr.shape[0] if arr.ndim else None)
-        out_off, cap = -1, 0
         graph = self._graphs.get(gid)
-        if graph is not None and self.ring is not None:
-            need = sum(_nbytes(graph.nodes[o], n_tokens) + 64 for o in graph.outputs)
-            if need > INLINE_MAX:
-                slot = self._arena_slot(need)
-                out_off, cap = (slot, need) if slot is not None else (-1, 0)
-        return self._arrays(self._call(m.Compute(gid, tuple(tensors), out_off, cap)))
+        out_need = 0 if graph is None else sum(_nbytes(graph.nodes[o], n_tokens) + 64 for o in graph.outputs)
+        *at, out_at = self._place([a.nbytes for a, _ in arrays.values()] + [out_need])
+        tensors = tuple(m.Tensor(name, int(dtype), tuple(arr.shape), self._blob(memoryview(arr).cast("B"), off))
+                        for (name, (arr, dtype)), off in zip(arrays.items(), at))
+        msg = m.Compute(gid, tensors, out_at, out_need if out_at >= 0 else 0,
+                        tuple(m.NamedFeed(name, k) for name, k in feed.items()))
+        rid = next(self._rids)
+        return self._request(encode(msg, rid, WANT_REPLY), rid, "Compute",
+                             lambda header, body, rid: self._arrays(self._reply(header, body, rid)))
 
     def _arrays(self, reply: m.Outputs) -> list[np.ndarray]:
         outs = []
@@ -396,6 +477,8 @@ class RemoteBackend(Backend):
         except (ConnectionClosed, OSError):
             pass
         self.closed = True
+        while self._awaited:
+            self._awaited.popleft().fail(BackendError("the remote backend was closed before this reply came"))
         self.chan.close()
         if self.arena is not None:
             self.arena.close()
@@ -405,6 +488,31 @@ class RemoteBackend(Backend):
         if getattr(self, "_doorbell", None) is not None:
             self._doorbell.close()
             self._socket_chan.close()
+
+
+Decoder = Callable[[FrameHeader, bytearray, int], object]  # (header, body, request id) -> value
+
+
+class Awaited(Pending):
+    """A request sent, its reply not read yet. ``result()`` reads replies, in order, until
+    this one's has come; then returns its value or raises its error."""
+
+    def __init__(self, backend: RemoteBackend, rid: int, what: str, decode: Decoder) -> None:
+        super().__init__()
+        self._backend, self.rid, self.what, self.decode = backend, rid, what, decode
+        self.sent = time.perf_counter()
+        self.done = False
+
+    def finish(self, value: object) -> None:
+        self._outputs, self.done = value, True
+
+    def fail(self, error: Exception) -> None:
+        self._error, self.done = error, True
+
+    def result(self) -> object:
+        if not self.done:
+            self._backend._wait(self)
+        return super().result()
 
 
 def _nbytes(node, n_tokens: int | None) -> int:

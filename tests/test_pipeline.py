@@ -1,0 +1,156 @@
+"""Pipelined computes against a real daemon: ``submit`` sends without waiting, replies
+come back in request order and each lands at its own Pending; a token fed on the host
+gives exactly the tokens of the unpipelined loop; errors and a dying daemon surface at
+the right ``result()``; several requests in flight never share arena bytes."""
+
+from __future__ import annotations
+
+import signal
+
+import numpy as np
+import pytest
+from hosts import start_host
+
+from apir.backends import BufferPurpose
+from apir.backends.base import BackendError
+from apir.backends.local import LocalBackend
+from apir.backends.remote import HostGoneError, RemoteBackend
+from apir.graph import DType, GraphBuilder, T
+
+VOCAB, DIM = 64, 16
+
+
+def _remote(host, transport: str, **kw) -> RemoteBackend:
+    return RemoteBackend(host.unix if transport == "unix" else host.tcp, token_file=host.token_file, **kw)
+
+
+def _decoder(b) -> tuple[int, int]:
+    """On ``b``: a decode-shaped graph, tokens (T,) and pos (T,) in, the argmax token (T,)
+    and the logits (T, VOCAB) out; and the weights' buffer."""
+    rng = np.random.default_rng(7)
+    buf = b.alloc_buffer(2 * VOCAB * DIM * 4, BufferPurpose.WEIGHTS)
+    b.set_tensor(buf, 0, rng.standard_normal(2 * VOCAB * DIM).astype(np.float32))
+    g = GraphBuilder()
+    tokens, pos = g.input("tokens", (T,), DType.I32), g.input("pos", (T,), DType.I32)
+    emb = g.weight(buf, 0, (VOCAB, DIM), DType.F32)
+    out = g.weight(buf, VOCAB * DIM * 4, (VOCAB, DIM), DType.F32)
+    logits = g.matmul(g.add(g.get_rows(emb, tokens), g.get_rows(emb, pos)), out)  # (T, VOCAB)
+    return b.register_graph(g.build(g.argmax(logits), logits)), buf
+
+
+def _pos(i: int) -> dict[str, np.ndarray]:
+    return {"pos": np.array([i % VOCAB], np.int32)}
+
+
+def _unpipelined(b, gid: int, token: int, n: int) -> list[int]:
+    out = []
+    for i in range(n):
+        token = int(b.compute(gid, {"tokens": np.array([token], np.int32), **_pos(i)})[0][0])
+        out.append(token)
+    return out
+
+
+def _pipelined(b, gid: int, token: int, n: int) -> list[int]:
+    """Step i+1 is submitted, its token fed from step i on the backend, before token i is read."""
+    pending = b.submit(gid, {"tokens": np.array([token], np.int32), **_pos(0)})
+    out = []
+    for i in range(1, n + 1):
+        following = b.submit(gid, _pos(i), feed={"tokens": 0}) if i < n else None
+        out.append(int(pending.result()[0][0]))
+        pending = following
+    return out
+
+
+@pytest.mark.parametrize("transport", ["unix", "tcp"])
+def test_pipelined_decode_gives_exactly_the_unpipelined_tokens(host, transport):
+    with LocalBackend("cpu") as local, _remote(host, transport) as remote:
+        want = _unpipelined(local, _decoder(local)[0], 5, 40)
+        gid, buf = _decoder(remote)
+        assert _unpipelined(remote, gid, 5, 40) == want
+        assert _pipelined(remote, gid, 5, 40) == want
+        assert _pipelined(local, _decoder(local)[0], 5, 40) == want  # the base class's submit
+        # other requests between a submit and its result take the earlier replies first
+        first = remote.submit(gid, {"tokens": np.array([5], np.int32), **_pos(0)})
+        second = remote.submit(gid, _pos(1), feed={"tokens": 0})
+        weights = remote.get_tensor(buf, 0, 16)
+        remote.synchronize()
+        third = remote.submit(gid, _pos(2), feed={"tokens": 0})
+        assert [int(p.result()[0][0]) for p in (third, first, second)] == [want[2], want[0], want[1]]
+        assert weights == local.get_tensor(_decoder(local)[1], 0, 16)
+
+
+@pytest.mark.parametrize("transport", ["unix", "tcp"])
+def test_an_error_surfaces_at_its_own_result_and_a_fed_step_after_it_fails(host, transport):
+    with _remote(host, transport) as remote:
+        gid, _ = _decoder(remote)
+        good = remote.submit(gid, {"tokens": np.array([1], np.int32), **_pos(0)})
+        bad = remote.submit(gid, {"tokens": np.array([VOCAB + 5], np.int32), **_pos(1)})  # out of range
+        fed = remote.submit(gid, _pos(2), feed={"tokens": 0})
+        after = remote.submit(gid, {"tokens": np.array([2], np.int32), **_pos(3)})
+        assert after.result()[0].shape == (1,)  # a later reply, read first
+        assert good.result()[0].shape == (1,)
+        with pytest.raises(BackendError, match=r"row index out of range: input .tokens. must lie in \[0, 64\)"):
+            bad.result()
+        with pytest.raises(BackendError, match="no outputs to feed from"):
+            fed.result()
+        with pytest.raises(BackendError, match="feed names 'nope', which is not an input"):
+            remote.compute(gid, _pos(0), feed={"nope": 0})  # the general Compute: the host says
+        assert remote.compute(gid, {"tokens": np.array([3], np.int32), **_pos(0)})[0].shape == (1,)
+
+
+@pytest.mark.parametrize("transport", ["unix", "tcp"])
+def test_many_requests_in_flight_through_a_small_arena(host, transport):
+    """Big inputs and outputs of nine requests in flight, on an arena that holds about
+    four of them: no two share arena bytes, the wrap waits, every result is its own."""
+    rng = np.random.default_rng(3)
+    xs = [rng.standard_normal((64, 1024)).astype(np.float32) for _ in range(8)]  # 256 KiB each
+    with _remote(host, transport, arena_size=4 << 20) as remote:
+        g = GraphBuilder()
+        x = g.input("x", (T, 1024))
+        gid = remote.register_graph(g.build(g.scale(x, 2.0), g.scale(x, -1.0)))
+        # T only in a fed input: a general Compute, its feed by name
+        g = GraphBuilder()
+        named = remote.register_graph(g.build(g.input("tok", (T,), DType.I32), g.scale(g.input("x", (64, 1024)), 3.0)))
+        remote.compute(named, {"tok": np.array([4, 2], np.int32), "x": xs[0]})
+        for _ in range(3):
+            pending = [remote.submit(gid, {"x": x}) for x in xs]
+            pending.insert(4, remote.submit(named, {"x": xs[1]}, feed={"tok": 0}))
+            tok, tripled = pending.pop(4).result()
+            for x, p in reversed(list(zip(xs, pending))):
+                doubled, negated = p.result()
+                assert np.array_equal(doubled, 2 * x) and np.array_equal(negated, -x)
+            assert tok.tolist() == [4, 2] and np.array_equal(tripled, 3 * xs[1])
+
+
+def _slow(b) -> tuple[int, dict]:
+    """A graph that takes a good fraction of a second (eight 1024 x 1024 products on
+    (4096, 1024)) from a small request, fed like a decode step: output 0 is an I32 token."""
+    buf = b.alloc_buffer(1024 * 1024 * 4, BufferPurpose.WEIGHTS)
+    b.set_tensor(buf, 0, np.full(1024 * 1024, 1e-3, np.float32))
+    g = GraphBuilder()
+    w = g.weight(buf, 0, (1024, 1024), DType.F32)
+    x = g.get_rows(w, g.input("rows", (T,), DType.I32))  # (T, 1024)
+    for _ in range(8):
+        x = g.matmul(x, w)
+    tok = g.input("tok", (1,), DType.I32)
+    return b.register_graph(g.build(tok, x)), {"rows": np.zeros(4096, np.int32)}
+
+
+@pytest.mark.parametrize("transport", ["unix", "tcp"])
+def test_daemon_death_fails_every_outstanding_step(tmp_path, transport):
+    host = start_host(tmp_path)
+    try:
+        remote = _remote(host, transport)
+        gid, inputs = _slow(remote)
+        first = remote.submit(gid, {**inputs, "tok": np.array([1], np.int32)})
+        fed = [remote.submit(gid, inputs, feed={"tok": 0}) for _ in range(2)]
+        host.proc.send_signal(signal.SIGKILL)
+        host.proc.wait()
+        for p in (fed[1], first, fed[0]):
+            with pytest.raises(HostGoneError, match="went away during Compute"):
+                p.result()
+        with pytest.raises(BackendError, match="closed"):
+            remote.compute(gid, {**inputs, "tok": np.array([1], np.int32)})
+        remote.close()
+    finally:
+        host.stop()
