@@ -3,13 +3,17 @@
 Measures, against a real daemon (started here, or ``--remote`` ones): the null-call round
 trip (a Synchronize: frame out, dispatch, frame back), a decode-shaped step (a tiny graph
 with a decode step's inputs and output: token, position and sampling parameters in, one
-token id out), and bulk upload bandwidth (set_tensor of a large buffer, then a
-synchronize so the host has really consumed it).
+token id out), the same step pipelined as the engine decodes (step n+1 submitted, its
+token fed on the host from step n, before token n is read: the time per step is then what
+the slower side takes, not the sum of both and the transport), and bulk upload bandwidth
+(set_tensor of a large buffer, then a synchronize so the host has really consumed it).
 
 When the bench starts its own daemon it also runs the same step natively, in this
 process (the executor called directly), interleaving native and remote calls in short
 rounds so that drift (frequency scaling, a noisy neighbour) hits both alike; the step's
-"overhead" is remote p50 minus native p50: what remoting adds to every decode step.
+"overhead" is remote p50 minus native p50: what remoting adds to every decode step
+(natively a submit computes at once, so the native pipelined step is the plain one fed
+on the device).
 Set ``APIR_SPIN_US=2000`` to measure as a GPU host behaves (both sides busy-poll for the
 next frame); by default a CPU host sleeps on its eventfd and pays the scheduler's wake-up.
 """
@@ -47,6 +51,9 @@ class TransportResult:
     step_p50_us: float
     step_p99_us: float
     step_overhead_us: float | None  # step p50 minus native step p50 (None: no native run)
+    pipelined_p50_us: float  # per step, one step in flight ahead of the one read
+    pipelined_p99_us: float
+    pipelined_overhead_us: float | None  # pipelined p50 minus native pipelined p50
     upload_gbps: float | None
 
 
@@ -59,11 +66,14 @@ def _us(samples: list[float]) -> tuple[float, float]:
     return statistics.median(samples) * 1e6, _percentile(samples, 0.99) * 1e6
 
 
-def decode_step(b: Backend) -> Callable[[int], None]:
+def decode_step(b: Backend, pipelined: bool = False) -> Callable[[int], None]:
     """Register a decode-shaped graph on ``b``; returns ``step(i)``, one compute call.
 
     Inputs as the engine's sample graph has them (tokens (T,) i32, pos (T,) i32, params (5,)
-    f32, T = 1); two row lookups, a matmul and an argmax: one i32 token id comes back."""
+    f32, T = 1); two row lookups, a matmul and an argmax: one i32 token id comes back.
+    ``pipelined``: as the engine decodes, ``step(i)`` submits step i+1, its token fed from
+    step i on the backend, then reads token i (the last step submitted stays in flight
+    until the next request that waits takes its reply)."""
     rng = np.random.default_rng(0)
     buf = b.alloc_buffer(2 * VOCAB * DIM * 4, BufferPurpose.WEIGHTS)
     b.set_tensor(buf, 0, rng.standard_normal(2 * VOCAB * DIM).astype(np.float32))
@@ -80,7 +90,17 @@ def decode_step(b: Backend) -> Callable[[int], None]:
         b.compute(gid, {"tokens": np.array([i % VOCAB], np.int32),
                         "pos": np.array([i % VOCAB], np.int32), "params": params})
 
-    return step
+    if not pipelined:
+        return step
+    ahead = [b.submit(gid, {"tokens": np.array([0], np.int32), "pos": np.array([0], np.int32), "params": params})]
+
+    def step_ahead(i: int) -> None:
+        following = b.submit(gid, {"pos": np.array([(i + 1) % VOCAB], np.int32), "params": params},
+                             feed={"tokens": 0})
+        current, ahead[0] = ahead[0], following
+        current.result()
+
+    return step_ahead
 
 
 def _null_calls(b: Backend, calls: int) -> list[float]:
@@ -94,12 +114,12 @@ def _null_calls(b: Backend, calls: int) -> list[float]:
     return samples
 
 
-def _steps(steps: dict[str, Callable[[int], None]], calls: int) -> dict[str, list[float]]:
+def _steps(steps: dict[tuple[str, bool], Callable[[int], None]], calls: int) -> dict[tuple[str, bool], list[float]]:
     """``calls`` timed steps of each, interleaved in rounds of ``ROUND``."""
     for step in steps.values():
         for i in range(WARMUP):
             step(i)
-    samples: dict[str, list[float]] = {name: [] for name in steps}
+    samples: dict[tuple[str, bool], list[float]] = {name: [] for name in steps}
     for start in range(0, calls, ROUND):
         for name, step in steps.items():
             for i in range(start, min(start + ROUND, calls)):
@@ -143,18 +163,22 @@ def measure(urls: list[str], token_file: str | None, calls: int, upload_mb: int,
             from ..backends.local import LocalBackend
 
             backends = {"native": LocalBackend(native_device), **remotes}
-        steps = _steps({name: decode_step(b) for name, b in backends.items()}, calls)
+        steps = _steps({(name, pipelined): decode_step(b, pipelined)
+                        for name, b in backends.items() for pipelined in (False, True)}, calls)
         upload = {name: _upload(b, upload_mb) for name, b in remotes.items()}
     finally:
         for b in remotes.values():
             b.close()
-    native = statistics.median(steps["native"]) * 1e6 if "native" in steps else None
+
+    def p50(name: str, pipelined: bool) -> float:
+        return statistics.median(steps[name, pipelined]) * 1e6
+
     results = []
-    for name, samples in steps.items():
-        p50, p99 = _us(samples)
-        n50, n99 = _us(null[name]) if name in null else (None, None)
-        results.append(TransportResult(name, n50, n99, p50, p99, None if native is None else p50 - native,
-                                       upload.get(name)))
+    for name in backends:
+        null_us = _us(null[name]) if name in null else (None, None)
+        overhead = [None if native_device is None else p50(name, mode) - p50("native", mode) for mode in (False, True)]
+        results.append(TransportResult(name, *null_us, *_us(steps[name, False]), overhead[0],
+                                       *_us(steps[name, True]), overhead[1], upload.get(name)))
     return results
 
 
@@ -203,9 +227,11 @@ def _cell(value: float | None, fmt: str = ".1f") -> str:
 
 def markdown(results: list[TransportResult]) -> str:
     rows = ["| transport | null call p50 (µs) | p99 (µs) | decode step p50 (µs) | p99 (µs) | "
-            "step overhead (µs) | upload (GB/s) |",
-            "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+            "step overhead (µs) | pipelined step p50 (µs) | p99 (µs) | pipelined overhead (µs) | upload (GB/s) |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in results:
         rows.append(f"| {r.transport} | {_cell(r.null_p50_us)} | {_cell(r.null_p99_us)} | {r.step_p50_us:.1f} | "
-                    f"{r.step_p99_us:.1f} | {_cell(r.step_overhead_us, '+.1f')} | {_cell(r.upload_gbps, '.2f')} |")
+                    f"{r.step_p99_us:.1f} | {_cell(r.step_overhead_us, '+.1f')} | {r.pipelined_p50_us:.1f} | "
+                    f"{r.pipelined_p99_us:.1f} | {_cell(r.pipelined_overhead_us, '+.1f')} | "
+                    f"{_cell(r.upload_gbps, '.2f')} |")
     return "\n".join(rows)
