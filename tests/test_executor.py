@@ -168,3 +168,39 @@ def test_fed_indices_without_a_known_bound_are_checked_on_the_host():
         b.compute(gid, {"ids": np.zeros(1, np.int32), "scale": -one})  # argmax of -row: column 7
         with pytest.raises(apir.backends.BackendError, match="index out of range"):
             b.compute(gid, {"scale": one}, feed={"ids": 0})
+
+
+class Recording(LocalBackend):
+    """Logs ("submit", pos) and ("result", pos) for the one-token steps of the engine."""
+
+    def __init__(self) -> None:
+        super().__init__("cpu")
+        self.log: list[tuple[str, int]] = []
+
+    def submit(self, gid, inputs, feed=None):
+        pos = int(inputs["pos"][-1])
+        self.log.append(("submit", pos))
+        pending = super().submit(gid, inputs, feed)
+        outer = self
+
+        class Logged:
+            def result(self):
+                outer.log.append(("result", pos))
+                return pending.result()
+
+        return Logged()
+
+
+def test_generation_submits_the_next_step_before_reading_a_token(tiny):
+    with apir.load(str(tiny), backend=Recording()) as model, \
+            apir.load(str(tiny), backend="local", device="cpu") as plain:
+        params = SamplingParams(temperature=0.8, seed=1, max_tokens=5)
+        assert list(model.generate_ids(IDS, params)) == list(plain.generate_ids(IDS, params))
+        n = len(IDS)
+        # step at pos n+1 is sent before the token of the step at pos n is read, and so on
+        assert model.backend.log[:4] == [("submit", n), ("submit", n + 1), ("result", n), ("submit", n + 2)]
+        assert model.backend.log[-1][0] == "result"  # nothing left in flight
+        model.backend.log.clear()
+        assert model.decode_steps(5, n, 3) == plain.decode_steps(5, n, 3)
+        assert model.backend.log == [("submit", n), ("submit", n + 1), ("result", n),
+                                     ("submit", n + 2), ("result", n + 1), ("result", n + 2)]

@@ -188,6 +188,13 @@ class Model:
             token = self._step(self._sample_graph, ids[i : i + PREFILL_CHUNK], i, _GREEDY)
         return int(token[0])
 
+    def _submit_next(self, pos: int, params: np.ndarray):
+        """Submit the one-token step at ``pos`` whose token is the one the previous step of
+        the sample graph samples: fed on the backend, so it can be sent before that token
+        is read (a remote guest keeps one step in flight)."""
+        inputs = {"pos": np.array([pos], np.int32), "params": params}
+        return self.backend.submit(self._sample_graph, inputs, feed={"tokens": 0})
+
     def decode_steps(self, token: int, start: int, n: int) -> list[int]:
         """``n`` greedy single-token steps: feed ``token`` at ``start``, then each sampled one.
 
@@ -195,16 +202,23 @@ class Model:
         times the same work. Positions before ``start`` must be in the KV cache.
         """
         self._check_fits(start + n, "generation")
+        if n == 0:
+            return []
+        pending = self.backend.submit(self._sample_graph, {
+            "tokens": np.array([token], np.int32), "pos": np.array([start], np.int32), "params": _GREEDY})
         out = []
-        for i in range(n):
-            token = int(self._step(self._sample_graph, [token], start + i, _GREEDY)[0])
-            out.append(token)
+        for i in range(1, n + 1):
+            following = self._submit_next(start + i, _GREEDY) if i < n else None
+            out.append(int(pending.result()[0][0]))
+            pending = following
         return out
 
     def generate_ids(self, prompt_ids: Sequence[int], params: SamplingParams) -> Iterator[int]:
         """Yield generated token ids until an end-of-generation token or ``max_tokens``.
 
-        The end token itself is not yielded. Stop strings are handled by ``stream``.
+        The end token itself is not yielded. Stop strings are handled by ``stream``. One
+        step runs ahead: step n+1 is submitted (its token fed on the backend) before token
+        n is read; a step past the end is computed and dropped.
         """
         self._check_fits(len(prompt_ids))
         rng = np.random.default_rng(params.seed)
@@ -216,16 +230,24 @@ class Model:
         token = None
         for i in range(0, len(prompt_ids), PREFILL_CHUNK):
             token = self._step(self._sample_graph, prompt_ids[i : i + PREFILL_CHUNK], i, draw())
-        n_past = len(prompt_ids)
-        for _ in range(params.max_tokens):
-            tid = int(token[0])
-            if self.tokenizer is not None and tid in self.tokenizer.eot_ids:
-                return
-            yield tid
-            if n_past >= self.n_ctx:
-                return  # the context is full
-            token = self._step(self._sample_graph, [tid], n_past, draw())
-            n_past += 1
+        tid, pos = int(token[0]), len(prompt_ids)  # pos: where tid goes in the cache
+        ahead = self._submit_next(pos, draw()) if pos < self.n_ctx else None
+        try:
+            for _ in range(params.max_tokens):
+                if self.tokenizer is not None and tid in self.tokenizer.eot_ids:
+                    return
+                yield tid
+                if ahead is None:
+                    return  # the context is full
+                current, pos = ahead, pos + 1
+                ahead = self._submit_next(pos, draw()) if pos < self.n_ctx else None
+                tid = int(current.result()[0][0])
+        finally:
+            if ahead is not None:  # wait for the step nobody reads, so none is left in flight
+                try:
+                    ahead.result()
+                except ApirError:
+                    pass
 
     def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> Iterator[str]:
         """Yield text pieces as they are generated; never half a UTF-8 character."""
