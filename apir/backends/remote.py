@@ -284,9 +284,9 @@ class RemoteBackend(Backend):
         self.chan.close()
         why = "timed out" if isinstance(exc, TimeoutError) else "connection closed"
 
-        def error(what: str) -> HostGoneError:
+        def error(request: str) -> HostGoneError:
             return HostGoneError(
-                f"the apir host at {self.address} went away during {what} ({why}): "
+                f"the apir host at {self.address} went away during {request} ({why}): "
                 "the daemon or this session's worker stopped; its log says which (restart the "
                 "daemon if it is gone, or reconnect)"
             )
