@@ -155,6 +155,9 @@ def test_feed_needs_a_successful_previous_compute():
         # the failed compute left nothing to feed from: no stale ids are used
         with pytest.raises(apir.backends.BackendError, match="last compute failed"):
             b.compute(gid, {"scale": one}, feed={"ids": 0})
+        b.compute(gid, {"ids": np.zeros(1, np.int32), "scale": one})
+        with pytest.raises(apir.backends.BackendError, match="must be F32"):  # refused before running
+            b.compute(gid, {"ids": np.zeros(1, np.int32), "scale": np.ones(1, np.float64)})
         failed = b.submit(gid, {"scale": one}, feed={"ids": 0})  # errors wait for result()
         with pytest.raises(apir.backends.BackendError, match="last compute failed"):
             failed.result()

@@ -364,7 +364,8 @@ class Executor(Backend):
         """Bind ``inputs`` by name (and ``feed``, see Backend.compute) and run graph ``gid``;
         returns its outputs as numpy arrays."""
         reg = self._graph(gid)
-        fed, bounds = self._fed(reg, gid, feed or {})
+        last, reg.last_outputs = reg.last_outputs, None  # any failure leaves nothing to feed from
+        fed, bounds = self._fed(reg, gid, feed or {}, last)
         bound, n_tokens = self._bind(reg, inputs, fed)
         for handle, buf in reg.buffers.items():
             if self._buffers.get(handle) is not buf:
@@ -373,7 +374,6 @@ class Executor(Backend):
             t = n_tokens or 1
             need = _poly(reg.scratch, t) + max((_poly(p, t) for p in reg.transient), default=0)
             self._check_quota(need, f"computing graph {gid} with T={t} (about {need} bytes of intermediates)")
-        reg.last_outputs = None  # a failed compute leaves nothing to feed from
         try:
             outputs = self._run(reg, bound, bounds)
         except (BackendError, GraphError):
@@ -424,13 +424,14 @@ class Executor(Backend):
             )
 
     @staticmethod
-    def _fed(reg: Registered, gid: int, feed: Feed) -> tuple[dict[str, object], dict[str, int | None]]:
-        """The values ``feed`` binds (executor-native outputs of the previous compute), and
+    def _fed(reg: Registered, gid: int, feed: Feed, last: list | None) -> tuple[dict[str, object], dict[str, int | None]]:
+        """The values ``feed`` binds (``last``: the executor-native outputs of the previous
+        compute), and
         per fed input an exclusive upper bound its values are known to respect (an ARGMAX
         or SAMPLE output lies in [0, vocabulary)), else None."""
         if not feed:
             return {}, {}
-        if reg.last_outputs is None:
+        if last is None:
             raise BackendError(f"graph {gid} has no outputs to feed from: it has not been computed "
                                "yet, or its last compute failed")
         nodes, values, bounds = reg.graph.nodes, {}, {}
@@ -443,7 +444,7 @@ class Executor(Backend):
             if dtype not in (DType.I32, DType.F32) or node.dtype is not dtype:
                 raise BackendError(f"input {name!r} ({dtype.name}) cannot be fed from output {k} "
                                    f"({node.dtype.name}): only I32 and F32 inputs, of the same dtype")
-            values[name] = reg.last_outputs[k]
+            values[name] = last[k]
             if values[name] is None:
                 raise BackendError(f"feed of {name!r}: output {k} of graph {gid} is larger than "
                                    f"{FEED_MAX_BYTES} bytes and is not kept for feeding")
