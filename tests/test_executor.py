@@ -207,3 +207,12 @@ def test_generation_submits_the_next_step_before_reading_a_token(tiny):
         assert model.decode_steps(5, n, 3) == plain.decode_steps(5, n, 3)
         assert model.backend.log == [("submit", n), ("submit", n + 1), ("result", n),
                                      ("submit", n + 2), ("result", n + 1), ("result", n + 2)]
+
+
+def test_warm_up_leaves_generation_unchanged(tiny):
+    params = SamplingParams(temperature=0.8, seed=2, max_tokens=6)
+    with apir.load(str(tiny), backend="local", device="cpu") as warm, \
+            apir.load(str(tiny), backend="local", device="cpu") as cold:
+        warm.warm_up()
+        assert list(warm.generate_ids(IDS, params)) == list(cold.generate_ids(IDS, params))
+        np.testing.assert_array_equal(warm.logits(IDS), cold.logits(IDS))

@@ -195,6 +195,17 @@ class Model:
         inputs = {"pos": np.array([pos], np.int32), "params": params}
         return self.backend.submit(self._sample_graph, inputs, feed={"tokens": 0})
 
+    def warm_up(self) -> None:
+        """Run a greedy and a sampled decode step now, so one-time work of the backend
+        (recording CUDA graphs, compiling the decode step: tens of seconds on a GPU host)
+        is done before the first request rather than inside it. The KV cache keeps two
+        rows of this, which the next prompt overwrites."""
+        if self.n_ctx < 3:
+            return
+        token = self.prefill([0])
+        self.decode_steps(token, 1, 1)
+        self._submit_next(2, np.array([1.0, 40, 0.95, 0.05, 0.5], np.float32)).result()
+
     def decode_steps(self, token: int, start: int, n: int) -> list[int]:
         """``n`` greedy single-token steps: feed ``token`` at ``start``, then each sampled one.
 

@@ -92,6 +92,7 @@ def load_model(config: ServeConfig, path: str | None = None) -> Model:
     note = cpu_fallback_note(config.backend, config.device, model.backend.device().kind, config.remote)
     if note:
         _log(note)
+    model.warm_up()  # a GPU host compiles its decode step now: /health says "loading" meanwhile
     return model
 
 
