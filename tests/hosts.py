@@ -64,11 +64,15 @@ def start_host(tmp: Path, *extra: str) -> Host:
     )
     host = Host(proc, unix, tcp, str(token_file), log)
     deadline = time.monotonic() + 60
-    while True:
-        try:
-            host_status(unix)
-            return host
-        except HostUnreachable:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"host did not start: {log.read_text()}") from None
-            time.sleep(0.1)
+    try:
+        while True:
+            try:
+                host_status(unix)
+                return host
+            except HostUnreachable:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"host did not start: {log.read_text()}") from None
+                time.sleep(0.1)
+    except BaseException:  # whatever went wrong, no daemon outlives the test that started it
+        host.stop()
+        raise
