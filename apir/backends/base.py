@@ -365,7 +365,9 @@ class Executor(Backend):
         returns its outputs as numpy arrays."""
         reg = self._graph(gid)
         last, reg.last_outputs = reg.last_outputs, None  # any failure leaves nothing to feed from
-        fed, bounds = self._fed(reg, gid, feed or {}, last)
+        bounds = self._feed_bounds(reg, gid, feed or {})
+        _check_names(reg, inputs, feed or {})
+        fed = self._fed(gid, feed or {}, last)
         bound, n_tokens = self._bind(reg, inputs, fed)
         for handle, buf in reg.buffers.items():
             if self._buffers.get(handle) is not buf:
@@ -424,17 +426,11 @@ class Executor(Backend):
             )
 
     @staticmethod
-    def _fed(reg: Registered, gid: int, feed: Feed, last: list | None) -> tuple[dict[str, object], dict[str, int | None]]:
-        """The values ``feed`` binds (``last``: the executor-native outputs of the previous
-        compute), and
-        per fed input an exclusive upper bound its values are known to respect (an ARGMAX
-        or SAMPLE output lies in [0, vocabulary)), else None."""
-        if not feed:
-            return {}, {}
-        if last is None:
-            raise BackendError(f"graph {gid} has no outputs to feed from: it has not been computed "
-                               "yet, or its last compute failed")
-        nodes, values, bounds = reg.graph.nodes, {}, {}
+    def _feed_bounds(reg: Registered, gid: int, feed: Feed) -> dict[str, int | None]:
+        """Check what ``feed`` asks for; returns per fed input an exclusive upper bound its
+        values are known to respect (an ARGMAX or SAMPLE output lies in [0, vocabulary)),
+        else None."""
+        nodes, bounds = reg.graph.nodes, {}
         for name, k in feed.items():
             if name not in reg.inputs:
                 raise BackendError(f"feed names {name!r}, which is not an input of graph {gid}")
@@ -444,26 +440,31 @@ class Executor(Backend):
             if dtype not in (DType.I32, DType.F32) or node.dtype is not dtype:
                 raise BackendError(f"input {name!r} ({dtype.name}) cannot be fed from output {k} "
                                    f"({node.dtype.name}): only I32 and F32 inputs, of the same dtype")
-            values[name] = last[k]
+            picks = node.op in (Op.ARGMAX, Op.SAMPLE)
+            bounds[name] = nodes[node.inputs[0]].shape[-1] if picks else None
+        return bounds
+
+    @staticmethod
+    def _fed(gid: int, feed: Feed, last: list | None) -> dict[str, object]:
+        """The values ``feed`` binds: outputs of the previous compute (``last``), kept on
+        the device in executor-native form."""
+        if not feed:
+            return {}
+        if last is None:
+            raise BackendError(f"graph {gid} has no outputs to feed from: it has not been computed "
+                               "yet, or its last compute failed")
+        values = {name: last[k] for name, k in feed.items()}
+        for name, k in feed.items():
             if values[name] is None:
                 raise BackendError(f"feed of {name!r}: output {k} of graph {gid} is larger than "
                                    f"{FEED_MAX_BYTES} bytes and is not kept for feeding")
-            picks = node.op in (Op.ARGMAX, Op.SAMPLE)
-            bounds[name] = nodes[node.inputs[0]].shape[-1] if picks else None
-        return values, bounds
+        return values
 
     @staticmethod
     def _bind(reg: Registered, inputs: Mapping[str, np.ndarray],
               fed: Mapping[str, object] = {}) -> tuple[dict[str, object], int | None]:  # noqa: B006 - read only
-        """Check every input's name, dtype and shape; work out T. Returns the values (numpy
-        arrays; fed ones executor-native) and T."""
-        missing = set(reg.inputs) - set(inputs) - set(fed)
-        extra = (set(inputs) - set(reg.inputs)) | (set(inputs) & set(fed))
-        if missing or extra:
-            raise BackendError(
-                f"graph inputs are {sorted(reg.inputs)}; missing {sorted(missing)}, unexpected "
-                f"{sorted(extra)} (an input is either sent or fed, not both)"
-            )
+        """Check every input's dtype and shape (names: ``_check_names``); work out T.
+        Returns the values (numpy arrays; fed ones executor-native) and T."""
         n_tokens = None
         out = {}
         for name, (shape, dtype) in reg.inputs.items():
@@ -508,6 +509,17 @@ class Executor(Backend):
     @abstractmethod
     def _host_outputs(self, reg: Registered, outputs: list) -> list[np.ndarray]:
         """``_run``'s outputs as numpy arrays of their nodes' dtypes, owned by the caller."""
+
+
+def _check_names(reg: Registered, inputs: Mapping[str, object], fed: Mapping[str, object]) -> None:
+    """Every input of the graph either sent or fed, nothing else."""
+    missing = set(reg.inputs) - set(inputs) - set(fed)
+    extra = (set(inputs) - set(reg.inputs)) | (set(inputs) & set(fed))
+    if missing or extra:
+        raise BackendError(
+            f"graph inputs are {sorted(reg.inputs)}; missing {sorted(missing)}, unexpected "
+            f"{sorted(extra)} (an input is either sent or fed, not both)"
+        )
 
 
 # ---------------------------------------------------------------- scratch estimate
