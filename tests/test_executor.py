@@ -216,3 +216,13 @@ def test_warm_up_leaves_generation_unchanged(tiny):
         warm.warm_up()
         assert list(warm.generate_ids(IDS, params)) == list(cold.generate_ids(IDS, params))
         np.testing.assert_array_equal(warm.logits(IDS), cold.logits(IDS))
+
+
+def test_each_index_input_is_checked_once_against_its_tightest_use(tiny):
+    with apir.load(str(tiny), backend="local", device="cpu") as model:
+        checks = model.backend._graphs[model._sample_graph].program.index_checks
+        assert sorted(name for name, _, _ in checks) == ["pos", "tokens"]
+        assert dict((n, limit) for n, limit, _ in checks) == {"pos": model.n_ctx, "tokens": model.vocab_size}
+        with pytest.raises(apir.backends.BackendError, match=r"index out of range: input 'pos' must lie in \[0, "):
+            model.backend.compute(model._logits_graph, {"tokens": np.array([1], np.int32),
+                                                        "pos": np.array([model.n_ctx], np.int32)})

@@ -58,7 +58,8 @@ class Part:
 class Program:
     steps: list  # one per node: Step, Input, Leaf, FusedMatmul or Part
     outputs: tuple[int, ...]
-    # (input name, exclusive limit, what): index operands checked on the host before launch
+    # (input name, exclusive limit, what): index operands checked on the host before launch,
+    # one per input (the tightest of its uses: a llama's pos indexes 90 caches and masks)
     index_checks: tuple[tuple[str, int, str], ...] = ()
     device_safe: bool = False  # every index operand is an input: no device-side checks needed
     weight_buffers: tuple[int, ...] = ()
@@ -95,12 +96,15 @@ def compile_program(graph: Graph, accelerated: bool, weight_dtype) -> Program:
     that are inputs are checked on the host instead (if one is computed, the graph keeps
     the kernels' own checks)."""
     nodes = graph.nodes
-    checks, device_safe = [], True
+    checks: dict[str, tuple[int, str]] = {}  # input name -> (tightest limit, what)
+    device_safe = True
     for node in nodes:
         for idx, target, what in INDEX_OPERANDS.get(node.op, ()):
             src = nodes[node.inputs[idx]]
             if src.op is Op.INPUT:
-                checks.append((src.attrs[0], nodes[node.inputs[target]].shape[0], what))
+                name, limit = src.attrs[0], nodes[node.inputs[target]].shape[0]
+                if name not in checks or limit < checks[name][0]:
+                    checks[name] = (limit, what)
             else:
                 device_safe = False
     accelerated = accelerated and device_safe
@@ -131,7 +135,7 @@ def compile_program(graph: Graph, accelerated: bool, weight_dtype) -> Program:
     if len(sample_params) != sum(n.op is Op.SAMPLE for n in nodes):
         sample_params = ()  # a computed params tensor: the host cannot know it is greedy
     return Program(
-        steps, graph.outputs, tuple(checks), accelerated,
+        steps, graph.outputs, tuple((name, *check) for name, check in checks.items()), accelerated,
         tuple(sorted({n.attrs[0] for n in nodes if n.op is Op.WEIGHT})),
         tuple(sorted({n.attrs[0] for n in nodes if n.op is Op.STATE})),
         sample_params,
