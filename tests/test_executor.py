@@ -226,3 +226,22 @@ def test_each_index_input_is_checked_once_against_its_tightest_use(tiny):
         with pytest.raises(apir.backends.BackendError, match=r"index out of range: input 'pos' must lie in \[0, "):
             model.backend.compute(model._logits_graph, {"tokens": np.array([1], np.int32),
                                                         "pos": np.array([model.n_ctx], np.int32)})
+
+
+def test_fused_products_whose_shared_operand_is_a_weight():
+    """Fusion drops the separate copies of fused weights, not the activation they share,
+    even when that activation is itself a weight."""
+    from apir.backends.numpy_ref import NumpyBackend
+    from apir.graph import DType, GraphBuilder
+
+    outs = []
+    for backend in (LocalBackend("cpu"), NumpyBackend()):
+        with backend as b:
+            buf = b.alloc_buffer(4 * 8 * 12)
+            b.set_tensor(buf, 0, np.random.default_rng(0).standard_normal(8 * 12).astype(np.float32))
+            g = GraphBuilder()
+            x = g.weight(buf, 0, (3, 8), DType.F32)
+            w1, w2 = g.weight(buf, 96, (4, 8), DType.F32), g.weight(buf, 224, (5, 8), DType.F32)
+            outs.append(b.compute(b.register_graph(g.build(g.matmul(x, w1), g.matmul(x, w2))), {}))
+    for got, want in zip(*outs):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)

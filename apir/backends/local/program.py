@@ -127,6 +127,7 @@ def compile_program(graph: Graph, accelerated: bool, weight_dtype) -> Program:
             key = node.inputs[-1] if node.op in MEMO_OPS else None  # ROPE and ATTENTION: pos is last
             steps.append(Step(node.op, table[node.op], node.inputs, node.attrs, key))
     read = {i for s in steps if isinstance(s, Step) for i in s.inputs} | set(graph.outputs)
+    read |= {s.x for s in steps if isinstance(s, FusedMatmul)}  # the shared activation may be a leaf
     steps = [Leaf(s.node, nid in read) if isinstance(s, Leaf) else s for nid, s in enumerate(steps)]
     sample_params = tuple(
         nodes[n.inputs[1]].attrs[0] for n in nodes
