@@ -363,11 +363,11 @@ class Executor(Backend):
     def compute(self, gid: int, inputs: Mapping[str, np.ndarray], feed: Feed | None = None) -> list[np.ndarray]:
         """Bind ``inputs`` by name (and ``feed``, see Backend.compute) and run graph ``gid``;
         returns its outputs as numpy arrays."""
-        reg = self._graph(gid)
+        reg, feed = self._graph(gid), feed or {}
         last, reg.last_outputs = reg.last_outputs, None  # any failure leaves nothing to feed from
-        bounds = self._feed_bounds(reg, gid, feed or {})
-        _check_names(reg, inputs, feed or {})
-        fed = self._fed(gid, feed or {}, last)
+        bounds = self._feed_bounds(reg, gid, feed)
+        _check_names(reg, inputs, feed)
+        fed = self._fed(gid, feed, last)
         bound, n_tokens = self._bind(reg, inputs, fed)
         for handle, buf in reg.buffers.items():
             if self._buffers.get(handle) is not buf:
@@ -462,7 +462,7 @@ class Executor(Backend):
 
     @staticmethod
     def _bind(reg: Registered, inputs: Mapping[str, np.ndarray],
-              fed: Mapping[str, object] = {}) -> tuple[dict[str, object], int | None]:  # noqa: B006 - read only
+              fed: Mapping[str, object]) -> tuple[dict[str, object], int | None]:
         """Check every input's dtype and shape (names: ``_check_names``); work out T.
         Returns the values (numpy arrays; fed ones executor-native) and T."""
         n_tokens = None

@@ -188,11 +188,14 @@ class Model:
             token = self._step(self._sample_graph, ids[i : i + PREFILL_CHUNK], i, _GREEDY)
         return int(token[0])
 
-    def _submit_next(self, pos: int, params: np.ndarray):
-        """Submit the one-token step at ``pos`` whose token is the one the previous step of
-        the sample graph samples: fed on the backend, so it can be sent before that token
-        is read (a remote guest keeps one step in flight)."""
+    def _submit_next(self, pos: int, params: np.ndarray, token: int | None = None):
+        """Submit the one-token step at ``pos``. Without ``token`` its token is the one the
+        previous step of the sample graph samples: fed on the backend, so the step can be
+        sent before that token is read (a remote guest keeps one step in flight)."""
         inputs = {"pos": np.array([pos], np.int32), "params": params}
+        if token is not None:
+            inputs["tokens"] = np.array([token], np.int32)
+            return self.backend.submit(self._sample_graph, inputs)
         return self.backend.submit(self._sample_graph, inputs, feed={"tokens": 0})
 
     def warm_up(self) -> None:
@@ -215,8 +218,7 @@ class Model:
         self._check_fits(start + n, "generation")
         if n == 0:
             return []
-        pending = self.backend.submit(self._sample_graph, {
-            "tokens": np.array([token], np.int32), "pos": np.array([start], np.int32), "params": _GREEDY})
+        pending = self._submit_next(start, _GREEDY, token)
         out = []
         for i in range(1, n + 1):
             following = self._submit_next(start + i, _GREEDY) if i < n else None

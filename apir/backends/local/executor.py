@@ -126,16 +126,21 @@ class LocalBackend(Executor):
             return torch.float32
         return torch.bfloat16 if dtype is DType.BF16 else torch.float16
 
+    def _raw(self, node) -> torch.Tensor:
+        """The bytes of a WEIGHT or STATE leaf in its buffer."""
+        handle, offset = node.attrs
+        return self._buffers[handle].storage[offset : offset + node.dtype.nbytes(node.shape)]
+
     def _leaf(self, node) -> torch.Tensor:
+        if node.op is Op.STATE:
+            return self._raw(node).view(TORCH_DTYPES[node.dtype]).view(node.shape)  # live view
         handle, offset = node.attrs
         buf = self._buffers[handle]
-        raw = buf.storage[offset : offset + node.dtype.nbytes(node.shape)]
-        if node.op is Op.STATE:
-            return raw.view(TORCH_DTYPES[node.dtype]).view(node.shape)  # live view
         key = (handle, offset, node.dtype, node.shape)
         cached = self._weights.get(key)
         if cached is None or cached[0] != buf.version:
-            value = raw.view(torch.int32).view(node.shape) if node.dtype is DType.I32 else self._dequantized(node)
+            int_ids = node.dtype is DType.I32
+            value = self._raw(node).view(torch.int32).view(node.shape) if int_ids else self._dequantized(node)
             cached = (buf.version, value)
             self._weights[key] = cached
         return cached[1]
@@ -151,9 +156,7 @@ class LocalBackend(Executor):
         return cached[1]
 
     def _dequantized(self, node) -> torch.Tensor:
-        handle, offset = node.attrs
-        raw = self._buffers[handle].storage[offset : offset + node.dtype.nbytes(node.shape)]
-        return dequantize(raw, node.dtype, node.shape).to(self._weight_dtype(node.dtype))
+        return dequantize(self._raw(node), node.dtype, node.shape).to(self._weight_dtype(node.dtype))
 
     def _compile(self, graph: Graph) -> Program:
         prog = compile_program(graph, self.torch_device.type != "cpu", self._weight_dtype)
