@@ -115,6 +115,10 @@ class Pending:
             raise self._error
         return self._outputs
 
+    def ready(self) -> bool:
+        """Whether ``result()`` would return (or raise) without waiting."""
+        return True
+
 
 class Backend(ABC):
     """The backend API every executor and the remote frontend implement.
@@ -363,7 +367,19 @@ class Executor(Backend):
     def compute(self, gid: int, inputs: Mapping[str, np.ndarray], feed: Feed | None = None) -> list[np.ndarray]:
         """Bind ``inputs`` by name (and ``feed``, see Backend.compute) and run graph ``gid``;
         returns its outputs as numpy arrays."""
-        reg, feed = self._graph(gid), feed or {}
+        reg, outputs = self._launch(gid, inputs, feed or {})
+        return self._host_outputs(reg, outputs)
+
+    def submit(self, gid: int, inputs: Mapping[str, np.ndarray], feed: Feed | None = None) -> Pending:
+        try:
+            reg, outputs = self._launch(gid, inputs, feed or {})
+            return self._pending(reg, outputs)
+        except ApirError as e:
+            return Pending(error=e)
+
+    def _launch(self, gid: int, inputs: Mapping[str, np.ndarray], feed: Feed) -> tuple[Registered, list]:
+        """Check everything, then start the run; returns its executor-native outputs."""
+        reg = self._graph(gid)
         last, reg.last_outputs = reg.last_outputs, None  # any failure leaves nothing to feed from
         bounds = self._feed_bounds(reg, gid, feed)
         _check_names(reg, inputs, feed)
@@ -383,7 +399,7 @@ class Executor(Backend):
         except IndexError as e:
             raise BackendError(f"graph {gid}: {e}") from None
         reg.last_outputs = [o if o.nbytes <= FEED_MAX_BYTES else None for o in outputs]
-        return self._host_outputs(reg, outputs)
+        return reg, outputs
 
     def synchronize(self) -> None:
         """Wait for queued work. Executors here run synchronously, so this only checks state."""
@@ -509,6 +525,11 @@ class Executor(Backend):
     @abstractmethod
     def _host_outputs(self, reg: Registered, outputs: list) -> list[np.ndarray]:
         """``_run``'s outputs as numpy arrays of their nodes' dtypes, owned by the caller."""
+
+    def _pending(self, reg: Registered, outputs: list) -> Pending:
+        """``submit``'s result: an executor whose device runs ahead of the host starts
+        copying the outputs back here and lets ``result()`` wait for them."""
+        return Pending(self._host_outputs(reg, outputs))
 
 
 def _check_names(reg: Registered, inputs: Mapping[str, object], fed: Mapping[str, object]) -> None:

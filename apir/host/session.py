@@ -16,11 +16,15 @@ import select
 import socket
 import threading
 import time
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
+from typing import NamedTuple
 
 import numpy as np
 
-from ..backends.base import BackendError, BufferPurpose, Executor, Limits, QuotaError
+from ..backends.base import BackendError, BufferPurpose, Executor, Limits, Pending, QuotaError
 from ..errors import ApirError
 from ..graph import DType, GraphError, Op
 from ..graph.dtypes import NUMPY_DTYPES, from_numpy
@@ -35,9 +39,18 @@ from ..transport.ivshmem import Region, RingChannel
 log = logging.getLogger("apir.host")
 
 INLINE_MAX = 4096  # outputs up to this size travel inline even when an arena exists
+MAX_IN_FLIGHT = 2  # Steps queued on the device before the oldest one's reply must go out
 MAX_ERROR = 2048  # characters of an error message sent back
 _ADDRESS = re.compile(r"0x[0-9a-fA-F]{5,}")
 _PATH = re.compile(r"(?<![\w.:/])(?:/[\w.+@-]+){2,}/?")
+
+
+class InFlight(NamedTuple):
+    """A Step queued on the device: ``finish()`` waits for its outputs, returns the reply."""
+
+    rid: int
+    pending: Pending
+    finish: Callable[[], object]
 
 
 @dataclass(frozen=True)
@@ -108,10 +121,16 @@ class Session:
         if self.liveness is not None:
             threading.Thread(target=self._watch_hangup, args=(self.liveness,), name="hangup",
                              daemon=True).start()
+        # Steps queued on the device, replies not sent yet, oldest first (see _next_frame_first)
+        in_flight: deque[InFlight] = deque()
         while True:
+            if in_flight and (len(in_flight) >= MAX_IN_FLIGHT or not self._next_frame_first(in_flight[0])):
+                if not self._reply(in_flight.popleft()):
+                    return
+                continue
             try:
-                self.busy = False
-                if sock is not None:  # a socket Channel: wait with no timeout between frames
+                self.busy = bool(in_flight)
+                if sock is not None and not in_flight:  # a socket Channel: wait with no timeout between frames
                     self.chan.wait_idle()
                 header, body, fds = self.chan.recv_frame()
                 self.busy = True
@@ -134,19 +153,53 @@ class Session:
             if isinstance(msg, m.Goodbye):
                 return
             rid = header.request_id
+            if header.opcode == m.STEP_OPCODE and header.flags & WANT_REPLY:
+                try:
+                    in_flight.append(self._start_step(rid, *msg))
+                except Exception as e:  # noqa: BLE001 - every failure becomes an Error reply
+                    in_flight.append(InFlight(rid, Pending(), partial(error_for, e)))
+                continue
+            while in_flight:  # everything else runs after the queued steps, in order
+                if not self._reply(in_flight.popleft()):
+                    return
             try:
                 reply = self._step(*msg) if header.opcode == m.STEP_OPCODE else self.dispatch(msg)
             except Exception as e:  # noqa: BLE001 - every failure becomes an Error reply
                 reply = error_for(e)
             self._publish()
             if header.flags & WANT_REPLY:
-                if self.deferred is not None:  # the root cause first
-                    reply, self.deferred = self.deferred, None
-                if not self._send(reply, rid):
+                if not self._send_first_failure(reply, rid):
                     return
             elif isinstance(reply, m.Error) and self.deferred is None:
                 what = m.OPCODES[header.opcode].__name__
                 self.deferred = m.Error(reply.code, f"an earlier {what} failed: {reply.message}")
+
+    def _next_frame_first(self, oldest: InFlight) -> bool:
+        """While the oldest queued step runs on the device, wait for the guest's next frame
+        (True): a pipelining guest sends step n+1 before it reads token n, and queueing it
+        before replying keeps the device busy while the reply travels. False, to reply
+        first, once the oldest step is done or the channel's spin time has passed."""
+        end = time.perf_counter() + self.chan.spin_seconds
+        while not oldest.pending.ready():
+            if self.chan.frame_ready():
+                return True
+            if time.perf_counter() >= end:
+                return False
+        return False
+
+    def _reply(self, step: InFlight) -> bool:
+        """Send a queued step's reply once its outputs are back; False: end the session."""
+        try:
+            reply = step.finish()
+        except Exception as e:  # noqa: BLE001 - every failure becomes an Error reply
+            reply = error_for(e)
+        return self._send_first_failure(reply, step.rid)
+
+    def _send_first_failure(self, reply: object, rid: int) -> bool:
+        """Send ``reply``, or the failure of a request nobody waited for, the root cause."""
+        if self.deferred is not None:
+            reply, self.deferred = self.deferred, None
+        return self._send(reply, rid)
 
     def _publish(self) -> None:
         """Report the session's memory to the daemon when it changed (not per decode step)."""
@@ -275,13 +328,14 @@ class Session:
             result.append(m.Tensor(f"out{i}", int(dtype), tuple(arr.shape), blob))
         return m.Outputs(tuple(result))
 
-    def _step(self, gid: int, n_tokens: int, out_offset: int, capacity: int, inline: bytes | memoryview,
-              arena_offset: int, size: int, pairs: list[tuple[int, int]] | tuple[tuple[int, int], ...]
-              ) -> m.Outputs | tuple[bytes, int, int]:
+    def _start_step(self, rid: int, gid: int, n_tokens: int, out_offset: int, capacity: int,
+                    inline: bytes | memoryview, arena_offset: int, size: int,
+                    pairs: list[tuple[int, int]] | tuple[tuple[int, int], ...]) -> InFlight:
         """A compute in its graph's fixed layout (the fields of a Step, ``pairs`` its feed):
-        bind the inputs' bytes in place, run, and place the outputs the same way. Returns
-        the reply's blob fields (inline, arena_offset, size), or Outputs when the executor's
-        outputs are not the graph's (a 0-d one comes back 1-d): those say what they are."""
+        bind the inputs' bytes in place and queue the run. Its ``finish`` places the outputs
+        the same way and returns the reply's blob fields (inline, arena_offset, size), or
+        Outputs when the executor's outputs are not the graph's (a 0-d one comes back 1-d):
+        those say what they are."""
         layout = self.layouts.get(gid)
         if layout is None:
             raise BackendError(f"unknown graph id {gid}" if gid not in self.layouts
@@ -292,7 +346,15 @@ class Session:
             # One copy, private (the guest may change the arena at any time) and writeable.
             # Inline bytes that arrive as a view of the frame's body are both already.
             payload = bytearray(payload)
-        outs = self.backend.compute(gid, layout.unpack_inputs(payload, n_tokens, fed), feed)
+        pending = self.backend.submit(gid, layout.unpack_inputs(payload, n_tokens, fed), feed)
+        return InFlight(rid, pending, lambda: self._place(layout, pending.result(), n_tokens, out_offset, capacity))
+
+    def _step(self, *fields) -> m.Outputs | tuple[bytes, int, int]:
+        """A Step run to completion: see ``_start_step``."""
+        return self._start_step(0, *fields).finish()
+
+    def _place(self, layout: StepLayout, outs: list[np.ndarray], n_tokens: int, out_offset: int,
+               capacity: int) -> m.Outputs | tuple[bytes, int, int]:
         place = layout.output_placement(outs, n_tokens)
         if place is None:
             return self._outputs(outs, out_offset, capacity)

@@ -54,6 +54,10 @@ class Channel:
         not say so: its bytes were read with the previous frame's)."""
         return self._end > self._start
 
+    def frame_ready(self) -> bool:
+        """Whether the next frame (or EOF) has begun to arrive: a check that never waits."""
+        return self.buffered() or bool(select.select([self.sock], [], [], 0)[0])
+
     def _spin(self) -> bool:
         """Busy-poll for the next frame before blocking. A thread asleep in recv is woken
         by the scheduler tens to hundreds of microseconds late on an idle machine; a short

@@ -415,6 +415,13 @@ class RingChannel:
         header, body, _ = self.recv_frame()
         return Frame(header, decode_body(header.opcode, body))
 
+    def frame_ready(self) -> bool:
+        """Whether the next frame has begun to arrive (or the peer left): never waits."""
+        try:
+            return self.closed or bool(self._readable()) or self._peer.value != 0
+        except ProtocolError:
+            return True  # recv_frame reports it
+
     def recv_frame(self) -> tuple[FrameHeader, bytearray, tuple[int, ...]]:
         """One whole frame, its header checked, its body not decoded yet (a private copy)."""
         if self.closed:

@@ -9,6 +9,9 @@ live in backend buffers), and the inputs are copied into one fixed device buffer
 so a step costs one host-to-device copy whatever the number of inputs, not one
 synchronous copy from pageable memory per input. A fed input (a device tensor, see
 Backend.compute) is copied device to device into its view after that copy.
+
+The host may stage step n+1 while step n's copy still waits behind step n-1 on the GPU
+(see LocalBackend._pending), so there are two pinned staging buffers, used in turn.
 """
 
 from __future__ import annotations
@@ -39,9 +42,12 @@ class CapturedStep:
         for name, arr in inputs.items():
             self.layout.append((name, offset, arr.nbytes))
             offset += -(-arr.nbytes // ALIGN) * ALIGN
-        self.host = torch.empty(max(offset, ALIGN), dtype=torch.uint8, pin_memory=True)
-        self.host_bytes = self.host.numpy()
-        self.staging = torch.empty_like(self.host, device=device)
+        size = max(offset, ALIGN)
+        self.hosts = [torch.empty(size, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+        self.host_bytes = [h.numpy() for h in self.hosts]
+        self.copied: list[torch.cuda.Event | None] = [None, None]  # each host buffer's last copy
+        self.turn = 0
+        self.staging = torch.empty(size, dtype=torch.uint8, device=device)
         self.inputs = {
             name: self.staging[off : off + n].view(STAGING_DTYPES[dtypes[name]]).view(tuple(inputs[name].shape))
             for name, off, n in self.layout
@@ -57,11 +63,17 @@ class CapturedStep:
             self.outputs = run(self.inputs)
 
     def _stage(self, inputs: dict[str, np.ndarray | torch.Tensor]) -> None:
-        # The previous step's copy has finished: its outputs were read back (a sync).
+        host, host_bytes, copied = self.hosts[self.turn], self.host_bytes[self.turn], self.copied[self.turn]
+        if copied is not None:
+            copied.synchronize()  # its copy of two steps ago has left it (not a wait, normally)
         for name, off, n in self.layout:
             if isinstance(inputs[name], np.ndarray):
-                self.host_bytes[off : off + n] = inputs[name].reshape(-1).view(np.uint8)
-        self.staging.copy_(self.host, non_blocking=True)
+                host_bytes[off : off + n] = inputs[name].reshape(-1).view(np.uint8)
+        self.staging.copy_(host, non_blocking=True)
+        if copied is None:
+            copied = self.copied[self.turn] = torch.cuda.Event()
+        copied.record()
+        self.turn ^= 1
         for name, value in inputs.items():
             if isinstance(value, torch.Tensor):  # fed: I32 or F32, as its view
                 self.inputs[name].copy_(value.reshape(self.inputs[name].shape))

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from ...graph import DType, Graph, Op
-from ..base import NO_LIMITS, BackendError, Buffer, DeviceInfo, Executor, Limits, Registered
+from ..base import NO_LIMITS, BackendError, Buffer, DeviceInfo, Executor, Limits, Pending, Registered
 from . import kernels
 from .capture import CapturedStep
 from .dequant import dequantize
@@ -241,7 +241,25 @@ class LocalBackend(Executor):
         return outs
 
     def _host_outputs(self, reg: Registered, outputs: list[torch.Tensor]) -> list[np.ndarray]:
-        return [self._to_numpy(t, reg.graph.nodes[o].dtype) for t, o in zip(outputs, reg.program.outputs)]
+        return [_numpy(_wire(t, reg.graph.nodes[o].dtype).cpu(), reg.graph.nodes[o].dtype).copy()
+                for t, o in zip(outputs, reg.program.outputs)]
+
+    def _pending(self, reg: Registered, outputs: list[torch.Tensor]) -> Pending:
+        """On CUDA the host returns as soon as the step is queued: the outputs are copied
+        into pinned memory behind it, so the next step can be queued before they are read
+        and the GPU never waits for the host between steps."""
+        if self.torch_device.type != "cuda":
+            return super()._pending(reg, outputs)
+        copies = []
+        for t, o in zip(outputs, reg.program.outputs):
+            dtype = reg.graph.nodes[o].dtype
+            src = _wire(t.detach(), dtype)
+            host = torch.empty(src.shape, dtype=src.dtype, pin_memory=True)
+            host.copy_(src, non_blocking=True)  # queued before any later step overwrites src
+            copies.append((host, dtype))
+        done = torch.cuda.Event()
+        done.record()
+        return CopyingBack(done, copies)
 
     def _replay(self, reg: Registered, inputs: dict[str, object], n_tokens: int,
                 greedy: bool) -> list[torch.Tensor]:
@@ -271,9 +289,36 @@ class LocalBackend(Executor):
             prog.captured[key] = step
         return step(inputs)
 
-    @staticmethod
-    def _to_numpy(t: torch.Tensor, dtype: DType) -> np.ndarray:
-        if dtype is DType.BF16:
-            return t.detach().to(torch.bfloat16).view(torch.int16).cpu().numpy().view(np.uint16)
-        want = TORCH_DTYPES[dtype]
-        return t.detach().to(want).cpu().numpy().copy()
+
+
+def _wire(t: torch.Tensor, dtype: DType) -> torch.Tensor:
+    """``t`` (on its device) in the form its node's dtype travels in: BF16 as raw bits."""
+    if dtype is DType.BF16:
+        return t.to(torch.bfloat16).view(torch.int16)
+    return t.to(TORCH_DTYPES[dtype])
+
+
+def _numpy(host: torch.Tensor, dtype: DType) -> np.ndarray:
+    return host.numpy().view(np.uint16) if dtype is DType.BF16 else host.numpy()
+
+
+class CopyingBack(Pending):
+    """Outputs being copied into pinned host memory; ``result()`` waits for the copy."""
+
+    def __init__(self, done: torch.cuda.Event, copies: list[tuple[torch.Tensor, DType]]) -> None:
+        super().__init__()
+        self._done, self._copies = done, copies
+
+    def ready(self) -> bool:
+        return self._copies is None or self._done.query()
+
+    def result(self) -> list[np.ndarray]:
+        if self._copies is not None:
+            try:
+                self._done.synchronize()
+            except RuntimeError as e:  # a kernel of the step failed on the device
+                self._error = BackendError(f"the step failed on the GPU: {str(e).splitlines()[0]}")
+            else:
+                self._outputs = [_numpy(host, dtype) for host, dtype in self._copies]
+            self._copies = None
+        return super().result()
