@@ -15,7 +15,16 @@ import numpy as np
 import torch
 
 from ...graph import DType, Graph, Op
-from ..base import NO_LIMITS, BackendError, Buffer, DeviceInfo, Executor, Limits, Pending, Registered
+from ..base import (
+    NO_LIMITS,
+    BackendError,
+    Buffer,
+    DeviceInfo,
+    Executor,
+    Limits,
+    Pending,
+    Registered,
+)
 from . import kernels
 from .capture import CapturedStep
 from .dequant import dequantize
