@@ -104,31 +104,33 @@ def attention(q, k, v, pos, scale: float, window: int, softcap: float, *, memo=N
     filled part). Grouped-query heads without copying k or v per query head: for each kv
     head one batched matmul of its group's queries, all positions at once:
         q (T, Hq, D) -> (Hkv, T*G, D);  k (S, Hkv, D) -> (Hkv, D, S);  scores (Hkv, T*G, S)
-    (decode steps under torch.compile: the same as products and sums, see SMALL_ROWS).
+    (decode steps under torch.compile: the same as products and sums, see SMALL_ROWS;
+    without a softcap, PyTorch's fused attention).
     The mask is shared (``memo``) by every layer of a run that reads position node ``key``."""
     n_tok, n_head, dim = q.shape
     n_kv, n_head_kv = k.shape[0], k.shape[1]
     group = n_head // n_head_kv
     qh = q.float().reshape(n_tok, n_head_kv, group, dim).permute(1, 0, 2, 3).reshape(n_head_kv, n_tok * group, dim)
     kh, vh = k.float().transpose(0, 1), v.float().transpose(0, 1)  # (Hkv, S, D), (Hkv, S, Dv)
-    reduce = torch.compiler.is_compiling() and n_tok <= SMALL_ROWS
-    if reduce:
-        scores = (qh[:, :, None, :] * kh[:, None, :, :]).sum(-1) * scale
-    else:
-        scores = torch.bmm(qh, kh.transpose(1, 2)) * scale
-    if softcap:
-        scores = softcap * torch.tanh(scores / softcap)
     mk = ("mask", key, n_kv, window, group)
     mask = memo.get(mk) if memo is not None else None
     if mask is None:
         mask = attention_mask(pos, n_kv, window, group)
         if memo is not None:
             memo[mk] = mask
-    probs = torch.softmax(scores.masked_fill(~mask, -math.inf), dim=-1)
-    if reduce:
+    if torch.compiler.is_compiling() and n_tok <= SMALL_ROWS:
+        scores = (qh[:, :, None, :] * kh[:, None, :, :]).sum(-1) * scale
+        if softcap:
+            scores = softcap * torch.tanh(scores / softcap)
+        probs = torch.softmax(scores.masked_fill(~mask, -math.inf), dim=-1)
         out = (probs[..., None] * vh[:, None, :, :]).sum(-2)
+    elif not softcap:
+        # one fused kernel (memory-efficient attention on CUDA): no (Hkv, T*G, S) scores
+        # in memory, which for a prefill chunk cost more than the projections around it
+        out = F.scaled_dot_product_attention(qh[None], kh[None], vh[None], attn_mask=mask, scale=scale)[0]
     else:
-        out = torch.bmm(probs, vh)  # (Hkv, T*G, Dv)
+        scores = softcap * torch.tanh(torch.bmm(qh, kh.transpose(1, 2)) * scale / softcap)
+        out = torch.bmm(torch.softmax(scores.masked_fill(~mask, -math.inf), dim=-1), vh)  # (Hkv, T*G, Dv)
     return out.reshape(n_head_kv, n_tok, group, -1).permute(1, 0, 2, 3).reshape(n_tok, n_head, -1)
 
 
