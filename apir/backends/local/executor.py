@@ -64,6 +64,7 @@ def pick_device(device: str | None) -> torch.device:
 # a graph per length.
 CAPTURE_MAX_DECODE = 8
 CAPTURE_MAX_TOKENS = 1024
+ASYNC_MAX_BYTES = 1 << 20  # outputs up to this size are copied back behind the step (_pending)
 
 
 def capturable(n_tokens: int) -> bool:
@@ -256,8 +257,10 @@ class LocalBackend(Executor):
     def _pending(self, reg: Registered, outputs: list[torch.Tensor]) -> Pending:
         """On CUDA the host returns as soon as the step is queued: the outputs are copied
         into pinned memory behind it, so the next step can be queued before they are read
-        and the GPU never waits for the host between steps."""
-        if self.torch_device.type != "cuda":
+        and the GPU never waits for the host between steps. Large outputs (logits of a
+        chunk) are read back at once: their copy is the step's cost anyway, and pinned
+        memory is kept for small ones."""
+        if self.torch_device.type != "cuda" or sum(t.nbytes for t in outputs) > ASYNC_MAX_BYTES:
             return super()._pending(reg, outputs)
         copies = []
         for t, o in zip(outputs, reg.program.outputs):
@@ -297,7 +300,6 @@ class LocalBackend(Executor):
             step = step or CapturedStep(run, inputs, dtypes, self.torch_device, versions)
             prog.captured[key] = step
         return step(inputs)
-
 
 
 def _wire(t: torch.Tensor, dtype: DType) -> torch.Tensor:
