@@ -95,20 +95,17 @@ COMPILE = EnvVar(
 SPIN_US = EnvVar(
     "APIR_SPIN_US", None,
     "guest and host: busy-poll this many microseconds for the next frame before sleeping "
-    "(default, when the host executes on a GPU: 50000 for a guest awaiting a reply, 2000 for "
-    "a host awaiting the next request; 0 on a CPU host, whose cores do the work)",
+    "(default: 50000 when the host executes on a GPU, 0 on a CPU host, whose cores do the work)",
 )
 
 
-def spin_seconds(device_kind: str, reply: bool = False) -> float:
+def spin_seconds(device_kind: str) -> float:
     """How long to busy-poll for a frame: only worth a core when a GPU does the compute.
-    A guest awaiting a reply polls for as long as a prefill chunk may take: asleep, it is
-    woken late (a 512-token chunk kept 0.90-0.93 of native with 2 ms, 0.97 with 50 ms, on
-    an H200); a host awaiting the next request gets it within microseconds when busy."""
+    Long enough to cover a prefill chunk and the gap between a client's requests: a side
+    asleep on its eventfd is woken late (on an H200, 135M pp512 through remote kept 0.90
+    of native when either side slept after 2 ms of polling, 0.97 with 50 ms on both)."""
     value = SPIN_US.get()
-    if value is not None:
-        return int(value) / 1e6
-    return 0.0 if device_kind == "cpu" else 0.05 if reply else 0.002
+    return (int(value) if value is not None else 50000 if device_kind != "cpu" else 0) / 1e6
 
 CONFIG = EnvVar(
     "APIR_CONFIG",

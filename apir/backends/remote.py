@@ -179,7 +179,7 @@ class RemoteBackend(Backend):
                                     f"shared region holds {self.arena.size}")
         from .. import env
 
-        self.chan.spin_seconds = env.spin_seconds(self._device.kind, reply=True)
+        self.chan.spin_seconds = env.spin_seconds(self._device.kind)
         self.ring = ArenaRing(self.arena.size) if self.arena else None
 
     def __repr__(self) -> str:
