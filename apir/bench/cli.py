@@ -133,8 +133,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_bench, bench_action=None)
 
     actions = p.add_subparsers(dest="bench_action", metavar="{compare,transport,profile}")
-    t = actions.add_parser("transport", help="null-call and one-token round trips, upload GB/s, "
-                                             "per transport, side by side")
+    t = actions.add_parser("transport", help="null-call, one-token and 512-token round trips, "
+                                             "upload GB/s, per transport, side by side")
     t.add_argument("--remote", action="append", metavar="URL",
                    help="measure these daemons (default: start one on unix + tcp)")
     t.add_argument("--token-file", help="token for a tcp --remote")

@@ -5,7 +5,8 @@ trip (a Synchronize: frame out, dispatch, frame back), a decode-shaped step (a t
 with a decode step's inputs and output: token, position and sampling parameters in, one
 token id out), the same step pipelined as the engine decodes (step n+1 submitted, its
 token fed on the host from step n, before token n is read: the time per step is then what
-the slower side takes, not the sum of both and the transport), and bulk upload bandwidth
+the slower side takes, not the sum of both and the transport), the same graph with 512
+tokens in and out (what a prefill chunk adds to the frames), and bulk upload bandwidth
 (set_tensor of a large buffer, then a synchronize so the host has really consumed it).
 
 When the bench starts its own daemon it also runs the same step natively, in this
@@ -14,7 +15,7 @@ rounds so that drift (frequency scaling, a noisy neighbour) hits both alike; the
 "overhead" is remote p50 minus native p50: what remoting adds to every decode step
 (natively a submit computes at once, so the native pipelined step is the plain one fed
 on the device).
-Set ``APIR_SPIN_US=2000`` to measure as a GPU host behaves (both sides busy-poll for the
+Set ``APIR_SPIN_US=50000`` to measure as a GPU host behaves (both sides busy-poll for the
 next frame); by default a CPU host sleeps on its eventfd and pays the scheduler's wake-up.
 """
 
@@ -41,6 +42,7 @@ from ..graph import DType, GraphBuilder, T
 ROUND = 100  # step calls per backend per interleaved round
 WARMUP = 200
 VOCAB, DIM = 16, 8  # tiny tensors: the executor's own work is as small as it gets
+PREFILL_TOKENS = 512  # the engine's prefill chunk
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,8 @@ class TransportResult:
     pipelined_p50_us: float  # per step, one step in flight ahead of the one read
     pipelined_p99_us: float
     pipelined_overhead_us: float | None  # pipelined p50 minus native pipelined p50
+    prefill_p50_us: float  # a PREFILL_TOKENS-token step, as a prefill chunk is sent
+    prefill_overhead_us: float | None
     upload_gbps: float | None
 
 
@@ -66,11 +70,11 @@ def _us(samples: list[float]) -> tuple[float, float]:
     return statistics.median(samples) * 1e6, _percentile(samples, 0.99) * 1e6
 
 
-def decode_step(b: Backend, pipelined: bool = False) -> Callable[[int], None]:
-    """Register a decode-shaped graph on ``b``; returns ``step(i)``, one compute call.
+def model_step(b: Backend, pipelined: bool = False, n_tokens: int = 1) -> Callable[[int], None]:
+    """Register a model-shaped graph on ``b``; returns ``step(i)``, one compute call.
 
     Inputs as the engine's sample graph has them (tokens (T,) i32, pos (T,) i32, params (5,)
-    f32, T = 1); two row lookups, a matmul and an argmax: one i32 token id comes back.
+    f32, T = ``n_tokens``); two row lookups, a matmul and an argmax: T i32 token ids come back.
     ``pipelined``: as the engine decodes, ``step(i)`` submits step i+1, its token fed from
     step i on the backend, then reads token i (the last step submitted stays in flight
     until the next request that waits takes its reply)."""
@@ -87,8 +91,8 @@ def decode_step(b: Backend, pipelined: bool = False) -> Callable[[int], None]:
     params = np.array([0.8, 40, 0.95, 0.05, 0.5], np.float32)
 
     def step(i: int) -> None:
-        b.compute(gid, {"tokens": np.array([i % VOCAB], np.int32),
-                        "pos": np.array([i % VOCAB], np.int32), "params": params})
+        ids = (np.arange(i, i + n_tokens) % VOCAB).astype(np.int32)
+        b.compute(gid, {"tokens": ids, "pos": ids, "params": params})
 
     if not pipelined:
         return step
@@ -163,22 +167,24 @@ def measure(urls: list[str], token_file: str | None, calls: int, upload_mb: int,
             from ..backends.local import LocalBackend
 
             backends = {"native": LocalBackend(native_device), **remotes}
-        steps = _steps({(name, pipelined): decode_step(b, pipelined)
-                        for name, b in backends.items() for pipelined in (False, True)}, calls)
+        kinds = {"step": {}, "pipelined": {"pipelined": True}, "prefill": {"n_tokens": PREFILL_TOKENS}}
+        steps = _steps({(name, kind): model_step(b, **kw) for name, b in backends.items()
+                        for kind, kw in kinds.items()}, calls)
         upload = {name: _upload(b, upload_mb) for name, b in remotes.items()}
     finally:
         for b in remotes.values():
             b.close()
 
-    def p50(name: str, pipelined: bool) -> float:
-        return statistics.median(steps[name, pipelined]) * 1e6
+    def p50(name: str, kind: str) -> float:
+        return statistics.median(steps[name, kind]) * 1e6
 
     results = []
     for name in backends:
         null_us = _us(null[name]) if name in null else (None, None)
-        overhead = [None if native_device is None else p50(name, mode) - p50("native", mode) for mode in (False, True)]
-        results.append(TransportResult(name, *null_us, *_us(steps[name, False]), overhead[0],
-                                       *_us(steps[name, True]), overhead[1], upload.get(name)))
+        over = {kind: None if native_device is None else p50(name, kind) - p50("native", kind) for kind in kinds}
+        results.append(TransportResult(name, *null_us, *_us(steps[name, "step"]), over["step"],
+                                       *_us(steps[name, "pipelined"]), over["pipelined"],
+                                       p50(name, "prefill"), over["prefill"], upload.get(name)))
     return results
 
 
@@ -227,11 +233,13 @@ def _cell(value: float | None, fmt: str = ".1f") -> str:
 
 def markdown(results: list[TransportResult]) -> str:
     rows = ["| transport | null call p50 (µs) | p99 (µs) | decode step p50 (µs) | p99 (µs) | "
-            "step overhead (µs) | pipelined step p50 (µs) | p99 (µs) | pipelined overhead (µs) | upload (GB/s) |",
-            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+            "step overhead (µs) | pipelined step p50 (µs) | p99 (µs) | pipelined overhead (µs) | "
+            f"{PREFILL_TOKENS}-token step p50 (µs) | overhead (µs) | upload (GB/s) |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in results:
         rows.append(f"| {r.transport} | {_cell(r.null_p50_us)} | {_cell(r.null_p99_us)} | {r.step_p50_us:.1f} | "
                     f"{r.step_p99_us:.1f} | {_cell(r.step_overhead_us, '+.1f')} | {r.pipelined_p50_us:.1f} | "
                     f"{r.pipelined_p99_us:.1f} | {_cell(r.pipelined_overhead_us, '+.1f')} | "
+                    f"{r.prefill_p50_us:.1f} | {_cell(r.prefill_overhead_us, '+.1f')} | "
                     f"{_cell(r.upload_gbps, '.2f')} |")
     return "\n".join(rows)
