@@ -175,9 +175,9 @@ class Backend(ABC):
 
     def submit(self, gid: int, inputs: Mapping[str, np.ndarray], feed: Feed | None = None) -> Pending:
         """``compute``, returning before it is done where the backend can (the remote one
-        sends the request and does not wait). Computes run in submission order, so a
-        ``feed`` refers to the compute submitted just before on this graph; errors surface
-        at ``result()``."""
+        sends the request and does not wait; the local one on CUDA queues the step on the
+        GPU). Computes run in submission order, so a ``feed`` refers to the compute
+        submitted just before on this graph; errors surface at ``result()``."""
         try:
             return Pending(self.compute(gid, inputs, feed))
         except ApirError as e:
