@@ -110,6 +110,21 @@ class LocalBackend(Executor):
             page * os.sysconf("SC_AVPHYS_PAGES"), page * os.sysconf("SC_PHYS_PAGES"),
         )
 
+    def synchronize(self) -> None:
+        """Wait for the steps ``submit`` left queued on the GPU."""
+        super().synchronize()
+        if self.torch_device.type == "cuda":
+            torch.cuda.synchronize(self.torch_device)
+
+    def free_graph(self, gid: int) -> None:
+        self.synchronize()  # its recorded CUDA graphs' memory must not be reused while they run
+        super().free_graph(gid)
+
+    def close(self) -> None:
+        if self.torch_device.type == "cuda" and not self.closed:
+            torch.cuda.synchronize(self.torch_device)  # as free_graph, for every graph at once
+        super().close()
+
     # ------------------------------------------------------------ storage
     def _alloc(self, size: int) -> torch.Tensor:
         return torch.zeros(size, dtype=torch.uint8, device=self.torch_device)
