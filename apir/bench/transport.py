@@ -13,8 +13,8 @@ When the bench starts its own daemon it also runs the same step natively, in thi
 process (the executor called directly), interleaving native and remote calls in short
 rounds so that drift (frequency scaling, a noisy neighbour) hits both alike; the step's
 "overhead" is remote p50 minus native p50: what remoting adds to every decode step
-(natively a submit computes at once, so the native pipelined step is the plain one fed
-on the device).
+(natively on a CPU a submit computes at once, so the native pipelined step is the plain
+one fed on the device; on CUDA it queues the step, as the host does for a remote guest).
 Set ``APIR_SPIN_US=50000`` to measure as a GPU host behaves (both sides busy-poll for the
 next frame); by default a CPU host sleeps on its eventfd and pays the scheduler's wake-up.
 """
