@@ -166,7 +166,7 @@ class RemoteBackend(Backend):
             raise BackendError(f"the host executes on {self._device.kind}, not {device!r}; "
                                f"start it with `apir host --device {device}`")
         self.arena = None
-        if len(frame.fds) == 3:  # a Unix session: ring region + doorbells (see host/session.py)
+        if len(frame.fds) == 3:  # a Unix session: ring region + doorbells (see host/worker.py)
             self.arena = self._attach_region(frame.fds, welcome.arena_size)
         else:
             for fd in frame.fds:

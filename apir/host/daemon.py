@@ -27,7 +27,8 @@ from ..protocol import PROTOCOL_VERSION, ErrorCode, ProtocolError, op_table_hash
 from ..protocol import messages as m
 from ..protocol.messages import HEADER, MAX_BODY, decode_body, decode_header, encode
 from ..transport import Address, Channel, listen
-from .session import SessionConfig, run_worker
+from .session import SessionConfig
+from .worker import run_worker
 
 log = logging.getLogger("apir.host")
 

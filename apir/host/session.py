@@ -8,7 +8,6 @@ go back as data; nothing here asserts on guest input.
 
 from __future__ import annotations
 
-import fcntl
 import logging
 import os
 import re
@@ -28,13 +27,10 @@ from ..backends.base import BackendError, BufferPurpose, Executor, Limits, Pendi
 from ..errors import ApirError
 from ..graph import DType, GraphError, Op
 from ..graph.dtypes import NUMPY_DTYPES, from_numpy
-from ..protocol import PROTOCOL_VERSION, WANT_REPLY, ErrorCode, ProtocolError, decode_body, encode
+from ..protocol import WANT_REPLY, ErrorCode, ProtocolError, decode_body, encode
 from ..protocol import messages as m
 from ..protocol.step import StepLayout, pack
 from ..transport import Arena, ArenaError, Channel, ConnectionClosed
-from ..transport.arena import SEALS
-from ..transport.doorbell import Doorbell
-from ..transport.ivshmem import Region, RingChannel
 
 log = logging.getLogger("apir.host")
 
@@ -430,64 +426,3 @@ def _purpose(code: int) -> BufferPurpose:
         return BufferPurpose(code)
     except ValueError:
         raise BackendError(f"unknown buffer purpose {code}") from None
-
-
-def _unix_region(arena_size: int, session: int) -> tuple[Region, tuple[int, int, int]]:
-    """A sealed memfd laid out as a ring region (control rings + bulk arena) and the two
-    doorbell eventfds: (region fd, guest->host eventfd, host->guest eventfd)."""
-    size = 1 << (max(arena_size, 4 << 20) - 1).bit_length()  # a power of two; rings come off the top
-    fd = os.memfd_create(f"apir-session-{session}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-    region = Region.create_fd(fd, size)
-    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)  # the guest can never resize it under us
-    to_host, to_guest = Doorbell.pair()
-    return region, (fd, to_host, to_guest)
-
-
-def run_worker(chan: Channel, hello: m.Hello, config: SessionConfig, publish,
-               arena: Arena | None = None) -> None:
-    """Entry point of a session's worker process (after fork): build, welcome, serve.
-    ``arena``: one the transport already shares with the guest (ivshmem), instead of a memfd."""
-    started = time.monotonic()
-    from ..backends.local import LocalBackend  # torch: only worker processes execute
-
-    backend = LocalBackend(config.device, limits=config.limits)
-    fds: tuple[int, ...] = ()
-    socket_chan, region, doorbell = chan, None, None
-    if arena is None and chan.unix and hello.arena_size > 0:
-        region, fds = _unix_region(min(hello.arena_size, config.max_arena), config.session)
-        arena = region.arena()
-    welcome = m.Welcome(PROTOCOL_VERSION, config.session, device_message(backend),
-                        arena.size if arena else 0, config.limits.max_memory)
-    from .. import env
-
-    chan.spin_seconds = env.spin_seconds(backend.device().kind)  # the next step is µs away on a GPU
-    if region is not None:
-        # From here on frames travel through the region's rings; the socket stays open only
-        # so each side notices when the other is gone.
-        doorbell = Doorbell(notify_fd=fds[2], wait_fd=fds[1], sock=chan.sock)
-        # the session's limits hold on the rings too: frame size, stalled frames
-        chan = RingChannel(region, "host", max_body=socket_chan.max_body, io_timeout=config.io_timeout,
-                           doorbell=doorbell)
-        chan.spin_seconds = socket_chan.spin_seconds
-    session = Session(chan, backend, arena, config, publish, liveness=getattr(socket_chan, "sock", None))
-    try:
-        if getattr(socket_chan, "sock", None) is not None:
-            socket_chan.sock.settimeout(config.io_timeout)
-        try:
-            socket_chan.send(welcome, 0, fds=fds)
-        except (ConnectionClosed, OSError):
-            return  # the guest went away during its handshake
-        session.serve()
-    finally:
-        peak = backend.peak_bytes
-        backend.close()
-        if arena:
-            arena.close()
-        chan.close()
-        if region is not None:
-            region.close()
-            doorbell.close()
-            socket_chan.close()
-        publish(0, peak)
-        log.info("session %d end: peer %s, %.1fs, peak %.1f MiB", config.session, config.peer,
-                 time.monotonic() - started, peak / 2**20)

@@ -44,7 +44,8 @@ def serve_region(region: Region, device: str | None = None, alive: Callable[[], 
                  limits: Limits | None = None) -> bool:
     """Serve the one session of ``region``; False when no valid handshake came (the guest
     never connected in time, died, or sent something else first)."""
-    from ..host.session import SessionConfig, run_worker  # torch is imported by the worker
+    from ..host.session import SessionConfig  # torch is imported by the worker
+    from ..host.worker import run_worker
 
     chan = RingChannel(region, "host", max_body=HANDSHAKE_MAX, timeout=handshake_timeout,
                        io_timeout=io_timeout, alive=alive)
