@@ -55,7 +55,9 @@ class Channel:
         return self._end > self._start
 
     def frame_ready(self) -> bool:
-        """Whether the next frame (or EOF) has begun to arrive: a check that never waits."""
+        """Whether the next frame (or EOF) has begun to arrive: a check that never waits.
+        A select with a zero timeout, not a peeking recv: a socket with a timeout set would
+        make recv wait for data instead of returning at once."""
         return self.buffered() or bool(select.select([self.sock], [], [], 0)[0])
 
     def _spin(self) -> bool:
@@ -65,9 +67,7 @@ class Channel:
         Costs one core while it spins; gives up after ``spin_seconds`` (returns False)."""
         deadline = time.perf_counter() + self.spin_seconds
         while time.perf_counter() < deadline:
-            # select with a zero timeout, not a peeking recv: a socket with a timeout set
-            # would make recv wait for data instead of returning at once
-            if select.select([self.sock], [], [], 0)[0]:
+            if self.frame_ready():
                 return True  # data (or EOF) is there: the blocking read returns at once
         return False
 
