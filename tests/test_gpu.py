@@ -64,3 +64,22 @@ def test_remote_cuda_is_identical_to_local_cuda(tmp_path):
                 assert list(remote.generate_ids(ids, SamplingParams(temperature=0, max_tokens=32))) == want
     finally:
         host.stop()
+
+
+def test_one_row_product_kernel_matches_float64():
+    import torch
+
+    from apir.backends.local import gemv, kernels
+
+    torch.manual_seed(0)
+    # llama shapes (q/k/v, down, output of the 135M and 1B) and ragged ones (masks)
+    for n, k in [(960, 576), (576, 1536), (3072, 2048), (2048, 8192), (49152, 576), (100, 300), (7, 33)]:
+        for dtype in (torch.float16, torch.bfloat16):
+            w = torch.randn(n, k, dtype=dtype, device="cuda")
+            x = torch.randn(1, k, device="cuda")
+            assert gemv.usable(x, w)
+            y = kernels.matmul(x, w)
+            want = x.to(dtype).double() @ w.double().T
+            assert y.dtype == torch.float32 and y.shape == (1, n)
+            torch.testing.assert_close(y.double(), want, rtol=0, atol=1e-5 * k ** 0.5 * 4)
+            assert torch.equal(y, gemv.gemv(x, w))  # the same blocks, the same bits

@@ -2,7 +2,9 @@
 reduction, per weight shape, each call on a different weight copy (as a decode step's
 layers are), inside one CUDA graph. Prints µs per call and the read rate.
 
-    python3 bench/probes/gemv.py [135m 1b 8b]
+    python3 bench/probes/gemv.py [135m 1b 8b] [--inductor]
+
+"apir(...)" is the configuration apir.backends.local.gemv.blocks picks for the shape.
 """
 
 import sys
@@ -91,12 +93,15 @@ def main(models):
                 if best is None or t < best[0]:
                     best = (t, c)
             res[f"triton{best[1]}"] = best[0]
-            red = torch.compile(lambda x, w: (w.float() * x.float()[None]).sum(-1), dynamic=False)
-            res["inductor"] = time_us(red, x, ws)
+            from apir.backends.local.gemv import blocks
+            res[f"apir{blocks(n, k)}"] = time_us(triton_fn(*blocks(n, k)), x, ws)
+            if "--inductor" in sys.argv:
+                red = torch.compile(lambda x, w: (w.float() * x.float()[None]).sum(-1), dynamic=False)
+                res["inductor"] = time_us(red, x, ws)
             line = " | ".join(f"{name} {us:.2f} µs {mb / us:.2f} TB/s" for name, us in res.items())
             print(f"{model} N={n} K={k} ({mb:.1f} MB): {line}", flush=True)
             del ws
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:] or ["135m", "1b", "8b"])
+    main([a for a in sys.argv[1:] if a in SHAPES] or ["135m", "1b", "8b"])

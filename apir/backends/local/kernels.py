@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from ...graph import Op
 from ..base import BackendError
+from . import gemv
 
 
 def check_index(ids: torch.Tensor, limit: int, what: str) -> None:
@@ -33,13 +34,16 @@ def set_rows(dst: torch.Tensor, src: torch.Tensor, ids: torch.Tensor) -> torch.T
 
 
 def matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x @ w.T in f32, x rounded to the weight's dtype first (as llama.cpp's CUDA path does)."""
+    """x @ w.T in f32, x rounded to the weight's dtype first (as llama.cpp's CUDA path does);
+    one row on a GPU through the streaming kernel of ``gemv``."""
+    if gemv.usable(x, w):
+        return gemv.gemv(x, w)
     return torch.matmul(x.to(w.dtype), w.T).float()
 
 
 def fused_matmul(x: torch.Tensor, w: torch.Tensor, widths: tuple[int, ...]) -> list[torch.Tensor]:
     """Products with several weights stacked in ``w`` (rows split by ``widths``): one call."""
-    return [y.float() for y in torch.matmul(x.to(w.dtype), w.T).split(widths, dim=-1)]
+    return [y.float() for y in matmul(x, w).split(widths, dim=-1)]
 
 
 # Attention of up to this many query rows, inside torch.compile, is written as products
