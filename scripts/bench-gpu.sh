@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The GPU figures of BENCHMARKS.md (issue 6): synthetic 135M, 1B and 8B llama shapes and the
 # real SmolLM2 GGUF, native side by side with remote unix (shared memory) and remote tcp,
-# and for the 135M models the guest computing alone on its CPU (guest-cpu: the numpy executor).
+# and for the 135M models the guest computing alone on its CPU (guest-cpu: the numpy executor),
+# in a run of its own beside native: seconds of numpy work on every core between the remote
+# repetitions made remote prefill 1.5-4x slower and erratic (H200 host, 2026-11-30).
 # One JSON result file and one log per model in OUT (default bench/results/gpu).
 #   scripts/bench-gpu.sh [OUT [135m 1b 8b smollm2]]
 set -uo pipefail
@@ -18,10 +20,12 @@ bench() {
 }
 for m in $models; do
   case $m in
-    135m) bench llama-135m --synthetic llama-135m -p 512 -n 128 -r 3 --backends native,remote-shm,remote-tcp,guest-cpu ;;
+    135m) bench llama-135m --synthetic llama-135m -p 512 -n 128 -r 3 --backends native,remote-shm,remote-tcp
+          bench llama-135m-guest-cpu --synthetic llama-135m -p 512 -n 128 -r 3 --backends native,guest-cpu ;;
     1b) bench llama-1b --synthetic llama-1b -p 512 -n 128 -r 3 --backends native,remote-shm,remote-tcp ;;
     8b) bench llama-8b --synthetic llama-8b -p 512 -n 128 -r 2 --backends native,remote-shm,remote-tcp ;;
-    smollm2) bench smollm2-135m -m smollm2-135m -p 512 -n 128 -r 3 --backends native,remote-shm,remote-tcp,guest-cpu ;;
+    smollm2) bench smollm2-135m -m smollm2-135m -p 512 -n 128 -r 3 --backends native,remote-shm,remote-tcp
+             bench smollm2-135m-guest-cpu -m smollm2-135m -p 512 -n 128 -r 3 --backends native,guest-cpu ;;
     *) echo "unknown model $m (135m, 1b, 8b, smollm2)" >&2; exit 2 ;;
   esac
 done

@@ -156,71 +156,108 @@ def test_daemon_death_fails_every_outstanding_step(tmp_path, transport):
         host.stop()
 
 
+class _AheadSession:
+    """A host session in a thread whose executor runs ahead of the host (as on CUDA:
+    ``result()`` waits for the device), and the guest's end of its channel. ``events``
+    records each submit and each wait for a result, in order."""
+
+    def __init__(self) -> None:
+        import socket
+        import threading
+
+        from apir.backends.base import Pending
+        from apir.host.session import Session, SessionConfig
+        from apir.protocol.step import StepLayout
+        from apir.transport import Channel
+
+        events: list[str] = []
+        self.events = events
+
+        class OnDevice(Pending):  # not ready until someone waits for it, like a queued GPU step
+            def __init__(self, done: Pending, i: int) -> None:
+                super().__init__()
+                self.done, self.i = done, i
+
+            def ready(self) -> bool:
+                return False
+
+            def result(self) -> list[np.ndarray]:
+                events.append(f"result {self.i}")
+                return self.done.result()
+
+        class RunsAhead(LocalBackend):
+            def _pending(self, reg, outputs):
+                i = sum(e.startswith("submit") for e in events)
+                events.append(f"submit {i}")
+                return OnDevice(super()._pending(reg, outputs), i)
+
+        backend = RunsAhead("cpu")
+        session = Session(None, backend, None, SessionConfig("cpu", backend.limits, 0, 1, "test"))
+        self.gid, _ = _decoder(backend)
+        session.layouts[self.gid] = self.layout = StepLayout.of(backend._graphs[self.gid].graph)
+        host_end, guest_end = socket.socketpair()
+        session.chan, self.guest = Channel(host_end), Channel(guest_end)
+        session.chan.spin_seconds = 0.2  # how long the host waits for the next step before replying
+        self.server = threading.Thread(target=session.serve, daemon=True)
+        self.server.start()
+
+    def send(self, i: int, inputs: dict[str, np.ndarray], feed: tuple = ()) -> None:
+        from apir.protocol import WANT_REPLY
+        from apir.protocol import messages as m
+
+        n_tokens, payload = self.layout.pack_inputs(inputs, tuple(k for k, _ in feed))
+        self.guest.send_frame(m.step_frame(i, WANT_REPLY, self.gid, n_tokens, -1, 0, payload, -1,
+                                           len(payload), feed))
+
+    def tokens(self, i: int, n_tokens: int = 1) -> list[int]:
+        from apir.protocol import messages as m
+
+        header, body, _ = self.guest.recv_frame()
+        assert (header.opcode, header.request_id) == (m.DATA_OPCODE, i)
+        return self.layout.unpack_outputs(bytearray(m.parse_data(body)[0]), n_tokens)[0].tolist()
+
+    def close(self) -> None:
+        from apir.protocol import messages as m
+
+        self.guest.send(m.Goodbye())
+        self.server.join(5)
+
+
 def test_the_host_queues_the_next_step_before_it_replies():
-    """A session whose executor runs ahead of the host (as on CUDA: ``result()`` waits for
-    the device) reads a pipelining guest's step n+1, and queues it, before it sends the
-    reply to step n; the replies still come in request order with the unpipelined tokens."""
-    import socket
-    import threading
-
-    from apir.backends.base import Pending
-    from apir.host.session import Session, SessionConfig
-    from apir.protocol import WANT_REPLY
-    from apir.protocol import messages as m
-    from apir.protocol.step import StepLayout
-    from apir.transport import Channel
-
-    events: list[str] = []
-
-    class OnDevice(Pending):  # not ready until someone waits for it, like a queued GPU step
-        def __init__(self, done: Pending, i: int) -> None:
-            super().__init__()
-            self.done, self.i = done, i
-
-        def ready(self) -> bool:
-            return False
-
-        def result(self) -> list[np.ndarray]:
-            events.append(f"result {self.i}")
-            return self.done.result()
-
-    class RunsAhead(LocalBackend):
-        def _pending(self, reg, outputs):
-            i = sum(e.startswith("submit") for e in events)
-            events.append(f"submit {i}")
-            return OnDevice(super()._pending(reg, outputs), i)
-
+    """A pipelining guest's step n+1 is read, and queued, before the host waits for step n
+    and replies; the replies still come in request order with the unpipelined tokens."""
     reference = LocalBackend("cpu")
     want = _unpipelined(reference, _decoder(reference)[0], 3, 6)
-    backend = RunsAhead("cpu")
-    session = Session(None, backend, None, SessionConfig("cpu", backend.limits, 0, 1, "test"))
-    gid, _ = _decoder(backend)
-    session.layouts[gid] = layout = StepLayout.of(backend._graphs[gid].graph)
-    host_end, guest_end = socket.socketpair()
-    session.chan, guest = Channel(host_end), Channel(guest_end)
-    session.chan.spin_seconds = 0.2  # how long the host waits for the next step before replying
-    server = threading.Thread(target=session.serve, daemon=True)
-    server.start()
-
-    def send(i: int, inputs: dict[str, np.ndarray], feed: tuple = ()) -> None:
-        n_tokens, payload = layout.pack_inputs(inputs, tuple(k for k, _ in feed))
-        guest.send_frame(m.step_frame(i, WANT_REPLY, gid, n_tokens, -1, 0, payload, -1, len(payload), feed))
-
-    def token(i: int) -> int:
-        header, body, _ = guest.recv_frame()
-        assert (header.opcode, header.request_id) == (m.DATA_OPCODE, i)
-        return int(layout.unpack_outputs(bytearray(m.parse_data(body)[0]), 1)[0][0])
-
-    tokens_at = layout.names.index("tokens")
-    send(0, {"tokens": np.array([3], np.int32), **_pos(0)})
+    s = _AheadSession()
+    tokens_at = s.layout.names.index("tokens")
+    s.send(0, {"tokens": np.array([3], np.int32), **_pos(0)})
     got = []
     for i in range(1, 7):
         if i < 6:
-            send(i, _pos(i), feed=((tokens_at, 0),))
-        got.append(token(i - 1))
-    guest.send(m.Goodbye())
-    server.join(5)
+            s.send(i, _pos(i), feed=((tokens_at, 0),))
+        got.extend(s.tokens(i - 1))
+    s.close()
     assert got == want
     # the host queued step i+1 before it waited for step i's outputs
-    assert events == ["submit 0", "submit 1", "result 0", "submit 2", "result 1", "submit 3", "result 2",
-                      "submit 4", "result 3", "submit 5", "result 4", "result 5"]
+    assert s.events == ["submit 0", "submit 1", "result 0", "submit 2", "result 1", "submit 3", "result 2",
+                        "submit 4", "result 3", "submit 5", "result 4", "result 5"]
+
+
+def test_a_prefill_sized_step_is_answered_before_the_next_is_read():
+    """A step of more tokens than PIPELINED_MAX_TOKENS is waited for at once, as natively
+    (polling a running GPU step slows it), even though the guest's next step is waiting."""
+    from apir.host.session import PIPELINED_MAX_TOKENS
+
+    n = PIPELINED_MAX_TOKENS + 4
+    prompt = {"tokens": np.arange(n, dtype=np.int32) % VOCAB, "pos": np.arange(n, dtype=np.int32) % VOCAB}
+    reference = LocalBackend("cpu")
+    gid = _decoder(reference)[0]
+    want = reference.compute(gid, prompt)[0].tolist()
+    step = {"tokens": np.array([want[-1]], np.int32), **_pos(n)}
+    s = _AheadSession()
+    s.send(0, prompt)
+    s.send(1, step)
+    assert s.tokens(0, n) == want
+    assert s.tokens(1) == reference.compute(gid, step)[0].tolist()
+    s.close()
+    assert s.events == ["submit 0", "result 0", "submit 1", "result 1"]

@@ -36,11 +36,13 @@ log = logging.getLogger("apir.host")
 
 INLINE_MAX = 4096  # outputs up to this size travel inline even when an arena exists
 MAX_IN_FLIGHT = 2  # Steps queued on the device before the oldest one's reply must go out
-# While a step runs, whether it is done is asked this often, the channel every turn. Each
-# ask is a CUDA API call (an event query); asked back to back through a 6 ms prefill chunk
-# they slowed the chunk itself by ~6% on an H200 (remote pp512 0.935 of native, 0.993 with
-# the host blocked in a synchronize instead). A reply leaves at most this much later.
-READY_POLL_S = 20e-6
+# Polling for the guest's next frame while a step runs (to queue it before replying) is
+# for decode-sized steps. Polling slows the step itself: asked back to back, the CUDA
+# event queries cost a 6 ms prefill chunk ~6% on an H200, asked every 20 µs ~3% (remote
+# pp512 0.935 and 0.962 of native, 0.993 with the host blocked in a synchronize). A larger
+# step is waited for in a synchronize, as natively, and its reply goes out first.
+PIPELINED_MAX_TOKENS = 8
+READY_POLL_S = 20e-6  # while polling, whether the step is done is asked this often
 MAX_ERROR = 2048  # characters of an error message sent back
 _ADDRESS = re.compile(r"0x[0-9a-fA-F]{5,}")
 _PATH = re.compile(r"(?<![\w.:/])(?:/[\w.+@-]+){2,}/?")
@@ -52,6 +54,7 @@ class InFlight(NamedTuple):
     rid: int
     pending: Pending
     finish: Callable[[], object]
+    n_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -179,7 +182,10 @@ class Session:
         """While the oldest queued step runs on the device, wait for the guest's next frame
         (True): a pipelining guest sends step n+1 before it reads token n, and queueing it
         before replying keeps the device busy while the reply travels. False, to reply
-        first, once the oldest step is done or the channel's spin time has passed."""
+        first, once the oldest step is done or the channel's spin time has passed, and at
+        once for a step of more than PIPELINED_MAX_TOKENS tokens."""
+        if oldest.n_tokens > PIPELINED_MAX_TOKENS:
+            return False
         now = ask = time.perf_counter()
         end = now + self.chan.spin_seconds
         while True:
@@ -353,7 +359,8 @@ class Session:
             # Inline bytes that arrive as a view of the frame's body are both already.
             payload = bytearray(payload)
         pending = self.backend.submit(gid, layout.unpack_inputs(payload, n_tokens, fed), feed)
-        return InFlight(rid, pending, lambda: self._place(layout, pending.result(), n_tokens, out_offset, capacity))
+        return InFlight(rid, pending, lambda: self._place(layout, pending.result(), n_tokens, out_offset, capacity),
+                        n_tokens)
 
     def _step(self, *fields) -> m.Outputs | tuple[bytes, int, int]:
         """A Step run to completion: see ``_start_step``."""
