@@ -142,7 +142,7 @@ def test_acceptance_run_through_the_cli(tmp_path: Path) -> None:
         assert r["model"] == "smollm2-135m" and r["model_params"] == 134_515_008
         assert (r["n_prompt"], r["n_gen"]) == ((64, 0) if r["test"] == "pp64" else (0, 32))
         assert r["date"].endswith("Z") and r["torch_version"]
-        assert r["apir_commit"] is None or len(r["apir_commit"]) == 40
+        assert r["apir_commit"] is None or len(r["apir_commit"].removesuffix("-dirty")) == 40
     assert {r["pct_native"] for r in records if r["backend"] == "native"} == {100.0}
     assert len({r["run_id"] for r in records}) == 1
     assert [json.loads(line) for line in history.read_text().splitlines()] == records
@@ -305,3 +305,24 @@ def test_profile_times_decode_and_prefill_steps(capsys) -> None:
     assert [line.split(":")[0] for line in lines] == ["## llama-tiny decode", "## llama-tiny prefill of 16"]
     walls = [float(line.split(": ")[1].split(" µs")[0].replace(",", "")) for line in lines]
     assert all(w > 0 for w in walls)
+
+
+def test_git_commit_says_when_the_tree_differs_from_it(tmp_path):
+    import shutil
+
+    from apir.bench.runner import git_commit
+
+    if shutil.which("git") is None:
+        pytest.skip("no git")
+    (tmp_path / "apir").mkdir()
+    (tmp_path / "apir" / "x.py").write_text("a = 1\n")
+    env = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+           "GIT_COMMITTER_EMAIL": "t@t", "PATH": os.environ["PATH"], "HOME": str(tmp_path)}
+    for args in (["init", "-q"], ["add", "."], ["commit", "-qm", "x"]):
+        subprocess.run(["git", "-C", str(tmp_path), *args], check=True, env=env)
+    head = subprocess.run(["git", "-C", str(tmp_path), "rev-parse", "HEAD"], capture_output=True,
+                          text=True, check=True).stdout.strip()
+    assert git_commit(tmp_path) == head
+    (tmp_path / "apir" / "x.py").write_text("a = 2\n")
+    assert git_commit(tmp_path) == head + "-dirty"
+    assert git_commit(tmp_path / "apir" / "nowhere") is None

@@ -123,15 +123,24 @@ class BenchConfig:
 
 
 def git_commit(tree: Path | None = None) -> str | None:
-    """``git rev-parse HEAD`` of the apir source tree, or None (not a checkout, no git)."""
+    """``git rev-parse HEAD`` of the apir source tree, with "-dirty" appended when tracked
+    files differ from it (a result then says it did not come from that commit alone), or
+    None (not a checkout, no git)."""
     tree = tree or Path(__file__).resolve().parents[2]
-    try:
-        out = subprocess.run(["git", "-C", str(tree), "rev-parse", "HEAD"], capture_output=True,
-                             text=True, timeout=5, check=False)
-    except (OSError, subprocess.SubprocessError):
+
+    def git(*args: str) -> subprocess.CompletedProcess | None:
+        try:
+            return subprocess.run(["git", "-C", str(tree), *args], capture_output=True, text=True,
+                                  timeout=5, check=False)
+        except (OSError, subprocess.SubprocessError):
+            return None
+
+    out = git("rev-parse", "HEAD")
+    commit = out.stdout.strip() if out is not None and out.returncode == 0 else ""
+    if len(commit) != 40:
         return None
-    commit = out.stdout.strip()
-    return commit if out.returncode == 0 and len(commit) == 40 else None
+    status = git("status", "--porcelain", "--untracked-files=no", "--", "apir")
+    return commit + "-dirty" if status is None or status.returncode or status.stdout.strip() else commit
 
 
 def torch_version() -> str | None:
