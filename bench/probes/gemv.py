@@ -4,14 +4,16 @@ layers are), inside one CUDA graph. Prints µs per call and the read rate.
 
     python3 bench/probes/gemv.py [135m 1b 8b] [--inductor]
 
-"apir(...)" is the configuration apir.backends.local.gemv.blocks picks for the shape.
+"triton" is apir's kernel (apir.backends.local.gemv) at the best of a sweep of blocks,
+"apir(...)" the blocks apir.backends.local.gemv.blocks picks for the shape.
 """
 
 import sys
 
 import torch
 import triton
-import triton.language as tl
+
+from apir.backends.local.gemv import _gemv_kernel, blocks
 
 SHAPES = {  # (N, K) of the weights a decode step reads: qkv, o, gate_up, down, output
     "135m": [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)],
@@ -20,25 +22,11 @@ SHAPES = {  # (N, K) of the weights a decode step reads: qkv, o, gate_up, down, 
 }
 
 
-@triton.jit
-def gemv(x_ptr, w_ptr, y_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in tl.range(0, K, BLOCK_K):
-        cols = k0 + tl.arange(0, BLOCK_K)
-        w = tl.load(w_ptr + rows[:, None] * K + cols[None, :],
-                    mask=(rows[:, None] < N) & (cols[None, :] < K), other=0.0,
-                    eviction_policy="evict_first")
-        x = tl.load(x_ptr + cols, mask=cols < K, other=0.0)
-        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
-    tl.store(y_ptr + rows, tl.sum(acc, axis=1), mask=rows < N)
-
-
 def triton_fn(bn, bk, warps, stages):
     def run(x, w):
         n, k = w.shape
         y = torch.empty(n, device=w.device, dtype=torch.float32)
-        gemv[(triton.cdiv(n, bn),)](x, w, y, n, k, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+        _gemv_kernel[(triton.cdiv(n, bn),)](x, w, y, n, k, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
         return y
     return run
 
@@ -93,7 +81,6 @@ def main(models):
                 if best is None or t < best[0]:
                     best = (t, c)
             res[f"triton{best[1]}"] = best[0]
-            from apir.backends.local.gemv import blocks
             res[f"apir{blocks(n, k)}"] = time_us(triton_fn(*blocks(n, k)), x, ws)
             if "--inductor" in sys.argv:
                 red = torch.compile(lambda x, w: (w.float() * x.float()[None]).sum(-1), dynamic=False)

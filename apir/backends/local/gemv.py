@@ -1,10 +1,10 @@
 """One-row products (a decode step's matrix-vector products) as a Triton kernel.
 
 A decode step reads every weight once, so its speed is the rate those reads run at. For
-one activation row cuBLAS picks GEMM tiles of 8+ rows and reaches 1.0-2.6 TB/s on a
-llama's small products (H200, 4.8 TB/s peak); this kernel reads each weight row once,
-streaming, and reaches 1.9-4.5 TB/s on the same shapes (bench/probes/gemv.py, figures in
-BENCHMARKS.md).
+one activation row cuBLAS picks GEMM tiles of 8+ rows: on an H200 (4.8 TB/s peak) it reads
+a 1B llama's q/k/v, output and down weights at 1.4, 1.0 and 2.1 TB/s; this kernel, which
+streams each weight row once, at 2.4, 1.9 and 2.9, and the gate/up and vocabulary weights
+at 3.8 and 4.5 against 3.2 and 4.0 (bench/probes/gemv.py; bench/results/*-probes.md).
 
     x (1, K) in w's dtype (``gemv`` rounds it first, as the cuBLAS path does)
     w (N, K) f16 or bf16, row-major;  y (1, N) f32 = x @ w.T, accumulated in f32

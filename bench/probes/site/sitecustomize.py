@@ -20,6 +20,7 @@ def _log(line: str) -> None:
 
 def _patch() -> None:
     import torch
+
     from apir.backends.local import capture
     from apir.host import session
 
