@@ -3,7 +3,7 @@
 # real SmolLM2 GGUF, native side by side with remote unix (shared memory) and remote tcp,
 # and for the 135M models the guest computing alone on its CPU (guest-cpu: the numpy executor),
 # in a run of its own beside native: seconds of numpy work on every core between the remote
-# repetitions made remote prefill 1.5-4x slower and erratic (H200 host, 2026-11-30).
+# repetitions made remote prefill 1.7-4.2x slower and erratic (H200 host, 2026-11-30).
 # One JSON result file and one log per model in OUT (default bench/results/gpu).
 #   scripts/bench-gpu.sh [OUT [135m 1b 8b smollm2]]
 set -uo pipefail

@@ -38,7 +38,7 @@ INLINE_MAX = 4096  # outputs up to this size travel inline even when an arena ex
 MAX_IN_FLIGHT = 2  # Steps queued on the device before the oldest one's reply must go out
 # Polling for the guest's next frame while a step runs (to queue it before replying) is
 # for decode-sized steps. Polling slows the step itself: asked back to back, the CUDA
-# event queries cost a 6 ms prefill chunk ~6% on an H200, asked every 20 µs ~3% (remote
+# event queries cost a 6 ms prefill chunk ~6% on an H200, asked every 20 µs ~4% (remote
 # pp512 0.935 and 0.962 of native, 0.993 with the host blocked in a synchronize). A larger
 # step is waited for in a synchronize, as natively, and its reply goes out first.
 PIPELINED_MAX_TOKENS = 8

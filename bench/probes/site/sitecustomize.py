@@ -1,7 +1,10 @@
-"""Probe, not product: with this directory on PYTHONPATH and APIR_PROBE=1, every apir process (the bench, the
-host daemon and its session workers) appends, per replayed CUDA graph of 64+ tokens, a line
-to /tmp/apir-probe-<pid>.txt:  role n_tokens gpu_us stage_us launch_us
-and per Step the host served:  host recv->submitted, submitted->reply start, reply us.
+"""Probe, not product. With this directory on PYTHONPATH and APIR_PROBE=1, every apir
+process (the bench, the host daemon and its session workers) appends to
+/tmp/apir-probe-<pid>.txt, per replayed CUDA graph of 64+ tokens (which it synchronizes
+at once, so the process blocks instead of polling):
+    <guest|host> <n_tokens> gpu <µs, CUDA events> stage <µs> launch <µs> sync <µs>
+and per Step a host session answered:
+    session start <µs to queue it> wait <µs until its reply began> reply <µs to send it>
 Used by bench/probes/prefill_gap.sh to see where remote prefill loses time to native."""
 
 import os
