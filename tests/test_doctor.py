@@ -124,3 +124,22 @@ def test_doctor_finds_a_running_daemon(clean_env, capsys, monkeypatch):
         assert rc == 0 and one(checks, "daemon")["status"] == "ok"
     finally:
         host.stop()
+
+
+def test_cuda_without_triton_is_a_warning_that_names_the_slower_path(monkeypatch):
+    import importlib.util
+    from types import SimpleNamespace
+
+    from apir import doctor
+
+    props = SimpleNamespace(name="Fake GPU", total_memory=80 * 2**30)
+    cuda = SimpleNamespace(is_available=lambda: True, device_count=lambda: 1,
+                           get_device_properties=lambda i: props)
+    fake_torch = SimpleNamespace(cuda=cuda, version=SimpleNamespace(cuda="12.6"), __version__="2.11.0")
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "triton" else real(name, *a))
+    check = doctor.check_cuda(fake_torch)
+    assert check.status == "warn" and "cuda:0 Fake GPU 80 GiB" in check.detail
+    assert "no Triton" in check.detail and "cuBLAS" in check.detail and "triton" in check.fix
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object())
+    assert doctor.check_cuda(fake_torch).status == "ok"
