@@ -63,8 +63,9 @@ if triton is not None:
     # An opaque custom op, not a triton_op: Inductor traces a triton_op's kernel launches
     # and works out each call site's written arguments by compiling the kernel to TTIR, tens
     # of milliseconds per call site, several times over (pytorch/pytorch#193227), and a
-    # 30-layer model has 121 call sites per captured step. It could not fuse anything into this kernel anyway; the
-    # launch inside the op is recorded into the step's CUDA graph like any other.
+    # 30-layer model has 121 call sites per captured step. It could not fuse anything into
+    # this kernel anyway; the launch inside the op is recorded into the step's CUDA graph
+    # like any other.
     @torch.library.custom_op("apir::gemv", mutates_args=())
     def _gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         n, k = w.shape

@@ -43,7 +43,7 @@ def matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 def fused_matmul(x: torch.Tensor, w: torch.Tensor, widths: tuple[int, ...]) -> list[torch.Tensor]:
     """Products with several weights stacked in ``w`` (rows split by ``widths``): one call."""
-    return [y.float() for y in matmul(x, w).split(widths, dim=-1)]
+    return list(matmul(x, w).split(widths, dim=-1))  # matmul's result is f32 already
 
 
 # Attention of up to this many query rows, inside torch.compile, is written as products
