@@ -5,12 +5,12 @@
 # in a run of its own beside native: seconds of numpy work on every core between the remote
 # repetitions made remote prefill 1.7-4.2x slower and erratic (H200 host, 2026-11-30).
 # One JSON result file and one log per model in OUT (default bench/results/gpu).
-#   scripts/bench-gpu.sh [OUT [135m 1b 8b smollm2]]
+#   scripts/bench-gpu.sh [OUT [135m 135m-q8_0 1b 1b-q8_0 1b-guest-cpu 8b smollm2]]
 set -uo pipefail
 out=${1:-bench/results/gpu}
 mkdir -p "$out"
 shift || true
-models=${*:-135m 1b 8b smollm2}
+models=${*:-135m 135m-q8_0 1b 1b-q8_0 8b smollm2}
 bench() {
   local name=$1 start=$SECONDS
   shift
@@ -22,10 +22,14 @@ for m in $models; do
   case $m in
     135m) bench llama-135m --synthetic llama-135m -p 512 -n 128 -r 3 --backends native,remote-shm,remote-tcp
           bench llama-135m-guest-cpu --synthetic llama-135m -p 512 -n 128 -r 3 --backends native,guest-cpu ;;
+    135m-q8_0) bench llama-135m-q8_0 --synthetic llama-135m:q8_0 -p 512 -n 128 -r 3 --backends native,remote-shm,remote-tcp ;;
     1b) bench llama-1b --synthetic llama-1b -p 512 -n 128 -r 3 --backends native,remote-shm,remote-tcp ;;
+    1b-q8_0) bench llama-1b-q8_0 --synthetic llama-1b:q8_0 -p 512 -n 128 -r 3 --backends native,remote-shm,remote-tcp ;;
+    # The numpy executor needs about a minute per 1B repetition, hence one.
+    1b-guest-cpu) bench llama-1b-guest-cpu --synthetic llama-1b -p 512 -n 128 -r 1 --backends native,guest-cpu ;;
     8b) bench llama-8b --synthetic llama-8b -p 512 -n 128 -r 2 --backends native,remote-shm,remote-tcp ;;
     smollm2) bench smollm2-135m -m smollm2-135m -p 512 -n 128 -r 3 --backends native,remote-shm,remote-tcp
              bench smollm2-135m-guest-cpu -m smollm2-135m -p 512 -n 128 -r 3 --backends native,guest-cpu ;;
-    *) echo "unknown model $m (135m, 1b, 8b, smollm2)" >&2; exit 2 ;;
+    *) echo "unknown model $m (135m, 135m-q8_0, 1b, 1b-q8_0, 1b-guest-cpu, 8b, smollm2)" >&2; exit 2 ;;
   esac
 done
