@@ -144,6 +144,29 @@ def _patch() -> None:
 
     executor.CopyingBack.result = timed_result
 
+    # APIR_PROBE_DETAIL=1: the parts of the executor's submit, each as <name>< and <name>>
+    if os.environ.get("APIR_PROBE_DETAIL") == "1":
+        from apir.backends import base
+
+        def wrap(cls, name):
+            fn = getattr(cls, name)
+
+            def timed(*args, **kwargs):
+                if not big["on"]:
+                    return fn(*args, **kwargs)
+                _log(f"{name}<")
+                r = fn(*args, **kwargs)
+                _log(f"{name}>")
+                return r
+
+            setattr(cls, name, timed)
+
+        for cls, name in [(executor.LocalBackend, "_launch"), (executor.LocalBackend, "_pending"),
+                          (executor.LocalBackend, "_run"), (executor.LocalBackend, "_replay"),
+                          (base.Executor, "_check_quota"), (capture.CapturedStep, "_stage"),
+                          (torch.cuda.CUDAGraph, "replay")]:
+            wrap(cls, name)
+
 
 if os.environ.get("APIR_PROBE") == "timeline":
     import sys
