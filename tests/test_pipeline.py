@@ -261,3 +261,22 @@ def test_a_prefill_sized_step_is_answered_before_the_next_is_read():
     assert s.tokens(1) == reference.compute(gid, step)[0].tolist()
     s.close()
     assert s.events == ["submit 0", "result 0", "submit 1", "result 1"]
+
+
+@pytest.mark.parametrize("transport", ["unix", "tcp"])
+def test_synchronize_asks_the_host_only_after_a_request_without_a_reply(host, transport):
+    with _remote(host, transport) as remote:
+        gid, buf = _decoder(remote)
+        sent = []
+        send = remote.chan.send_frame
+        remote.chan.send_frame = lambda frame, *fds: (sent.append(frame), send(frame, *fds))[1]
+        pending = remote.submit(gid, {"tokens": np.array([1], np.int32), **_pos(0)})
+        remote.synchronize()  # the step's reply says it is done: nothing more to ask
+        assert len(sent) == 1 and pending.done
+        remote.free_buffer(buf + 1000)  # posted: its failure can only come back in a reply
+        with pytest.raises(BackendError, match=r"an earlier FreeBuffer failed: unknown buffer handle"):
+            remote.synchronize()
+        assert len(sent) == 3
+        remote.synchronize()  # the failure was reported; nothing left in flight
+        assert len(sent) == 3
+        assert remote.compute(gid, {"tokens": np.array([2], np.int32), **_pos(1)})[0].shape == (1,)

@@ -145,6 +145,7 @@ class RemoteBackend(Backend):
         self._layouts: dict[int, StepLayout | None] = {}  # graph id -> its Step layout
         self._awaited: collections.deque[Awaited] = collections.deque()  # sent, reply not read yet
         self._unread = 0  # bytes sent while replies were awaited (see _send)
+        self._posted = False  # a request without a reply sent since the last one with (see synchronize)
         self.closed = False
         self.round_trip_seconds = 0.0  # of the last request that waited for the host
         want_arena = arena_size if injected or self.address.scheme == "unix" else 0
@@ -228,10 +229,12 @@ class RemoteBackend(Backend):
     def _post(self, msg: object) -> None:
         """Send without waiting; failures come back at the next request that waits."""
         self._send(encode(msg, next(self._rids)), type(msg).__name__)
+        self._posted = True
 
     def _request(self, frame: bytes, rid: int, what: str, decode: Decoder) -> Awaited:
         """Send request ``rid`` (its frame asks for a reply) and return without waiting."""
         self._send(frame, what)
+        self._posted = False  # the host answers in order, and with a posted request's failure first
         awaited = Awaited(self, rid, what, decode)
         if not self._awaited:
             self._unread = len(frame)
@@ -467,7 +470,15 @@ class RemoteBackend(Backend):
         return outs
 
     def synchronize(self) -> None:
-        self._call(m.Synchronize())
+        """Wait until the host has done every request sent. When the last one sent waits
+        for a reply, that reply says so (the host answers in order, after the work, and a
+        failure of a request posted before it comes back in its place): reading the
+        awaited replies is enough, and a prefill followed by a synchronize, as a benchmark
+        times it, costs no extra round trip (~200 µs on an H200 host, 3% of a pp512)."""
+        if self._posted or self.closed:
+            self._call(m.Synchronize())
+        while self._awaited:
+            self._take()
 
     def close(self) -> None:
         if self.closed:
