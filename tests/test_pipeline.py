@@ -146,6 +146,8 @@ def test_daemon_death_fails_every_outstanding_step(tmp_path, transport):
         fed = [remote.submit(gid, inputs, feed={"tok": 0}) for _ in range(2)]
         host.proc.send_signal(signal.SIGKILL)
         host.proc.wait()
+        with pytest.raises(HostGoneError, match="went away during Compute"):
+            remote.synchronize()  # waits for the steps' replies, which never come
         for p in (fed[1], first, fed[0]):
             with pytest.raises(HostGoneError, match="went away during Compute"):
                 p.result()
