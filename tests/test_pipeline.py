@@ -281,4 +281,5 @@ def test_synchronize_asks_the_host_only_after_a_request_without_a_reply(host, tr
         assert len(sent) == 3
         remote.synchronize()  # the failure was reported; nothing left in flight
         assert len(sent) == 3
+        assert remote.ping() > 0 and len(sent) == 4  # a round trip all the same
         assert remote.compute(gid, {"tokens": np.array([2], np.int32), **_pos(1)})[0].shape == (1,)

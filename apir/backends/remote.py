@@ -469,6 +469,13 @@ class RemoteBackend(Backend):
             outs.append(np.frombuffer(self._blob_view(t.data), NUMPY_DTYPES[dtype]).reshape(t.shape).copy())
         return outs
 
+    def ping(self) -> float:
+        """Seconds of one round trip to the host (a Synchronize, sent even with nothing
+        in flight): what the transport and the host's dispatch cost a request."""
+        t = time.perf_counter()
+        self._call(m.Synchronize())
+        return time.perf_counter() - t
+
     def synchronize(self) -> None:
         """Wait until the host has done every request sent. When the last one sent waits
         for a reply, that reply says so (the host answers in order, after the work, and a

@@ -32,12 +32,16 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..backends.base import Backend, BufferPurpose
 from ..errors import ApirError
 from ..graph import DType, GraphBuilder, T
+
+if TYPE_CHECKING:
+    from ..backends.remote import RemoteBackend
 
 ROUND = 100  # step calls per backend per interleaved round
 WARMUP = 200
@@ -107,15 +111,10 @@ def model_step(b: Backend, pipelined: bool = False, n_tokens: int = 1) -> Callab
     return step_ahead
 
 
-def _null_calls(b: Backend, calls: int) -> list[float]:
+def _null_calls(b: RemoteBackend, calls: int) -> list[float]:
     for _ in range(WARMUP):
-        b.synchronize()
-    samples = []
-    for _ in range(calls):
-        t = time.perf_counter()
-        b.synchronize()
-        samples.append(time.perf_counter() - t)
-    return samples
+        b.ping()
+    return [b.ping() for _ in range(calls)]
 
 
 def _steps(steps: dict[tuple[str, bool], Callable[[int], None]], calls: int) -> dict[tuple[str, bool], list[float]]:

@@ -31,14 +31,13 @@ def run(shape: str, reps: int) -> None:
 def read(folder: str) -> None:
     rows = []
     for f in glob.glob(os.path.join(folder, "apir-timeline-*.txt")):
-        pid = f.rsplit("-", 1)[1].split(".")[0]
         for line in open(f):
             side, event, t, *detail = line.split()
-            rows.append((int(t), side, event, detail[0] if detail else "", pid))
+            rows.append((int(t), side, event, detail[0] if detail else ""))
     rows.sort()
     # one measure = the guest's rows from measure-start to measure-end, with every host row between
     steps, cur = [], None
-    for t, side, event, detail, pid in rows:
+    for t, side, event, detail in rows:
         if side == "guest" and event == "measure-start":
             cur = {"backend": detail, "events": []}
         if cur is not None:
@@ -56,7 +55,7 @@ def read(folder: str) -> None:
             for (t0, side0, e0, _), (t1, side1, e1, _) in zip(ev, ev[1:]):
                 intervals.setdefault(f"{side0[0]}:{e0} -> {side1[0]}:{e1}", []).append((t1 - t0) / 1e3)
             intervals.setdefault("TOTAL", []).append((ev[-1][0] - ev[0][0]) / 1e3)
-            for t, side, e, d in ev:
+            for _, side, e, d in ev:
                 if e == "gpu":
                     intervals.setdefault(f"{side[0]}:gpu (CUDA events)", []).append(float(d))
         print(f"{backend} ({len(ss) - 1} steps), median µs:")
