@@ -1,9 +1,9 @@
 """Probe, not product. With this directory on PYTHONPATH and APIR_PROBE=timeline, every
 apir process (the bench, the host daemon and its session workers) appends one line per
 event of a prefill-sized step (64+ tokens) to /tmp/apir-timeline-<pid>.txt:
-    <event> <CLOCK_MONOTONIC ns> [detail]
-Unlike ../site it adds no synchronize: it only reads clocks, so both sides keep their
-own way of waiting. time.perf_counter is CLOCK_MONOTONIC on Linux, one clock for all
+    <guest|host> <event> <CLOCK_MONOTONIC ns> [detail]
+It adds no synchronize (an earlier probe that did slowed native too and misled): it only
+reads clocks, so both sides keep their own way of waiting. time.perf_counter is CLOCK_MONOTONIC on Linux, one clock for all
 processes, so the guest's and the host's events line up. Events, in order of a step:
     measure-start <backend>   the bench starts a pp test (guest)
     submit-enter / submit-exit  Backend.submit of the guest (remote: the Step is sent)
@@ -14,6 +14,7 @@ processes, so the guest's and the host's events line up. Events, in order of a s
     sent                      the host's reply is written
     result                    the guest has the step's outputs
     measure-end <backend>     pp test done, after the backend's synchronize (guest)
+With APIR_PROBE_DETAIL=1 also the executor's parts, as <method>< and <method>>.
 Read by bench/probes/timeline.py."""
 
 import os
