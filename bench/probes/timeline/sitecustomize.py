@@ -3,8 +3,9 @@ apir process (the bench, the host daemon and its session workers) appends one li
 event of a prefill-sized step (64+ tokens) to /tmp/apir-timeline-<pid>.txt:
     <guest|host> <event> <CLOCK_MONOTONIC ns> [detail]
 It adds no synchronize (an earlier probe that did slowed native too and misled): it only
-reads clocks, so both sides keep their own way of waiting. time.perf_counter is CLOCK_MONOTONIC on Linux, one clock for all
-processes, so the guest's and the host's events line up. Events, in order of a step:
+reads clocks, so both sides keep their own way of waiting. time.perf_counter is
+CLOCK_MONOTONIC on Linux, one clock for all processes, so the guest's and the host's
+events line up. Events, in order of a step:
     measure-start <backend>   the bench starts a pp test (guest)
     submit-enter / submit-exit  Backend.submit of the guest (remote: the Step is sent)
     recv                      the host's session has parsed the Step
