@@ -218,6 +218,39 @@ def test_warm_up_leaves_generation_unchanged(tiny):
         np.testing.assert_array_equal(warm.logits(IDS), cold.logits(IDS))
 
 
+class CompilingCPU(PaddingCPU):
+    """Says what a CUDA executor says (under APIR_COMPILE=all with ``compiles_prefill``);
+    logs each computed step's length and whether it is greedy."""
+
+    def __init__(self, compiles_prefill: bool) -> None:
+        super().__init__("cpu")
+        self.compiles_prefill = compiles_prefill
+        self.steps: list[tuple[int, bool]] = []
+
+    def device(self) -> DeviceInfo:
+        d = super().device()
+        extra = {"compiled_prefill"} if self.compiles_prefill else set()
+        return DeviceInfo(d.name, d.kind, d.description, d.memory_free, d.memory_total, d.capabilities | extra)
+
+    def compute(self, gid, inputs, feed=None):
+        self.steps.append((len(inputs["tokens"]), float(inputs["params"][0]) <= 0))
+        return super().compute(gid, inputs, feed)
+
+
+def test_warm_up_covers_every_prefill_length_a_compiling_host_compiles(tiny):
+    params = SamplingParams(temperature=0.8, seed=2, max_tokens=6)
+    with apir.load(str(tiny), backend=CompilingCPU(True)) as warm, \
+            apir.load(str(tiny), backend="local", device="cpu") as cold:
+        warm.warm_up()
+        # after the one-token prefill: the padded chunk lengths up to the context (128
+        # here), greedy and sampled each
+        assert warm.backend.steps == [(1, True)] + [(n, g) for n in (16, 32, 64, 128) for g in (True, False)]
+        assert list(warm.generate_ids(IDS, params)) == list(cold.generate_ids(IDS, params))
+    with apir.load(str(tiny), backend=CompilingCPU(False)) as plain:  # compiles decode steps only
+        plain.warm_up()
+        assert plain.backend.steps == [(1, True)]  # the decode steps go through submit
+
+
 def test_each_index_input_is_checked_once_against_its_tightest_use(tiny):
     with apir.load(str(tiny), backend="local", device="cpu") as model:
         checks = model.backend._graphs[model._sample_graph].program.index_checks

@@ -29,6 +29,7 @@ DEFAULT_CTX = 4096  # like llama.cpp: a model's full context is opt-in (it sizes
 PREFILL_CHUNK = 512  # llama.cpp's default micro-batch
 PAD_MIN = 8  # steps longer than a decode step are padded to a power of two (see _step)
 _GREEDY = np.array([0.0, 1, 1.0, 0.0, 0.0], np.float32)  # SAMPLE params: argmax
+_SAMPLED = np.array([1.0, 40, 0.95, 0.05, 0.5], np.float32)  # any params that sample
 
 
 class ContextOverflowError(ApirError):
@@ -80,8 +81,11 @@ class Model:
         heads = self.arch.kv_heads(self.args)
         size, slots = KVLayout.plan(self.n_ctx, heads, DType.F32, ALIGNMENT)
         self.kv = KVLayout(backend.alloc_buffer(size, BufferPurpose.KV), self.n_ctx, DType.F32, tuple(slots))
+        capabilities = backend.device().capabilities
         # a host that caches per-length graphs wants few lengths (see _step)
-        self._pad = "graph_cache" in backend.device().capabilities
+        self._pad = "graph_cache" in capabilities
+        # a host that compiles every prefill length (APIR_COMPILE=all) wants them all warmed up
+        self._compiled_prefill = "compiled_prefill" in capabilities
         self._logits_graph = self._register(last_only=False)
         self._sample_graph = self._register(last_only=True)
 
@@ -201,13 +205,19 @@ class Model:
     def warm_up(self) -> None:
         """Run a greedy and a sampled decode step now, so one-time work of the backend
         (recording CUDA graphs, compiling the decode step: tens of seconds on a GPU host)
-        is done before the first request rather than inside it. The KV cache keeps two
-        rows of this, which the next prompt overwrites."""
+        is done before the first request rather than inside it. A host that compiles
+        prefill chunks too gets each padded chunk length in both sampling modes (a compile
+        each). The KV cache keeps rows of this, which the next prompt overwrites."""
         if self.n_ctx < 3:
             return
         token = self.prefill([0])
         self.decode_steps(token, 1, 1)
-        self._submit_next(2, np.array([1.0, 40, 0.95, 0.05, 0.5], np.float32)).result()
+        self._submit_next(2, _SAMPLED).result()
+        size = 2 * PAD_MIN  # the shortest padded chunk (see _step)
+        while self._compiled_prefill and size <= min(PREFILL_CHUNK, self.n_ctx):
+            for params in (_GREEDY, _SAMPLED):
+                self._step(self._sample_graph, [0] * size, 0, params)
+            size *= 2
 
     def decode_steps(self, token: int, start: int, n: int) -> list[int]:
         """``n`` greedy single-token steps: feed ``token`` at ``start``, then each sampled one.

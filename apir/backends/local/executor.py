@@ -97,7 +97,8 @@ class LocalBackend(Executor):
         if dev.type == "cuda":
             free, total = torch.cuda.mem_get_info(dev)
             name = torch.cuda.get_device_name(dev)
-            return DeviceInfo(str(dev), "cuda", name, free, total, frozenset({"graph_cache"}))
+            capabilities = {"graph_cache"} | ({"compiled_prefill"} if self.compile and self.compile_prefill else set())
+            return DeviceInfo(str(dev), "cuda", name, free, total, frozenset(capabilities))
         if dev.type == "mps":
             total = torch.mps.recommended_max_memory()
             used = torch.mps.current_allocated_memory()
