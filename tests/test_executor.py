@@ -219,8 +219,8 @@ def test_warm_up_leaves_generation_unchanged(tiny):
 
 
 class CompilingCPU(PaddingCPU):
-    """Says what a CUDA executor says (under APIR_COMPILE=all with ``compiles_prefill``);
-    logs each computed step's length and whether it is greedy."""
+    """Says what a CUDA executor says: with ``compiles_prefill``, what it says under
+    APIR_COMPILE=all. Logs each computed step's length and whether it is greedy."""
 
     def __init__(self, compiles_prefill: bool) -> None:
         super().__init__("cpu")
