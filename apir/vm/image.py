@@ -245,7 +245,7 @@ main()
 def build(dest: Path, log=lambda s: None) -> None:
     """Write the initramfs to ``dest``."""
     exe, stdlib = _interpreter()
-    tmp = dest.with_suffix(".partial")
+    tmp = dest.with_name(f"{dest.name}.{os.getpid()}.partial")  # concurrent builders never share one
     cpio = Cpio(tmp)
     try:
         log("interpreter and standard library")
@@ -286,11 +286,14 @@ def ensure_image(rebuild: bool = False, log=lambda s: None) -> Image:
         key = cache_key()
     except OSError as e:
         raise VMBuildError("inputs", str(e)) from None
-    initramfs = root / f"initramfs-{key}.cpio"
+    # Several checkouts (or venvs) on one machine share the cache: each replaces only its
+    # own stale images, never another's, which may be booting right now.
+    owner = hashlib.sha256(f"{_apir_dir()}\n{_interpreter()[0]}".encode()).hexdigest()[:8]
+    initramfs = root / f"initramfs-{owner}-{key}.cpio"
     if rebuild or not initramfs.exists():
         log(f"building the guest image into {initramfs} (once; cached)")
         build(initramfs, lambda s: log(f"  {s}"))
-        for old in root.glob("initramfs-*.cpio"):
+        for old in root.glob(f"initramfs-{owner}-*.cpio"):
             if old != initramfs:
                 old.unlink(missing_ok=True)
     return Image(kernel, initramfs, str(_interpreter()[0]))
