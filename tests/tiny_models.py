@@ -49,7 +49,7 @@ class TinyConfig:
 
 
 def write_tiny_gguf(path: Path, cfg: TinyConfig = TinyConfig(), weight_type: str = "F16",
-                    seed: int = 0) -> Path:
+                    seed: int = 0, file_type: int | None = None) -> Path:
     rng = np.random.default_rng(seed)
     tokens = [*byte_level_vocab(), "<s>", "</s>", "<|im_start|>", "<|im_end|>", "he"]
     vocab = len(tokens)
@@ -76,6 +76,8 @@ def write_tiny_gguf(path: Path, cfg: TinyConfig = TinyConfig(), weight_type: str
     w.add_bos_token_id(256)
     w.add_eos_token_id(257)
     w.add_add_bos_token(True)
+    if file_type is not None:  # general.file_type, as llama.cpp's quantizer writes it
+        w.add_file_type(file_type)
 
     def add(name: str, shape: tuple[int, ...], scale: float = 0.2, qtype: str = "F32") -> None:
         data = (rng.standard_normal(shape) * scale).astype(np.float32)

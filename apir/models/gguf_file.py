@@ -84,7 +84,16 @@ class GGUFFile:
         return sum(t.data.nbytes for t in self.tensors.values())
 
     def quantization(self) -> str:
-        """The most common weight type, e.g. 'Q4_1' (what llama.cpp's file_type describes)."""
+        """The file type llama.cpp's quantizer wrote (``general.file_type``: 'Q4_K_M' for a
+        mix of Q4_K and Q6_K), else the most common weight type, e.g. 'Q4_1'."""
+        ftype = self.get(gguf.Keys.General.FILE_TYPE)
+        if isinstance(ftype, int):
+            try:  # bit 10 marks a type guessed by the converter; the type is the rest
+                name = gguf.LlamaFileType(ftype & ~gguf.LlamaFileType.GUESSED).name
+            except ValueError:
+                name = None
+            if name:
+                return name.removeprefix("MOSTLY_").removeprefix("ALL_")
         counts: dict[str, int] = {}
         for t in self.tensors.values():
             if len(t.shape) == 2:
