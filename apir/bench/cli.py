@@ -58,7 +58,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     config = BenchConfig(
         sources=tuple(sources), backends=tuple(backends), n_prompt=tuple(args.n_prompt),
         n_gen=tuple(args.n_gen), reps=args.repetitions,
-        options=BackendOptions(args.device, args.remote, args.token_file),
+        options=BackendOptions(args.device, args.remote, args.token_file), cache_dir=env.cache_dir(),
     )
     if args.plot:
         from .plot import require_matplotlib
