@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -80,9 +81,9 @@ def model_path(config: RunConfig) -> Path:
     return registered or resolve_model(config.model, config.cache_dir)
 
 
-def load(config: RunConfig, progress=None):
-    """The model of ``config`` on its backend (``config.remote`` an address, not "auto"),
-    saying on stderr what was loaded where, and when it landed on the CPU unasked."""
+def load(config: RunConfig, progress=None, say: Callable[[str], None] = eprint):
+    """The model of ``config`` on its backend (``config.remote`` an address, not "auto"):
+    ``run``'s, ``serve``'s. Says what was loaded where, and when it landed on the CPU unasked."""
     from .engine import load as load_model
 
     if config.target == "remote" and not config.remote:
@@ -93,11 +94,11 @@ def load(config: RunConfig, progress=None):
                        token_file=config.token_file)
     dev = model.backend.device()
     where = f"{model.backend.name}:{dev.name}" + (f" via {config.remote}" if config.remote else "")
-    eprint(f"loaded {model.file.path.name} ({model.arch_name}, {model.file.quantization()}) "
+    say(f"loaded {model.file.path.name} ({model.arch_name}, {model.file.quantization()}) "
            f"on {where} in {time.perf_counter() - t0:.1f}s")
     note = cpu_fallback_note(config.target, config.device, dev.kind, config.remote)
     if note:
-        eprint(note)
+        say(note)
     return model
 
 

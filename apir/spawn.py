@@ -40,11 +40,19 @@ def write_token(path: Path) -> str:
 
 
 def _last_line(log: Path) -> str:
+    lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
+    return lines[-1] if lines else "no output"
+
+
+def _answers(address: str, token_file: str | None = None) -> bool:
+    """Whether an apir host answers a status request at ``address``."""
+    from .backends.remote import host_status
+
     try:
-        lines = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
-    except OSError:
-        lines = []
-    return lines[-1].strip() if lines else "no output"
+        host_status(address, token_file)
+    except HostUnreachable:
+        return False
+    return True
 
 
 @dataclass
@@ -93,32 +101,22 @@ def start_host(
     with log.open("wb") as out:  # a file, not a pipe: a chatty daemon never blocks on it
         proc = subprocess.Popen([*cmd, *options], stdin=subprocess.DEVNULL, stdout=out, stderr=out)
     host = HostProcess(proc, tuple(listen), token_file, log)
+    deadline = time.monotonic() + timeout
     try:
-        _wait_ready(host, timeout, spinner)
+        while not _answers(host.listen[0], token_file):
+            if proc.poll() is not None:
+                raise ApirError(f"the apir host exited with status {proc.returncode} "
+                                f"before it answered: {_last_line(log)}")
+            if time.monotonic() > deadline:
+                raise ApirError(f"the apir host did not answer at {host.listen[0]} within "
+                                f"{timeout:g} s: {_last_line(log)}")
+            if spinner:
+                spinner()
+            time.sleep(0.1)
     except BaseException:
         host.stop()
         raise
     return host
-
-
-def _wait_ready(host: HostProcess, timeout: float, spinner: Callable[[], None] | None) -> None:
-    from .backends.remote import host_status
-
-    deadline = time.monotonic() + timeout
-    while True:
-        if spinner:
-            spinner()
-        try:
-            host_status(host.listen[0], host.token_file)
-            return
-        except HostUnreachable:
-            if host.proc.poll() is not None:
-                raise ApirError(f"the apir host exited with status {host.proc.returncode} "
-                                f"before it answered: {_last_line(host.log)}") from None
-            if time.monotonic() > deadline:
-                raise ApirError(f"the apir host did not answer at {host.listen[0]} within "
-                                f"{timeout:g} s: {_last_line(host.log)}") from None
-            time.sleep(0.1)
 
 
 @contextlib.contextmanager
@@ -126,19 +124,9 @@ def auto_host(url: str | None, device: str | None = None,
               spinner: Callable[[], None] | None = None) -> Iterator[str | None]:
     """Yield the address to connect to for ``--remote url``. For ``auto``: the daemon at
     the default socket, or, when none answers there, a private one started for the block."""
-    if url != "auto":
-        yield url
-        return
-    from .backends.remote import host_status
-
     address = f"unix://{default_socket_path()}"
-    try:
-        host_status(address)
-        running = True
-    except HostUnreachable:
-        running = False
-    if running:
-        yield address
+    if url != "auto" or _answers(address):
+        yield address if url == "auto" else url
         return
     with tempfile.TemporaryDirectory(prefix="apir-host-") as tmp, \
             start_host([address], Path(tmp) / "host.log", device=device, spinner=spinner):

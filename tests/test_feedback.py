@@ -53,13 +53,12 @@ def test_apir_run_says_it_fell_back_to_the_cpu(no_gpu, tiny, capsys):
 
 
 def test_apir_serve_loader_says_the_same(no_gpu, tiny, capsys):
-    pytest.importorskip("starlette")
-    from apir.server.app import ServeConfig, load_model
+    from apir.server.cli import serve_model
 
-    with load_model(ServeConfig(model=tiny)):
+    with serve_model(flags.RunConfig(model=tiny)):
         pass
     assert f"apir serve: {NOTE}" in capsys.readouterr().err.splitlines()
-    with load_model(ServeConfig(model=tiny, device="cpu")):
+    with serve_model(flags.RunConfig(model=tiny, device="cpu")):
         pass
     assert "note:" not in capsys.readouterr().err
 

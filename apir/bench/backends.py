@@ -8,17 +8,16 @@ that yields a ready ``Backend`` and releases it (and any daemon it started) on e
 
 A remote factory starts ``apir host --listen URL`` (``apir.spawn``: on a private Unix
 socket, or a free TCP port with a fresh token) and connects to it, or connects to
-``--remote URL`` when one is given. Anything that goes wrong there (no remote
-backend in this apir, a daemon that dies, nothing listening) is one ``BenchError``.
+``--remote URL`` when one is given. Anything that goes wrong there (a daemon that
+dies, nothing listening, a refused handshake) is one ``BenchError``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import tempfile
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, closing
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,20 +38,12 @@ class BackendOptions:
 Factory = Callable[[BackendOptions], AbstractContextManager[Backend]]
 
 
-@contextlib.contextmanager
-def _closing(backend: Backend) -> Iterator[Backend]:
-    try:
-        yield backend
-    finally:
-        backend.close()
-
-
 def _native(opts: BackendOptions) -> AbstractContextManager[Backend]:
-    return _closing(make_backend("local", opts.device))
+    return closing(make_backend("local", opts.device))
 
 
 def _guest_cpu(opts: BackendOptions) -> AbstractContextManager[Backend]:
-    return _closing(make_backend("numpy"))
+    return closing(make_backend("numpy"))
 
 
 def _remote_shm(opts: BackendOptions) -> AbstractContextManager[Backend]:
@@ -89,26 +80,17 @@ def open_backend(name: str, opts: BackendOptions) -> AbstractContextManager[Back
 # ---------------------------------------------------------------- remote
 
 
-def remote_available() -> bool:
-    """Whether this apir has the remote frontend (``apir.backends.remote``)."""
-    return importlib.util.find_spec("apir.backends.remote") is not None
-
-
 def _connect(name: str, url: str, opts: BackendOptions, token_file: str | None) -> Backend:
     try:
         return make_backend("remote", opts.device, remote=url, token_file=token_file)
     except ApirError as e:  # nobody listening, or refused: version, token, device
         raise BenchError(f"{name}: cannot use the host at {url}: {e}") from None
-    except Exception as e:  # a frontend that is not finished (TypeError, ...): say so
-        raise BenchError(f"{name}: opening the remote backend failed: {type(e).__name__}: {e}") from None
 
 
 @contextlib.contextmanager
 def _remote(name: str, scheme: str, opts: BackendOptions) -> Iterator[Backend]:
-    if not remote_available():
-        raise BenchError(f"{name}: this apir has no remote backend (apir.backends.remote is missing)")
     if opts.remote_url:
-        with _closing(_connect(name, opts.remote_url, opts, opts.token_file)) as be:
+        with closing(_connect(name, opts.remote_url, opts, opts.token_file)) as be:
             yield be
         return
     with tempfile.TemporaryDirectory(prefix="apir-bench-") as tmp:
@@ -122,5 +104,5 @@ def _remote(name: str, scheme: str, opts: BackendOptions) -> Iterator[Backend]:
             daemon = start_host([url], Path(tmp) / "host.log", device=opts.device, token_file=token_file)
         except ApirError as e:
             raise BenchError(f"{name}: {e}") from None
-        with daemon, _closing(_connect(name, url, opts, token_file)) as be:
+        with daemon, closing(_connect(name, url, opts, token_file)) as be:
             yield be

@@ -10,6 +10,7 @@ import argparse
 import sys
 
 from .. import env
+from ..flags import eprint
 from ..models.resolve import DEFAULT_MODEL
 from .backends import BACKENDS, BackendOptions, parse_backends
 from .errors import BenchInputError
@@ -17,10 +18,6 @@ from .report import FORMATS
 
 DEFAULT_BACKENDS = "native,remote-shm"
 DEFAULT_MAX_REGRESSION = 10.0  # percent
-
-
-def _eprint(*args: object) -> None:
-    print(*args, file=sys.stderr, flush=True)
 
 
 def _ints(text: str) -> list[int]:
@@ -64,13 +61,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from .plot import require_matplotlib
 
         require_matplotlib()
-    records = run(config, lambda line: _eprint(f"bench: {line}"))
+    records = run(config, lambda line: eprint(f"bench: {line}"))
     emit(records, args.output, args.history, not args.no_history)
     if args.plot:
         from .plot import plot
 
         plot(records, args.plot)
-        _eprint(f"bench: wrote {args.plot}")
+        eprint(f"bench: wrote {args.plot}")
     return 0
 
 
@@ -80,16 +77,16 @@ def cmd_compare(args: argparse.Namespace) -> int:
     try:
         rows = compare(load_records(args.base), load_records(args.new))
     except BenchInputError as e:
-        _eprint(f"error: {e}")
+        eprint(f"error: {e}")
         return 2
     if not any(r.change is not None for r in rows):
-        _eprint(f"error: {args.base} and {args.new} have no (model, backend, test) in common")
+        eprint(f"error: {args.base} and {args.new} have no (model, backend, test) in common")
         return 2
     sys.stdout.write(render(rows, args.max_regression))
     bad = regressions(rows, args.max_regression)
     if bad:
         names = ", ".join(" ".join(r.key) for r in bad)
-        _eprint(f"{len(bad)} test(s) lost more than {args.max_regression:g}%: {names}")
+        eprint(f"{len(bad)} test(s) lost more than {args.max_regression:g}%: {names}")
         return 1
     return 0
 

@@ -5,13 +5,18 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import dataclasses
 import signal
 import sys
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from .. import env
 from ..errors import ApirError
-from ..flags import Spinner, add_backend, add_model, model_path, run_config
+from ..flags import RunConfig, Spinner, add_backend, add_model, eprint, load, run_config
+
+if TYPE_CHECKING:
+    from ..engine import Model
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -31,13 +36,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         import uvicorn
 
-        from .app import ServeConfig, create_app, load_model
+        from .app import ServeConfig, create_app
     except ImportError as e:
         raise ApirError(f"apir serve needs Starlette and uvicorn ({e}): pip install 'apir[serve]'") from None
     from ..spawn import auto_host
 
     run = run_config(args)
-    if run.backend == "remote" and not run.remote:
+    if run.target == "remote" and not run.remote:
         raise ApirError("--backend remote needs --remote URL (or APIR_REMOTE)")
     spinner = Spinner()
     with auto_host(run.remote, run.device, spinner=spinner) as remote:
@@ -53,7 +58,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             failed.append(e)
             server.should_exit = True
 
-        app = create_app(config, loader=lambda: load_model(config, str(model_path(run))),
+        app = create_app(config, loader=lambda: serve_model(dataclasses.replace(run, remote=remote)),
                          on_load_error=on_load_error)
         log_config = copy.deepcopy(uvicorn.config.LOGGING_CONFIG)
         log_config["handlers"]["access"]["stream"] = "ext://sys.stderr"  # stdout is for results
@@ -66,6 +71,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
         with _exit_on_sigterm():
             server.run()
     return 1 if failed else 0
+
+
+def serve_model(config: RunConfig) -> Model:
+    """``apir run``'s loader, its lines prefixed with ``apir serve:``; then the warm-up: a
+    GPU host compiles its decode step now, while /health says "loading"."""
+    model = load(config, say=lambda line: eprint(f"apir serve: {line}"))
+    model.warm_up()
+    return model
 
 
 @contextlib.contextmanager
