@@ -14,18 +14,8 @@ import sys
 import time
 from collections.abc import Sequence
 
-from . import env
+from . import env, flags
 from .errors import ApirError
-from .flags import (
-    RunConfig,
-    Spinner,
-    add_backend,
-    add_model,
-    eprint,
-    model_path,
-    progress_bar,
-    run_config,
-)
 
 
 def _sampling(args: argparse.Namespace):
@@ -55,7 +45,7 @@ def _generate(model, ids: list[int], params) -> tuple[str, int]:
     end = time.perf_counter()
     first = first or end
     gen_rate = (count - 1) / (end - first) if count > 1 else 0.0
-    eprint(f"\nprompt {len(ids)} tokens, {len(ids) / max(first - t0, 1e-9):,.1f} t/s; "
+    flags.eprint(f"\nprompt {len(ids)} tokens, {len(ids) / max(first - t0, 1e-9):,.1f} t/s; "
             f"generated {count} tokens, {gen_rate:,.1f} t/s; backend {model.backend.name} "
             f"({model.backend.device().name})")
     return "".join(pieces) + tail, count
@@ -63,17 +53,16 @@ def _generate(model, ids: list[int], params) -> tuple[str, int]:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from . import sandbox
-    from .flags import load
     from .spawn import auto_host
 
     params = _sampling(args)
-    config = run_config(args)
+    config = flags.run_config(args)
     if args.sandbox and not sandbox.inside():
         return _run_sandboxed(args, config)
-    spinner = Spinner()
+    spinner = flags.Spinner()
     with auto_host(config.remote, config.device, spinner=spinner) as remote:
         spinner.done()
-        model = load(dataclasses.replace(config, remote=remote), progress_bar("uploading weights"))
+        model = flags.load(dataclasses.replace(config, remote=remote), flags.progress_bar("uploading weights"))
         return _run(args, model, params)
 
 
@@ -83,7 +72,7 @@ def _config_files() -> tuple[str, ...]:
     return (str(path.resolve()),) if path.is_file() else ()
 
 
-def _run_sandboxed(args: argparse.Namespace, config: RunConfig) -> int:
+def _run_sandboxed(args: argparse.Namespace, config: flags.RunConfig) -> int:
     """Re-run this command as a guest inside bubblewrap, talking to a host outside it."""
     import subprocess
 
@@ -91,16 +80,16 @@ def _run_sandboxed(args: argparse.Namespace, config: RunConfig) -> int:
     from .spawn import auto_host
     from .transport import parse_address
 
-    spinner = Spinner()
+    spinner = flags.Spinner()
     with auto_host(config.remote or "auto", config.device, spinner=spinner) as remote:
         spinner.done()
         address = parse_address(remote)
         if address.scheme != "unix":
             raise ApirError(f"--sandbox reaches the host through a unix socket, not {address}")
-        model = str(model_path(config).resolve())  # /tmp is private in there: bind it
+        model = str(flags.model_path(config).resolve())  # /tmp is private in there: bind it
         argv = sandbox.guest_argv([*args.argv, "--remote", str(address)])
         cmd = sandbox.sandbox_command(address.path, argv, read_only=(model, *_config_files()))
-        eprint(f"sandbox: guest in bubblewrap (no network, no GPU devices, read-only root) -> {address}")
+        flags.eprint(f"sandbox: guest in bubblewrap (no network, no GPU devices, read-only root) -> {address}")
         return subprocess.run(cmd).returncode
 
 
@@ -118,13 +107,13 @@ def _run(args: argparse.Namespace, model, params) -> int:
 
 
 def _chat_loop(model, params) -> int:
-    eprint("interactive chat: type a message, an empty line or Ctrl-D to quit")
+    flags.eprint("interactive chat: type a message, an empty line or Ctrl-D to quit")
     messages: list[dict] = []
     while True:
         try:
             line = input("> ")
         except EOFError:
-            eprint()
+            flags.eprint()
             return 0
         if not line.strip():
             return 0
@@ -139,17 +128,17 @@ def cmd_tokenize(args: argparse.Namespace) -> int:
     from .models.gguf_file import GGUFFile
     from .models.tokenizer import Tokenizer
 
-    tok = Tokenizer.from_gguf(GGUFFile(model_path(run_config(args))).reader)
+    tok = Tokenizer.from_gguf(GGUFFile(flags.model_path(flags.run_config(args))).reader)
     print(json.dumps(tok.encode(args.text)))
     return 0
 
 
-def _flags_given(args: argparse.Namespace, flags: dict[str, tuple[str, ...]]) -> dict[str, object]:
-    """The values of the flags in ``flags`` (config key -> option strings) that appear on
+def _flags_given(args: argparse.Namespace, options_of: dict[str, tuple[str, ...]]) -> dict[str, object]:
+    """The values of the flags in ``options_of`` (config key -> option strings) that appear on
     the command line itself, as opposed to defaults taken from the environment or config."""
     given = {}
     words = getattr(args, "argv", [])
-    for key, options in flags.items():
+    for key, options in options_of.items():
         for word in words:
             if word == "--":
                 break
@@ -187,7 +176,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     from .models.gguf_file import GGUFFile
     from .models.registry import architecture
 
-    f = GGUFFile(model_path(run_config(args)))
+    f = GGUFFile(flags.model_path(flags.run_config(args)))
     params = sum(math.prod(t.shape) for t in f.tensors.values())
     info = {
         "path": str(f.path),
@@ -219,8 +208,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     run = sub.add_parser("run", help="generate text (one-shot with -p, interactive chat without)")
-    add_model(run)
-    add_backend(run)
+    flags.add_model(run)
+    flags.add_backend(run)
     run.add_argument("-p", "--prompt", help="the prompt, used exactly as given (special tokens parsed)")
     run.add_argument("-n", "--n-predict", type=int, default=256, help="max tokens to generate")
     run.add_argument("--temp", type=float, default=0.8, help="temperature (0 = greedy)")
@@ -235,14 +224,14 @@ def build_parser() -> argparse.ArgumentParser:
     run.set_defaults(func=cmd_run)
 
     tok = sub.add_parser("tokenize", help="print token ids as JSON")
-    add_model(tok)
+    flags.add_model(tok)
     tok.add_argument("text")
     tok.set_defaults(func=cmd_tokenize)
 
     info = sub.add_parser("info", help="architecture, size, quantization, context length; "
                           "--config: the effective configuration")
-    add_model(info)
-    add_backend(info)
+    flags.add_model(info)
+    flags.add_backend(info)
     info.add_argument("--json", action="store_true")
     info.add_argument("--config", action="store_true",
                       help="print every setting, its value and where it came from (flag, env, "
@@ -273,24 +262,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     import warnings
 
     # Library warnings (e.g. a model without a chat template) are one line, not a stack frame.
-    warnings.showwarning = lambda message, *_args, **_kw: eprint(f"warning: {message}")
+    warnings.showwarning = lambda message, *_args, **_kw: flags.eprint(f"warning: {message}")
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         args = build_parser().parse_args(argv)  # flag defaults read the environment and config
     except env.ConfigError as e:
-        eprint(f"error: {e}")
+        flags.eprint(f"error: {e}")
         return 2
     args.argv = argv
     try:
         return args.func(args)
     except ApirError as e:
-        eprint(f"error: {e}")
+        flags.eprint(f"error: {e}")
         return 1
     except ValueError as e:  # bad option values (SamplingParams and friends)
-        eprint(f"error: {e}")
+        flags.eprint(f"error: {e}")
         return 2
     except KeyboardInterrupt:
-        eprint("\ninterrupted")
+        flags.eprint("\ninterrupted")
         return 130
     except BrokenPipeError:
         return 0

@@ -62,7 +62,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         require_matplotlib()
     records = run(config, lambda line: eprint(f"bench: {line}"))
-    emit(records, args.output, args.history, not args.no_history)
+    emit(records, args.output, None if args.no_history else args.history)
     if args.plot:
         from .plot import plot
 
@@ -123,7 +123,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="the shared secret of a tcp/vsock --remote host (or set APIR_TOKEN)")
     p.add_argument("-o", "--output", choices=FORMATS, default="md", help="stdout format (default md)")
     p.add_argument("--plot", metavar="FILE.png", help="also draw the results (needs matplotlib)")
-    p.add_argument("--history", metavar="FILE",
+    p.add_argument("--history", metavar="FILE", default=env.BENCH_HISTORY.get(),
                    help=f"append records here (default: ${env.BENCH_HISTORY.name} or "
                         f"{env.BENCH_HISTORY.default})")
     p.add_argument("--no-history", action="store_true", help="do not append to the history file")

@@ -125,7 +125,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     for r in records:
         base = native.get((r["model"], r["test"]))
         r["pct_native"] = 100.0 * r["avg_ts"] / base if base else None
-    emit(records, args.output, args.history, not args.no_history)
+    emit(records, args.output, None if args.no_history else args.history)
     return 0
 
 
