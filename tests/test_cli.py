@@ -184,3 +184,13 @@ def test_each_command_module_imports_alone(module):
                           "print('torch' in sys.modules)"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"  # and none of them drags torch in
+
+
+def test_a_daemon_that_cannot_start_is_one_error_naming_why(tmp_path):
+    from apir.errors import ApirError
+    from apir.spawn import start_host
+
+    with pytest.raises(ApirError) as e:
+        start_host([f"unix://{tmp_path / 'apir.sock'}"], tmp_path / "host.log", options=("--max-sessions", "many"))
+    assert str(e.value).startswith("the apir host exited with status 2 before it answered: ")
+    assert "invalid int value: 'many'" in str(e.value)

@@ -84,6 +84,26 @@ def test_the_cache_dir_is_resolved_at_the_edge(config, tmp_path, monkeypatch):
     assert resolve.resolve_model("gemma3-270m") == resolve.DEFAULT_CACHE_DIR  # no layer read
 
 
+def test_the_library_reads_no_config(config, monkeypatch):
+    """apir.load is the library's edge: the config file's model and cache_dir never reach it."""
+    import apir
+    import apir.engine
+    from apir.models import resolve
+    from apir.models.errors import ModelNotFoundError
+
+    config('model = "from-config.gguf"\ncache_dir = "/nonexistent"\n')
+    asked = []
+
+    def resolve_model(spec, cache_dir):
+        asked.append((spec, cache_dir))
+        raise ModelNotFoundError("resolved")
+
+    monkeypatch.setattr(apir.engine, "resolve_model", resolve_model)
+    with pytest.raises(ModelNotFoundError):
+        apir.load()
+    assert asked == [(None, resolve.DEFAULT_CACHE_DIR)]
+
+
 @pytest.mark.parametrize("text, message", [
     ("model = \n", "invalid TOML"),
     ('modle = "x"\n', "unknown key 'modle'"),
