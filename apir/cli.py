@@ -53,17 +53,13 @@ def _generate(model, ids: list[int], params) -> tuple[str, int]:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from . import sandbox
-    from .spawn import auto_host
 
     params = _sampling(args)
     config = flags.run_config(args)
     if args.sandbox and not sandbox.inside():
-        return _run_sandboxed(args, config)
-    spinner = flags.Spinner()
-    with auto_host(config.remote, config.device, spinner=spinner) as remote:
-        spinner.done()
-        model = flags.load(dataclasses.replace(config, remote=remote), flags.progress_bar("uploading weights"))
-        return _run(args, model, params)
+        return _run_sandboxed(args, dataclasses.replace(config, remote=config.remote or "auto"))
+    with flags.remote_ready(config) as config:
+        return _run(args, flags.load(config, flags.progress_bar("uploading weights")), params)
 
 
 def _config_files() -> tuple[str, ...]:
@@ -77,13 +73,10 @@ def _run_sandboxed(args: argparse.Namespace, config: flags.RunConfig) -> int:
     import subprocess
 
     from . import sandbox
-    from .spawn import auto_host
     from .transport import parse_address
 
-    spinner = flags.Spinner()
-    with auto_host(config.remote or "auto", config.device, spinner=spinner) as remote:
-        spinner.done()
-        address = parse_address(remote)
+    with flags.remote_ready(config) as config:
+        address = parse_address(config.remote)
         if address.scheme != "unix":
             raise ApirError(f"--sandbox reaches the host through a unix socket, not {address}")
         model = str(flags.model_path(config).resolve())  # /tmp is private in there: bind it

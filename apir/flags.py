@@ -5,9 +5,11 @@ loader of ``run``, ``serve`` and ``bench``, and the progress lines on stderr."""
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -70,6 +72,18 @@ def run_config(args: argparse.Namespace) -> RunConfig:
     given = {f: getattr(args, f) for f in ("model", "backend", "device", "ctx_size", "remote",
                                            "token_file") if hasattr(args, f)}
     return RunConfig(**given, cache_dir=env.cache_dir())
+
+
+@contextlib.contextmanager
+def remote_ready(config: RunConfig) -> Iterator[RunConfig]:
+    """``config`` with ``--remote auto`` made the address of the running daemon, or of one
+    started for the block (a spinner on stderr while it comes up)."""
+    from .spawn import auto_host
+
+    spinner = Spinner()
+    with auto_host(config.remote, config.device, spinner=spinner) as remote:
+        spinner.done()
+        yield dataclasses.replace(config, remote=remote)
 
 
 def model_path(config: RunConfig) -> Path:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import dataclasses
 import signal
 import sys
 from collections.abc import Iterator
@@ -13,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from .. import env
 from ..errors import ApirError
-from ..flags import RunConfig, Spinner, add_backend, add_model, eprint, load, run_config
+from ..flags import RunConfig, add_backend, add_model, eprint, load, remote_ready, run_config
 
 if TYPE_CHECKING:
     from ..engine import Model
@@ -39,17 +38,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from .app import ServeConfig, create_app
     except ImportError as e:
         raise ApirError(f"apir serve needs Starlette and uvicorn ({e}): pip install 'apir[serve]'") from None
-    from ..spawn import auto_host
-
     run = run_config(args)
     if run.target == "remote" and not run.remote:
         raise ApirError("--backend remote needs --remote URL (or APIR_REMOTE)")
-    spinner = Spinner()
-    with auto_host(run.remote, run.device, spinner=spinner) as remote:
-        spinner.done()
+    with remote_ready(run) as run:
         config = ServeConfig(
-            model=run.model, backend="remote" if remote else run.backend, device=run.device,
-            ctx_size=run.ctx_size, remote=remote, token_file=run.token_file,
+            model=run.model, backend=run.target, device=run.device,
+            ctx_size=run.ctx_size, remote=run.remote, token_file=run.token_file,
             api_key=args.api_key or None, host=args.bind, port=args.port,
         )
         failed: list[Exception] = []
@@ -58,7 +53,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             failed.append(e)
             server.should_exit = True
 
-        app = create_app(config, loader=lambda: serve_model(dataclasses.replace(run, remote=remote)),
+        app = create_app(config, loader=lambda: serve_model(run),
                          on_load_error=on_load_error)
         log_config = copy.deepcopy(uvicorn.config.LOGGING_CONFIG)
         log_config["handlers"]["access"]["stream"] = "ext://sys.stderr"  # stdout is for results
