@@ -18,7 +18,8 @@ __version__ = "0.1.0"
 
 
 def load(model: str | None = None, backend: str = "local", device: str | None = None, **kwargs) -> Model:
-    """Load a GGUF model by name or path; see ``apir.engine.load``."""
+    """Load a GGUF model by name or path; see ``apir.engine.load``. The library's edge:
+    only the arguments and library defaults count, never ``APIR_*`` or the config file."""
     from .engine import load as _load
 
     return _load(model, backend=backend, device=device, **kwargs)

@@ -7,127 +7,15 @@ stdout carries only results (generated text, JSON); logs and progress go to stde
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
 import time
 from collections.abc import Sequence
 
-from . import env
+from . import env, flags
 from .errors import ApirError
-
-
-def _eprint(*args: object) -> None:
-    print(*args, file=sys.stderr, flush=True)
-
-
-def _add_model(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-m", "--model", default=env.MODEL.get(),
-                   help="model name (smollm2-135m, gemma3-270m) or .gguf path (default: smollm2-135m)")
-
-
-def _add_backend(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--backend", default=env.BACKEND.get(), choices=("local", "numpy", "remote"),
-                   help="where graphs execute (default: local = PyTorch in-process; remote with --remote)")
-    p.add_argument("--remote", default=env.REMOTE.get(), metavar="URL",
-                   help="execute on the host daemon at URL (unix:///PATH, tcp://HOST:PORT, "
-                        "vsock://CID:PORT) or 'auto' (the default socket, starting a daemon if none)")
-    p.add_argument("--token-file", default=env.TOKEN_FILE.get(),
-                   help="the shared secret for tcp/vsock hosts (or set APIR_TOKEN)")
-    p.add_argument("--device", default=env.DEVICE.get(), choices=("cpu", "cuda", "mps"),
-                   help="device for the local backend (default: best available)")
-    ctx = env.CTX_SIZE.get()
-    p.add_argument("-c", "--ctx-size", type=int, default=int(ctx) if ctx else None,
-                   help="context window in tokens (default: min(4096, the model's))")
-
-
-def _size(n: float) -> str:
-    for unit in ("B", "kB", "MB", "GB"):
-        if n < 1000 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    raise AssertionError("unreachable")
-
-
-def _progress_bar(label: str):
-    """A progress callback drawing ``label: [####----] 41.2/98.1 MB  310 MB/s  ETA 0:01`` on
-    stderr: redrawn in place (at most 10 times a second) on a terminal, else once at the end."""
-    start = time.perf_counter()
-    tty = sys.stderr.isatty()
-    last = [0.0]
-
-    def report(done: int, total: int) -> None:
-        now = time.perf_counter()
-        finished = done >= total
-        if not finished and (not tty or now - last[0] < 0.1):
-            return
-        last[0] = now
-        elapsed = max(now - start, 1e-9)
-        rate = done / elapsed
-        filled = round(20 * done / total) if total else 20
-        line = f"{label}: [{'#' * filled}{'-' * (20 - filled)}] {_size(done)}/{_size(total)}  {_size(rate)}/s"
-        if finished:
-            line += f"  in {elapsed:.1f}s"
-        elif rate > 0:
-            eta = int((total - done) / rate)
-            line += f"  ETA {eta // 60}:{eta % 60:02d}"
-        print(("\r" if tty else "") + line + ("\x1b[K" if tty else ""), end="\n" if finished else "",
-              file=sys.stderr, flush=True)
-
-    return report
-
-
-class _Spinner:
-    """Passed to ``remote_host`` as its ``spinner``: called every ~0.1 s while an
-    auto-started daemon comes up. Spins on a terminal; elsewhere says it once."""
-
-    FRAMES = "|/-\\"
-
-    def __init__(self, label: str) -> None:
-        self.label = label
-        self.calls = 0
-        self.start = time.perf_counter()
-        self.tty = sys.stderr.isatty()
-
-    def __call__(self) -> None:
-        if self.tty:
-            frame = self.FRAMES[self.calls % len(self.FRAMES)]
-            print(f"\r{frame} {self.label} ({time.perf_counter() - self.start:.0f}s)",
-                  end="", file=sys.stderr, flush=True)
-        elif self.calls == 0:
-            _eprint(f"{self.label}...")
-        self.calls += 1
-
-    def done(self) -> None:
-        """Erase the spinner's line (call once the daemon answers)."""
-        if self.tty and self.calls:
-            print("\r\x1b[K", end="", file=sys.stderr, flush=True)
-            self.calls = 0
-
-
-AUTO_HOST = "starting an apir host for --remote auto (none answers at the default socket)"
-
-
-def _load(args: argparse.Namespace, remote: str | None = None):
-    from .engine import load
-
-    t0 = time.perf_counter()
-    backend = "remote" if remote else args.backend
-    if backend == "remote" and not remote:
-        raise ApirError("--backend remote needs --remote URL (or APIR_REMOTE)")
-    model = load(args.model, backend=backend, device=args.device, n_ctx=args.ctx_size,
-                 progress=_progress_bar("uploading weights"), remote=remote,
-                 token_file=args.token_file)
-    dev = model.backend.device()
-    where = f"{model.backend.name}:{dev.name}" + (f" via {remote}" if remote else "")
-    _eprint(f"loaded {model.file.path.name} ({model.arch_name}, {model.file.quantization()}) "
-            f"on {where} in {time.perf_counter() - t0:.1f}s")
-    from .doctor import cpu_fallback_note
-
-    note = cpu_fallback_note(backend, args.device, dev.kind, remote)
-    if note:
-        _eprint(note)
-    return model
 
 
 def _sampling(args: argparse.Namespace):
@@ -157,7 +45,7 @@ def _generate(model, ids: list[int], params) -> tuple[str, int]:
     end = time.perf_counter()
     first = first or end
     gen_rate = (count - 1) / (end - first) if count > 1 else 0.0
-    _eprint(f"\nprompt {len(ids)} tokens, {len(ids) / max(first - t0, 1e-9):,.1f} t/s; "
+    flags.eprint(f"\nprompt {len(ids)} tokens, {len(ids) / max(first - t0, 1e-9):,.1f} t/s; "
             f"generated {count} tokens, {gen_rate:,.1f} t/s; backend {model.backend.name} "
             f"({model.backend.device().name})")
     return "".join(pieces) + tail, count
@@ -165,15 +53,13 @@ def _generate(model, ids: list[int], params) -> tuple[str, int]:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from . import sandbox
-    from .host.autostart import remote_host
 
     params = _sampling(args)
+    config = flags.run_config(args)
     if args.sandbox and not sandbox.inside():
-        return _run_sandboxed(args)
-    spinner = _Spinner(AUTO_HOST)
-    with remote_host(args.remote, args.device, spinner=spinner) as remote:
-        spinner.done()
-        return _run(args, _load(args, remote), params)
+        return _run_sandboxed(args, dataclasses.replace(config, remote=config.remote or "auto"))
+    with flags.remote_ready(config) as config:
+        return _run(args, flags.load(config, flags.progress_bar("uploading weights")), params)
 
 
 def _config_files() -> tuple[str, ...]:
@@ -182,26 +68,21 @@ def _config_files() -> tuple[str, ...]:
     return (str(path.resolve()),) if path.is_file() else ()
 
 
-def _run_sandboxed(args: argparse.Namespace) -> int:
+def _run_sandboxed(args: argparse.Namespace, config: flags.RunConfig) -> int:
     """Re-run this command as a guest inside bubblewrap, talking to a host outside it."""
     import subprocess
 
     from . import sandbox
-    from .host.autostart import remote_host
     from .transport import parse_address
 
-    spinner = _Spinner(AUTO_HOST)
-    with remote_host(args.remote or "auto", args.device, spinner=spinner) as remote:
-        spinner.done()
-        address = parse_address(remote)
+    with flags.remote_ready(config) as config:
+        address = parse_address(config.remote)
         if address.scheme != "unix":
             raise ApirError(f"--sandbox reaches the host through a unix socket, not {address}")
-        from .models.resolve import resolve_model
-
-        model = str(resolve_model(args.model).resolve())  # /tmp is private in there: bind it
+        model = str(flags.model_path(config).resolve())  # /tmp is private in there: bind it
         argv = sandbox.guest_argv([*args.argv, "--remote", str(address)])
         cmd = sandbox.sandbox_command(address.path, argv, read_only=(model, *_config_files()))
-        _eprint(f"sandbox: guest in bubblewrap (no network, no GPU devices, read-only root) -> {address}")
+        flags.eprint(f"sandbox: guest in bubblewrap (no network, no GPU devices, read-only root) -> {address}")
         return subprocess.run(cmd).returncode
 
 
@@ -219,13 +100,13 @@ def _run(args: argparse.Namespace, model, params) -> int:
 
 
 def _chat_loop(model, params) -> int:
-    _eprint("interactive chat: type a message, an empty line or Ctrl-D to quit")
+    flags.eprint("interactive chat: type a message, an empty line or Ctrl-D to quit")
     messages: list[dict] = []
     while True:
         try:
             line = input("> ")
         except EOFError:
-            _eprint()
+            flags.eprint()
             return 0
         if not line.strip():
             return 0
@@ -238,20 +119,19 @@ def _chat_loop(model, params) -> int:
 
 def cmd_tokenize(args: argparse.Namespace) -> int:
     from .models.gguf_file import GGUFFile
-    from .models.resolve import resolve_model
     from .models.tokenizer import Tokenizer
 
-    tok = Tokenizer.from_gguf(GGUFFile(resolve_model(args.model)).reader)
+    tok = Tokenizer.from_gguf(GGUFFile(flags.model_path(flags.run_config(args))).reader)
     print(json.dumps(tok.encode(args.text)))
     return 0
 
 
-def _flags_given(args: argparse.Namespace, flags: dict[str, tuple[str, ...]]) -> dict[str, object]:
-    """The values of the flags in ``flags`` (config key -> option strings) that appear on
+def _flags_given(args: argparse.Namespace, options_of: dict[str, tuple[str, ...]]) -> dict[str, object]:
+    """The values of the flags in ``options_of`` (config key -> option strings) that appear on
     the command line itself, as opposed to defaults taken from the environment or config."""
     given = {}
     words = getattr(args, "argv", [])
-    for key, options in flags.items():
+    for key, options in options_of.items():
         for word in words:
             if word == "--":
                 break
@@ -288,9 +168,8 @@ def cmd_info(args: argparse.Namespace) -> int:
         return cmd_config(args)
     from .models.gguf_file import GGUFFile
     from .models.registry import architecture
-    from .models.resolve import resolve_model
 
-    f = GGUFFile(resolve_model(args.model))
+    f = GGUFFile(flags.model_path(flags.run_config(args)))
     params = sum(math.prod(t.shape) for t in f.tensors.values())
     info = {
         "path": str(f.path),
@@ -322,8 +201,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     run = sub.add_parser("run", help="generate text (one-shot with -p, interactive chat without)")
-    _add_model(run)
-    _add_backend(run)
+    flags.add_model(run)
+    flags.add_backend(run)
     run.add_argument("-p", "--prompt", help="the prompt, used exactly as given (special tokens parsed)")
     run.add_argument("-n", "--n-predict", type=int, default=256, help="max tokens to generate")
     run.add_argument("--temp", type=float, default=0.8, help="temperature (0 = greedy)")
@@ -338,14 +217,14 @@ def build_parser() -> argparse.ArgumentParser:
     run.set_defaults(func=cmd_run)
 
     tok = sub.add_parser("tokenize", help="print token ids as JSON")
-    _add_model(tok)
+    flags.add_model(tok)
     tok.add_argument("text")
     tok.set_defaults(func=cmd_tokenize)
 
     info = sub.add_parser("info", help="architecture, size, quantization, context length; "
                           "--config: the effective configuration")
-    _add_model(info)
-    _add_backend(info)
+    flags.add_model(info)
+    flags.add_backend(info)
     info.add_argument("--json", action="store_true")
     info.add_argument("--config", action="store_true",
                       help="print every setting, its value and where it came from (flag, env, "
@@ -376,24 +255,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     import warnings
 
     # Library warnings (e.g. a model without a chat template) are one line, not a stack frame.
-    warnings.showwarning = lambda message, *_args, **_kw: _eprint(f"warning: {message}")
+    warnings.showwarning = lambda message, *_args, **_kw: flags.eprint(f"warning: {message}")
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         args = build_parser().parse_args(argv)  # flag defaults read the environment and config
     except env.ConfigError as e:
-        _eprint(f"error: {e}")
+        flags.eprint(f"error: {e}")
         return 2
     args.argv = argv
     try:
         return args.func(args)
     except ApirError as e:
-        _eprint(f"error: {e}")
+        flags.eprint(f"error: {e}")
         return 1
     except ValueError as e:  # bad option values (SamplingParams and friends)
-        _eprint(f"error: {e}")
+        flags.eprint(f"error: {e}")
         return 2
     except KeyboardInterrupt:
-        _eprint("\ninterrupted")
+        flags.eprint("\ninterrupted")
         return 130
     except BrokenPipeError:
         return 0

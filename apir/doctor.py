@@ -3,9 +3,6 @@
 Each check is ``ok``, ``missing`` or ``warn``; the last line says which path ``apir run``
 would take with the flags, environment and config file as they are now. The exit status
 is 1 only when that path cannot work (``apir run`` would fail), else 0.
-
-This module also holds the one wording of the CPU-fallback note that ``apir run`` and
-``apir serve`` print (``cpu_fallback_note``), so that apir never silently lands on the CPU.
 """
 
 from __future__ import annotations
@@ -24,6 +21,7 @@ from pathlib import Path
 from types import ModuleType
 
 from .errors import ApirError
+from .flags import RunConfig, add_backend, add_model, model_path, run_config
 
 HOST_FIX = ("start one with `apir host` (or keep one running with the systemd user unit "
             "contrib/systemd/apir-host.service: see README, \"Running in a container\")")
@@ -39,21 +37,6 @@ class Check:
     def __post_init__(self) -> None:
         if self.status not in ("ok", "missing", "warn"):
             raise ValueError(f"bad check status {self.status!r}")
-
-
-def cpu_fallback_note(backend: str, requested: str | None, kind: str,
-                      remote: str | None = None) -> str | None:
-    """The note to print when a model landed on the CPU without anyone asking for it, or
-    None. ``requested`` is the --device given (None: pick the best), ``kind`` the device
-    the backend ended up on."""
-    if requested is not None or kind != "cpu" or backend == "numpy":
-        return None
-    if remote or backend == "remote":
-        return (f"note: the apir host at {remote or 'the remote address'} has no GPU (its torch "
-                f"sees no CUDA/MPS device); graphs run on its CPU — pass --device cpu to "
-                f"silence this, or point --remote at a host with a GPU")
-    return ("note: no GPU found (torch sees no CUDA/MPS device); running on the CPU — pass "
-            "--device cpu to silence this, or --remote URL to use a host's GPU")
 
 
 # ------------------------------------------------------------------ the checks
@@ -213,13 +196,14 @@ def check_qemu() -> Check:
     return Check("ok", "qemu", f"{first} at {path}")
 
 
-def check_models(model: str | None) -> list[Check]:
+def check_models(config: RunConfig) -> list[Check]:
     from .models.errors import ModelNotFoundError
-    from .models.resolve import DEFAULT_MODEL, KNOWN_MODELS, cache_dir, resolve_model
+    from .models.resolve import DEFAULT_MODEL, KNOWN_MODELS, resolve_model
 
-    checks = []
+    model, checks = config.model, []
     try:
-        checks.append(Check("ok", "model", f"{DEFAULT_MODEL} (default) at {resolve_model(DEFAULT_MODEL)}"))
+        path = resolve_model(DEFAULT_MODEL, config.cache_dir)
+        checks.append(Check("ok", "model", f"{DEFAULT_MODEL} (default) at {path}"))
     except ModelNotFoundError as e:
         checks.append(Check("missing", "model", f"{DEFAULT_MODEL} (default): {e}",
                             KNOWN_MODELS[DEFAULT_MODEL].install_hint))
@@ -229,25 +213,25 @@ def check_models(model: str | None) -> list[Check]:
         checks.append(Check("warn", "model", f"{gemma.name} (optional) is not installed",
                             gemma.install_hint))
     else:
-        cached = cache_dir() / gemma.filename
+        cached = config.cache_dir / gemma.filename
         where = f"assembled at {cached}" if cached.is_file() else f"assembled into {cached} on first use"
         checks.append(Check("ok", "model", f"{gemma.name} (optional) installed, {where}"))
     if model is not None and model not in (DEFAULT_MODEL, gemma.name):
         try:
-            checks.append(Check("ok", "model", f"{model} (configured) at {resolve_model(model)}"))
+            checks.append(Check("ok", "model", f"{model} (configured) at {model_path(config)}"))
         except ModelNotFoundError as e:
             checks.append(Check("missing", "model", f"{model} (configured): {e}"))
     return checks
 
 
-def check_run(args: argparse.Namespace, torch: ModuleType | None, daemon: Check) -> Check:
+def check_run(config: RunConfig, torch: ModuleType | None, daemon: Check) -> Check:
     """The path ``apir run`` would take with these flags, environment and config."""
     name, say = "run", "apir run would use: "
-    if args.remote or args.backend == "remote":
-        if not args.remote:
+    if config.remote or config.backend == "remote":
+        if not config.remote:
             return Check("missing", name, say + "nothing: --backend remote needs an address",
                          "pass --remote URL (or set APIR_REMOTE, or remote = \"...\" in the config)")
-        if args.remote == "auto":
+        if config.remote == "auto":
             if daemon.status == "ok":
                 return Check("ok", name, say + f"remote auto -> {daemon_address(None)} (the running daemon)")
             if torch is None:
@@ -256,39 +240,39 @@ def check_run(args: argparse.Namespace, torch: ModuleType | None, daemon: Check)
             return Check("ok", name, say + f"remote auto -> a private daemon started for the "
                          f"command at {daemon_address(None)} (none is running)")
         if daemon.status == "ok":
-            return Check("ok", name, say + f"remote {args.remote}")
-        return Check("missing", name, say + f"remote {args.remote}, which does not answer",
+            return Check("ok", name, say + f"remote {config.remote}")
+        return Check("missing", name, say + f"remote {config.remote}, which does not answer",
                      daemon.fix or daemon.detail)
-    if args.backend == "numpy":
+    if config.backend == "numpy":
         return Check("ok", name, say + "numpy on the cpu (the reference executor: slow)")
     if torch is None:
         return Check("missing", name, say + "nothing: the local backend needs torch (guest-only install)",
                      "pass --remote URL (or auto) to use a host daemon, or pip install 'apir[host]'")
     gpu = ("cuda" if torch.cuda.is_available() else
            "mps" if torch.backends.mps.is_available() else None)
-    if args.device is None:
+    if config.device is None:
         if gpu is None:
             return Check("warn", name, say + "local cpu (no GPU: torch sees no CUDA/MPS device)",
                          "pass --device cpu to make it explicit, or --remote URL to use a host's GPU")
         return Check("ok", name, say + f"local {gpu}")
-    if args.device not in ("cpu", gpu):
-        return Check("missing", name, say + f"local {args.device}, which torch cannot see here",
+    if config.device not in ("cpu", gpu):
+        return Check("missing", name, say + f"local {config.device}, which torch cannot see here",
                      "pass --device cpu, or --remote URL to use a host's GPU")
-    return Check("ok", name, say + f"local {args.device}")
+    return Check("ok", name, say + f"local {config.device}")
 
 
-def run_checks(args: argparse.Namespace) -> list[Check]:
+def run_checks(config: RunConfig) -> list[Check]:
     torch = _torch()
     gpus = [check_cuda(torch)] + ([check_mps(torch)] if sys.platform == "darwin" else [])
-    daemon = check_daemon(daemon_address(args.remote), args.token_file)
+    daemon = check_daemon(daemon_address(config.remote), config.token_file)
     return [
         check_python(), check_torch(torch), *gpus, daemon, check_bwrap(), check_vsock(),
-        check_kvm(), check_qemu(), *check_models(args.model), check_run(args, torch, daemon),
+        check_kvm(), check_qemu(), *check_models(config), check_run(config, torch, daemon),
     ]
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
-    checks = run_checks(args)
+    checks = run_checks(run_config(args))
     if args.json:
         print(json.dumps([asdict(c) for c in checks], indent=2))
     else:
@@ -300,11 +284,9 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    from .cli import _add_backend, _add_model
-
     p = sub.add_parser("doctor", help="check what this machine can do (GPU, daemon, sandbox, "
                        "VMs, models) and which path `apir run` would take")
-    _add_model(p)
-    _add_backend(p)
+    add_model(p)
+    add_backend(p)
     p.add_argument("--json", action="store_true", help="the checks as a JSON list")
     p.set_defaults(func=cmd_doctor)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import ApirError
+from .models.resolve import DEFAULT_CACHE_DIR
 
 SECRET = "(set)"  # what describe() shows instead of a secret's value
 
@@ -55,7 +56,7 @@ class EnvVar:
 
 
 CACHE_DIR = EnvVar(
-    "APIR_CACHE_DIR", str(Path.home() / ".cache" / "apir" / "models"),
+    "APIR_CACHE_DIR", str(DEFAULT_CACHE_DIR),
     "where models assembled from several packages (gemma3-270m) are cached",
 )
 MODEL = EnvVar("APIR_MODEL", None, "default model name or .gguf path for -m")
@@ -121,6 +122,12 @@ ALL = (
 )
 
 _cached: tuple[tuple, dict[str, str]] = ((), {})  # (path, mtime, size) -> parsed values
+
+
+def cache_dir() -> Path:
+    """The directory models are cached in (not created here): $APIR_CACHE_DIR, the config
+    file's cache_dir, or the default. Read at the edge and passed down as a parameter."""
+    return Path(CACHE_DIR.get() or DEFAULT_CACHE_DIR).expanduser()
 
 
 def config_path() -> Path:

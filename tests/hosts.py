@@ -2,32 +2,26 @@
 
 from __future__ import annotations
 
-import os
-import secrets
-import socket
-import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from apir.backends.remote import host_status
-from apir.transport import HostUnreachable
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from apir.spawn import HostProcess, free_port, write_token
+from apir.spawn import start_host as spawn
 
 
 @dataclass
 class Host:
-    proc: subprocess.Popen
+    daemon: HostProcess
     unix: str
     tcp: str
     token_file: str
     log: Path
+
+    @property
+    def proc(self):
+        return self.daemon.proc
 
     def status(self):
         return host_status(self.unix)
@@ -42,37 +36,11 @@ class Host:
             time.sleep(0.05)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
+        self.daemon.stop()
 
 
 def start_host(tmp: Path, *extra: str) -> Host:
-    token_file = tmp / "token"
-    token_file.write_text(secrets.token_hex(16))
-    os.chmod(token_file, 0o600)
-    sock = tmp / "apir.sock"
-    unix, tcp = f"unix://{sock}", f"tcp://127.0.0.1:{free_port()}"
-    log = tmp / "host.log"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "apir.cli", "host", "--listen", unix, "--listen", tcp,
-         "--device", "cpu", "--token-file", str(token_file), *extra],
-        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=open(log, "w"),
-    )
-    host = Host(proc, unix, tcp, str(token_file), log)
-    deadline = time.monotonic() + 60
-    try:
-        while True:
-            try:
-                host_status(unix)
-                return host
-            except HostUnreachable:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"host did not start: {log.read_text()}") from None
-                time.sleep(0.1)
-    except BaseException:  # whatever went wrong, no daemon outlives the test that started it
-        host.stop()
-        raise
+    token_file = write_token(tmp / "token")
+    unix, tcp = f"unix://{tmp / 'apir.sock'}", f"tcp://127.0.0.1:{free_port()}"
+    daemon = spawn([unix, tcp], tmp / "host.log", device="cpu", token_file=token_file, options=extra)
+    return Host(daemon, unix, tcp, token_file, daemon.log)

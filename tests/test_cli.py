@@ -113,3 +113,84 @@ def test_interactive_chat_reads_stdin(tiny):
                input="Hi there\n\n")
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("> ")
+
+
+def test_run_finds_a_model_registered_by_pull(tiny, tmp_path):
+    """`apir pull FILE` registers it under its stem; run, info and tokenize find that name
+    the way serve and bench do (one resolver)."""
+    import os
+
+    env = {**os.environ, "APIR_CACHE_DIR": str(tmp_path / "cache")}
+    mine = tmp_path / "my-tiny.gguf"
+    mine.write_bytes(tiny.read_bytes())
+    assert apir("pull", str(mine), env=env).returncode == 0
+    by_name = apir("run", "-m", "my-tiny", "-p", "Hello", "-n", "5", "--temp", "0", "--backend", "numpy", env=env)
+    assert by_name.returncode == 0, by_name.stderr
+    by_path = apir("run", "-m", str(mine), "-p", "Hello", "-n", "5", "--temp", "0", "--backend", "numpy")
+    assert by_name.stdout == by_path.stdout and "loaded my-tiny.gguf" in by_name.stderr
+    info = apir("info", "-m", "my-tiny", "--json", env=env)
+    assert info.returncode == 0 and json.loads(info.stdout)["path"] == str(mine)
+    assert "unknown model 'my-tiny'" in one_error_line(apir("run", "-m", "my-tiny", "-p", "hi"))
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """apir's modules and the apir modules each imports, at the top or inside a function
+    (the package root left out: importing any submodule imports it first anyway)."""
+    import ast
+    from pathlib import Path
+
+    import apir as api
+
+    root = Path(api.__file__).parent
+    paths = {".".join(("apir", *p.relative_to(root).with_suffix("").parts)).removesuffix(".__init__"): p
+             for p in root.rglob("*.py")}
+    graph = {}
+    for name, path in paths.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                deps |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                base = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
+                module = ".".join([*base, *([node.module] if node.module else [])])
+                deps |= {f"{module}.{a.name}" if f"{module}.{a.name}" in paths else module for a in node.names}
+        graph[name] = {d for d in deps if d in paths and d not in (name, "apir")}
+    return graph
+
+
+def test_no_import_circle():
+    graph, done, path = _import_graph(), set(), []
+
+    def visit(module: str) -> None:
+        if module in path:
+            raise AssertionError("import circle: " + " -> ".join([*path[path.index(module):], module]))
+        if module in done:
+            return
+        path.append(module)
+        for dep in sorted(graph[module]):
+            visit(dep)
+        path.pop()
+        done.add(module)
+
+    assert {"apir.flags", "apir.doctor"} <= graph["apir.cli"] and "apir.flags" in graph["apir.server.cli"]
+    for module in graph:
+        visit(module)
+
+
+@pytest.mark.parametrize("module", ["apir.cli", "apir.doctor", "apir.server.cli", "apir.spawn"])
+def test_each_command_module_imports_alone(module):
+    out = subprocess.run([sys.executable, "-c", f"import {module}; import sys; "
+                          "print('torch' in sys.modules)"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"  # and none of them drags torch in
+
+
+def test_a_daemon_that_cannot_start_is_one_error_naming_why(tmp_path):
+    from apir.errors import ApirError
+    from apir.spawn import start_host
+
+    with pytest.raises(ApirError) as e:
+        start_host([f"unix://{tmp_path / 'apir.sock'}"], tmp_path / "host.log", options=("--max-sessions", "many"))
+    assert str(e.value).startswith("the apir host exited with status 2 before it answered: ")
+    assert "invalid int value: 'many'" in str(e.value)

@@ -11,7 +11,6 @@ from tiny_models import write_tiny_gguf
 
 from apir import env
 from apir.cli import build_parser, main
-from apir.models.resolve import cache_dir
 
 pytestmark = pytest.mark.skipif(sys.version_info < (3, 11), reason="the config file needs tomllib")
 
@@ -71,9 +70,38 @@ def test_the_file_is_reread_when_it_changes(config):
     assert env.MODEL.get() == "bb.gguf"
 
 
-def test_config_reaches_callers_that_do_not_parse_flags(config, tmp_path):
+def test_the_cache_dir_is_resolved_at_the_edge(config, tmp_path, monkeypatch):
+    """The CLI reads cache_dir from the layers; the library resolver takes it as an argument."""
+    from apir.flags import run_config
+    from apir.models import resolve
+
     config(f'cache_dir = "{tmp_path / "models"}"\n')
-    assert cache_dir() == tmp_path / "models"
+    assert env.cache_dir() == tmp_path / "models"
+    assert run_config(build_parser().parse_args(["run"])).cache_dir == tmp_path / "models"
+    monkeypatch.setenv("APIR_CACHE_DIR", str(tmp_path / "env"))
+    assert env.cache_dir() == tmp_path / "env"
+    monkeypatch.setattr(resolve, "_resolve_known", lambda model, cache: cache)
+    assert resolve.resolve_model("gemma3-270m") == resolve.DEFAULT_CACHE_DIR  # no layer read
+
+
+def test_the_library_reads_no_config(config, monkeypatch):
+    """apir.load is the library's edge: the config file's model and cache_dir never reach it."""
+    import apir
+    import apir.engine
+    from apir.models import resolve
+    from apir.models.errors import ModelNotFoundError
+
+    config('model = "from-config.gguf"\ncache_dir = "/nonexistent"\n')
+    asked = []
+
+    def resolve_model(spec, cache_dir):
+        asked.append((spec, cache_dir))
+        raise ModelNotFoundError("resolved")
+
+    monkeypatch.setattr(apir.engine, "resolve_model", resolve_model)
+    with pytest.raises(ModelNotFoundError):
+        apir.load()
+    assert asked == [(None, resolve.DEFAULT_CACHE_DIR)]
 
 
 @pytest.mark.parametrize("text, message", [

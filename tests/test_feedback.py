@@ -8,8 +8,7 @@ import io
 import pytest
 from tiny_models import write_tiny_gguf
 
-from apir import cli
-from apir.doctor import cpu_fallback_note
+from apir import cli, flags
 
 NOTE = ("note: no GPU found (torch sees no CUDA/MPS device); running on the CPU — pass "
         "--device cpu to silence this, or --remote URL to use a host's GPU")
@@ -36,11 +35,11 @@ def clean_env(tmp_path, monkeypatch):
 
 
 def test_cpu_fallback_note_wording():
-    assert cpu_fallback_note("local", None, "cpu") == NOTE
-    assert cpu_fallback_note("local", "cpu", "cpu") is None  # asked for: no note
-    assert cpu_fallback_note("local", None, "cuda") is None
-    assert cpu_fallback_note("numpy", None, "cpu") is None  # the reference runs on the cpu
-    remote = cpu_fallback_note("remote", None, "cpu", "tcp://box:7070")
+    assert flags.cpu_fallback_note("local", None, "cpu") == NOTE
+    assert flags.cpu_fallback_note("local", "cpu", "cpu") is None  # asked for: no note
+    assert flags.cpu_fallback_note("local", None, "cuda") is None
+    assert flags.cpu_fallback_note("numpy", None, "cpu") is None  # the reference runs on the cpu
+    remote = flags.cpu_fallback_note("remote", None, "cpu", "tcp://box:7070")
     assert "tcp://box:7070" in remote and "--device cpu" in remote
 
 
@@ -54,13 +53,12 @@ def test_apir_run_says_it_fell_back_to_the_cpu(no_gpu, tiny, capsys):
 
 
 def test_apir_serve_loader_says_the_same(no_gpu, tiny, capsys):
-    pytest.importorskip("starlette")
-    from apir.server.app import ServeConfig, load_model
+    from apir.server.cli import serve_model
 
-    with load_model(ServeConfig(model=tiny)):
+    with serve_model(flags.RunConfig(model=tiny)):
         pass
     assert f"apir serve: {NOTE}" in capsys.readouterr().err.splitlines()
-    with load_model(ServeConfig(model=tiny, device="cpu")):
+    with serve_model(flags.RunConfig(model=tiny, device="cpu")):
         pass
     assert "note:" not in capsys.readouterr().err
 
@@ -72,7 +70,7 @@ def test_remote_auto_spinner_and_clean_stdout(tiny, tmp_path, monkeypatch, capsy
     assert cli.main(["run", "--remote", "auto", "--device", "cpu", "-m", tiny, "-p", "Hi",
                      "-n", "3", "--temp", "0"]) == 0
     out = capsys.readouterr()
-    assert out.err.count(cli.AUTO_HOST) == 1
+    assert out.err.count(flags.AUTO_HOST) == 1
     local = cli.main(["run", "-m", tiny, "-p", "Hi", "-n", "3", "--temp", "0", "--device", "cpu"])
     assert local == 0 and capsys.readouterr().out == out.out
 
@@ -85,7 +83,7 @@ class Tty(io.StringIO):
 def test_spinner_draws_only_on_a_tty(monkeypatch):
     err = Tty()
     monkeypatch.setattr("sys.stderr", err)
-    spin = cli._Spinner("waiting")
+    spin = flags.Spinner("waiting")
     for _ in range(3):
         spin()
     spin.done()
@@ -95,7 +93,7 @@ def test_spinner_draws_only_on_a_tty(monkeypatch):
 
     err = io.StringIO()
     monkeypatch.setattr("sys.stderr", err)
-    spin = cli._Spinner("waiting")
+    spin = flags.Spinner("waiting")
     for _ in range(3):
         spin()
     spin.done()
@@ -104,10 +102,10 @@ def test_spinner_draws_only_on_a_tty(monkeypatch):
 
 def test_progress_bar_shows_bytes_speed_and_eta(monkeypatch):
     clock = iter([0.0, 1.0, 2.0, 4.0])
-    monkeypatch.setattr(cli.time, "perf_counter", lambda: next(clock))
+    monkeypatch.setattr(flags.time, "perf_counter", lambda: next(clock))
     err = Tty()
     monkeypatch.setattr("sys.stderr", err)
-    report = cli._progress_bar("uploading weights")
+    report = flags.progress_bar("uploading weights")
     report(50_000_000, 200_000_000)  # 50 MB in 1 s: 150 MB left at 50 MB/s
     report(100_000_000, 200_000_000)
     report(200_000_000, 200_000_000)
@@ -120,7 +118,7 @@ def test_progress_bar_shows_bytes_speed_and_eta(monkeypatch):
 def test_progress_bar_off_a_tty_prints_only_the_end(monkeypatch):
     err = io.StringIO()
     monkeypatch.setattr("sys.stderr", err)
-    report = cli._progress_bar("uploading weights")
+    report = flags.progress_bar("uploading weights")
     report(10, 1000)
     report(1000, 1000)
     assert err.getvalue().startswith("uploading weights: [####################] 1.0 kB/1.0 kB")

@@ -10,6 +10,7 @@ import argparse
 import sys
 
 from .. import env
+from ..flags import eprint
 from ..models.resolve import DEFAULT_MODEL
 from .backends import BACKENDS, BackendOptions, parse_backends
 from .errors import BenchInputError
@@ -17,10 +18,6 @@ from .report import FORMATS
 
 DEFAULT_BACKENDS = "native,remote-shm"
 DEFAULT_MAX_REGRESSION = 10.0  # percent
-
-
-def _eprint(*args: object) -> None:
-    print(*args, file=sys.stderr, flush=True)
 
 
 def _ints(text: str) -> list[int]:
@@ -58,19 +55,19 @@ def cmd_bench(args: argparse.Namespace) -> int:
     config = BenchConfig(
         sources=tuple(sources), backends=tuple(backends), n_prompt=tuple(args.n_prompt),
         n_gen=tuple(args.n_gen), reps=args.repetitions,
-        options=BackendOptions(args.device, args.remote, args.token_file),
+        options=BackendOptions(args.device, args.remote, args.token_file), cache_dir=env.cache_dir(),
     )
     if args.plot:
         from .plot import require_matplotlib
 
         require_matplotlib()
-    records = run(config, lambda line: _eprint(f"bench: {line}"))
-    emit(records, args.output, args.history, not args.no_history)
+    records = run(config, lambda line: eprint(f"bench: {line}"))
+    emit(records, args.output, None if args.no_history else args.history)
     if args.plot:
         from .plot import plot
 
         plot(records, args.plot)
-        _eprint(f"bench: wrote {args.plot}")
+        eprint(f"bench: wrote {args.plot}")
     return 0
 
 
@@ -80,16 +77,16 @@ def cmd_compare(args: argparse.Namespace) -> int:
     try:
         rows = compare(load_records(args.base), load_records(args.new))
     except BenchInputError as e:
-        _eprint(f"error: {e}")
+        eprint(f"error: {e}")
         return 2
     if not any(r.change is not None for r in rows):
-        _eprint(f"error: {args.base} and {args.new} have no (model, backend, test) in common")
+        eprint(f"error: {args.base} and {args.new} have no (model, backend, test) in common")
         return 2
     sys.stdout.write(render(rows, args.max_regression))
     bad = regressions(rows, args.max_regression)
     if bad:
         names = ", ".join(" ".join(r.key) for r in bad)
-        _eprint(f"{len(bad)} test(s) lost more than {args.max_regression:g}%: {names}")
+        eprint(f"{len(bad)} test(s) lost more than {args.max_regression:g}%: {names}")
         return 1
     return 0
 
@@ -126,7 +123,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="the shared secret of a tcp/vsock --remote host (or set APIR_TOKEN)")
     p.add_argument("-o", "--output", choices=FORMATS, default="md", help="stdout format (default md)")
     p.add_argument("--plot", metavar="FILE.png", help="also draw the results (needs matplotlib)")
-    p.add_argument("--history", metavar="FILE",
+    p.add_argument("--history", metavar="FILE", default=env.BENCH_HISTORY.get(),
                    help=f"append records here (default: ${env.BENCH_HISTORY.name} or "
                         f"{env.BENCH_HISTORY.default})")
     p.add_argument("--no-history", action="store_true", help="do not append to the history file")

@@ -12,7 +12,6 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
-from .. import env
 from .errors import BenchError
 
 # Every field, in CSV column order (JSON carries the same keys).
@@ -92,11 +91,6 @@ def render(records: Sequence[dict], fmt: str) -> str:
     raise BenchError(f"unknown output format {fmt!r}: choose one of {', '.join(FORMATS)}")
 
 
-def history_path(flag: str | None) -> Path:
-    """--history FILE, else $APIR_BENCH_HISTORY, else ~/.local/share/apir/bench.jsonl."""
-    return Path(flag or env.BENCH_HISTORY.get()).expanduser()
-
-
 def append_history(path: Path, records: Sequence[dict]) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -106,13 +100,14 @@ def append_history(path: Path, records: Sequence[dict]) -> None:
         raise BenchError(f"cannot append to the history file {path}: {e.strerror or e}") from None
 
 
-def emit(records: list[dict], output: str, history: str | None, keep_history: bool) -> None:
-    """Print ``records`` in ``output`` format on stdout; append them to the history file."""
+def emit(records: list[dict], output: str, history: str | None) -> None:
+    """Print ``records`` in ``output`` format on stdout; append them to the ``history``
+    file unless it is None."""
     import sys
 
     sys.stdout.write(render(records, output))
     sys.stdout.flush()
-    if keep_history:
-        path = history_path(history)
+    if history is not None:
+        path = Path(history).expanduser()
         append_history(path, records)
         print(f"bench: appended {len(records)} records to {path}", file=sys.stderr, flush=True)

@@ -33,8 +33,9 @@ import numpy as np
 from .. import __version__
 from ..backends import Backend
 from ..engine.model import Model
+from ..flags import RunConfig, model_path
 from ..models.gguf_file import GGUFFile
-from ..models.resolve import KNOWN_MODELS, resolve_model
+from ..models.resolve import DEFAULT_CACHE_DIR, KNOWN_MODELS
 from .backends import BackendOptions, open_backend
 from .errors import BenchError
 from .report import fmt_size
@@ -71,17 +72,17 @@ class Source:
     spec: str
     synthetic: bool = False
 
-    def validate(self) -> None:
+    def validate(self, cache_dir: Path = DEFAULT_CACHE_DIR) -> None:
         """Fail before any backend starts: unknown shape, model not installed, no such file."""
         if self.synthetic:
             parse_spec(self.spec)
         else:
-            resolve_model(self.spec)
+            model_path(RunConfig(self.spec, cache_dir=cache_dir))
 
-    def open(self) -> GGUFFile | SyntheticFile:
+    def open(self, cache_dir: Path = DEFAULT_CACHE_DIR) -> GGUFFile | SyntheticFile:
         if self.synthetic:
             return SyntheticFile.from_spec(self.spec)
-        return GGUFFile(resolve_model(self.spec))
+        return GGUFFile(model_path(RunConfig(self.spec, cache_dir=cache_dir)))
 
     def label(self, f: GGUFFile | SyntheticFile) -> str:
         if self.synthetic:
@@ -97,6 +98,7 @@ class BenchConfig:
     n_gen: tuple[int, ...] = (128,)
     reps: int = 5
     options: BackendOptions = BackendOptions()
+    cache_dir: Path = DEFAULT_CACHE_DIR  # where packaged models are assembled
 
     def __post_init__(self) -> None:
         if self.reps < 1:
@@ -236,7 +238,7 @@ def _add_pct_native(records: list[dict]) -> None:
 def run(config: BenchConfig, log: Log) -> list[dict]:
     """Run every test of ``config``; returns one record per (model, backend, test)."""
     for source in config.sources:
-        source.validate()
+        source.validate(config.cache_dir)
     meta = run_metadata()
     records: list[dict] = []
     for source in config.sources:
@@ -246,7 +248,7 @@ def run(config: BenchConfig, log: Log) -> list[dict]:
 
 
 def _run_source(config: BenchConfig, source: Source, meta: dict, log: Log) -> list[dict]:
-    f = source.open()
+    f = source.open(config.cache_dir)
     name = source.label(f)
     tests, n_ctx = config.tests, config.n_ctx
     with contextlib.ExitStack() as stack:

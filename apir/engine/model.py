@@ -178,19 +178,19 @@ class Model:
         ``start=0`` is a fresh pass.
         """
         self._check_fits(start + len(ids))
-        chunks = [
-            self._step(self._logits_graph, ids[i : i + PREFILL_CHUNK], start + i)
-            for i in range(0, len(ids), PREFILL_CHUNK)
-        ]
-        return np.concatenate(chunks, axis=0).astype(np.float32)
+        return np.concatenate(self._chunks(self._logits_graph, ids, start), axis=0).astype(np.float32)
+
+    def _chunks(self, graph: int, ids: Sequence[int], start: int = 0,
+                params: Callable[[], np.ndarray | None] = lambda: None) -> list[np.ndarray]:
+        """Run ``ids`` at ``start``... in steps of PREFILL_CHUNK tokens (``params()`` for each
+        step of the sample graph); the output of each step."""
+        return [self._step(graph, ids[i : i + PREFILL_CHUNK], start + i, params())
+                for i in range(0, len(ids), PREFILL_CHUNK)]
 
     def prefill(self, ids: Sequence[int]) -> int:
         """Run ``ids`` from position 0 through the sample graph; returns the greedy next token."""
         self._check_fits(len(ids))
-        token = None
-        for i in range(0, len(ids), PREFILL_CHUNK):
-            token = self._step(self._sample_graph, ids[i : i + PREFILL_CHUNK], i, _GREEDY)
-        return int(token[0])
+        return int(self._chunks(self._sample_graph, ids, 0, lambda: _GREEDY)[-1][0])
 
     def _submit_next(self, pos: int, params: np.ndarray, token: int | None = None):
         """Submit the one-token step at ``pos``. Without ``token`` its token is the one the
@@ -250,9 +250,7 @@ class Model:
         def draw() -> np.ndarray:
             return np.array([*knobs, rng.random()], np.float32)
 
-        token = None
-        for i in range(0, len(prompt_ids), PREFILL_CHUNK):
-            token = self._step(self._sample_graph, prompt_ids[i : i + PREFILL_CHUNK], i, draw())
+        token = self._chunks(self._sample_graph, prompt_ids, 0, draw)[-1]
         tid, pos = int(token[0]), len(prompt_ids)  # pos: where tid goes in the cache
         ahead = self._submit_next(pos, draw()) if pos < self.n_ctx else None
         try:

@@ -18,6 +18,7 @@ from pathlib import Path
 from .errors import ModelNotFoundError
 
 DEFAULT_MODEL = "smollm2-135m"
+DEFAULT_CACHE_DIR = Path.home() / ".cache" / "apir" / "models"  # the CLI reads APIR_CACHE_DIR
 
 @dataclass(frozen=True)
 class ModelFile:
@@ -71,8 +72,9 @@ KNOWN_MODELS: dict[str, KnownModel] = {
 }
 
 
-def resolve_model(spec: str | None) -> Path:
+def resolve_model(spec: str | None, cache_dir: Path = DEFAULT_CACHE_DIR) -> Path:
     """Return the GGUF file for ``spec``: a known model name, a path, or None (the default).
+    Models shipped in several packages are assembled into ``cache_dir``.
 
     Known names win over same-named files in the working directory; anything ending in
     ``.gguf``, containing a path separator, or naming an existing file is taken as a path.
@@ -80,7 +82,7 @@ def resolve_model(spec: str | None) -> Path:
     """
     name = DEFAULT_MODEL if spec is None else spec
     if name in KNOWN_MODELS:
-        return _resolve_known(KNOWN_MODELS[name])
+        return _resolve_known(KNOWN_MODELS[name], cache_dir)
     path = Path(name).expanduser()
     looks_like_path = name.lower().endswith(".gguf") or os.sep in name or "/" in name
     if looks_like_path or path.exists():
@@ -94,18 +96,11 @@ def resolve_model(spec: str | None) -> Path:
     )
 
 
-def cache_dir() -> Path:
-    """The directory assembled models are written to (not created here)."""
-    from .. import env  # APIR_CACHE_DIR, or cache_dir in the config file
-
-    return Path(env.CACHE_DIR.get() or env.CACHE_DIR.default or "").expanduser()
-
-
-def _resolve_known(model: KnownModel) -> Path:
+def _resolve_known(model: KnownModel, cache_dir: Path) -> Path:
     parts = [_package_file(model, f) for f in model.files]
     if len(parts) == 1:
         return parts[0]
-    return _assemble(model, parts)
+    return _assemble(model, parts, cache_dir / model.filename)
 
 
 def _package_file(model: KnownModel, f: ModelFile) -> Path:
@@ -120,15 +115,14 @@ def _package_file(model: KnownModel, f: ModelFile) -> Path:
     return path
 
 
-def _assemble(model: KnownModel, parts: list[Path]) -> Path:
-    """Concatenate ``parts`` into the cache once; later calls reuse the file.
+def _assemble(model: KnownModel, parts: list[Path], target: Path) -> Path:
+    """Concatenate ``parts`` into ``target`` once; later calls reuse the file.
 
     The size check on reuse is cheap; the sha256 is checked only while assembling, which
     is also the only time the file is written. Writing goes to a temporary file in the
     same directory, renamed into place, so a crash or a concurrent run never leaves a
     truncated GGUF under the final name.
     """
-    target = cache_dir() / model.filename
     size = sum(p.stat().st_size for p in parts)
     if target.is_file() and target.stat().st_size == size:
         return target

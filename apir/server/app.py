@@ -84,8 +84,8 @@ class ServeConfig:
 
 def load_model(config: ServeConfig, path: str | None = None) -> Model:
     """Open the configured model (``path`` overrides the name, e.g. a registered file)."""
-    from ..doctor import cpu_fallback_note
     from ..engine import load
+    from ..flags import cpu_fallback_note
 
     model = load(path or config.model, backend=config.backend, device=config.device,
                  n_ctx=config.ctx_size, remote=config.remote, token_file=config.token_file)

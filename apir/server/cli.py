@@ -8,24 +8,26 @@ import copy
 import signal
 import sys
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from .. import env
 from ..errors import ApirError
+from ..flags import RunConfig, add_backend, add_model, eprint, load, remote_ready, run_config
+
+if TYPE_CHECKING:
+    from ..engine import Model
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    from ..cli import _add_backend  # the same backend flags as `apir run`
-
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/chat/completions, ...)")
-    p.add_argument("-m", "--model", default=env.MODEL.get(),
-                   help="model name, registered name (apir list) or .gguf path (default: smollm2-135m)")
+    add_model(p)
     p.add_argument("--bind", default="127.0.0.1", metavar="ADDR",
                    help="address to listen on (default: 127.0.0.1; 0.0.0.0 opens it to the "
                         "network: set --api-key too)")
     p.add_argument("--port", type=int, default=8080, help="port to listen on (default: 8080)")
     p.add_argument("--api-key", default=env.API_KEY.get(), metavar="KEY",
                    help="require 'Authorization: Bearer KEY' on /v1/* (env APIR_API_KEY)")
-    _add_backend(p)
+    add_backend(p)
     p.set_defaults(func=cmd_serve)
 
 
@@ -33,23 +35,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         import uvicorn
 
-        from .app import ServeConfig, create_app, load_model
+        from .app import ServeConfig, create_app
     except ImportError as e:
         raise ApirError(f"apir serve needs Starlette and uvicorn ({e}): pip install 'apir[serve]'") from None
-    from ..host.autostart import remote_host
-    from ..store import lookup
-
-    if args.backend == "remote" and not args.remote:
+    run = run_config(args)
+    if run.target == "remote" and not run.remote:
         raise ApirError("--backend remote needs --remote URL (or APIR_REMOTE)")
-    from ..cli import AUTO_HOST, _Spinner
-
-    registered = lookup(args.model) if args.model else None
-    spinner = _Spinner(AUTO_HOST)
-    with remote_host(args.remote, args.device, spinner=spinner) as remote:
-        spinner.done()
+    with remote_ready(run) as run:
         config = ServeConfig(
-            model=args.model, backend="remote" if remote else args.backend, device=args.device,
-            ctx_size=args.ctx_size, remote=remote, token_file=args.token_file,
+            model=run.model, backend=run.target, device=run.device,
+            ctx_size=run.ctx_size, remote=run.remote, token_file=run.token_file,
             api_key=args.api_key or None, host=args.bind, port=args.port,
         )
         failed: list[Exception] = []
@@ -58,7 +53,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             failed.append(e)
             server.should_exit = True
 
-        app = create_app(config, loader=lambda: load_model(config, registered and str(registered)),
+        app = create_app(config, loader=lambda: serve_model(run),
                          on_load_error=on_load_error)
         log_config = copy.deepcopy(uvicorn.config.LOGGING_CONFIG)
         log_config["handlers"]["access"]["stream"] = "ext://sys.stderr"  # stdout is for results
@@ -71,6 +66,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
         with _exit_on_sigterm():
             server.run()
     return 1 if failed else 0
+
+
+def serve_model(config: RunConfig) -> Model:
+    """``apir run``'s loader, its lines prefixed with ``apir serve:``; then the warm-up: a
+    GPU host compiles its decode step now, while /health says "loading"."""
+    model = load(config, say=lambda line: eprint(f"apir serve: {line}"))
+    model.warm_up()
+    return model
 
 
 @contextlib.contextmanager

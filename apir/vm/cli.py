@@ -72,12 +72,12 @@ def cmd_build(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from ..models.resolve import resolve_model
+    from ..flags import model_path, run_config
     from .launch import run_vm
 
     if args.prompt is None:
         raise ApirError("apir vm run needs -p PROMPT (the guest has no terminal for a chat)")
-    model = resolve_model(args.model).resolve()
+    model = model_path(run_config(args)).resolve()
     argv = ["run", *guest_args(args.run_parser, args), "--remote", "ivshmem"]
     image = _image(args)
     sys.stdout.flush()
@@ -85,10 +85,11 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    from .. import env
     from ..bench.backends import BackendOptions
     from ..bench.report import emit
     from ..bench.runner import BenchConfig, Source, run
-    from ..models.resolve import DEFAULT_MODEL, resolve_model
+    from ..flags import RunConfig, model_path
     from .launch import run_vm
 
     if args.bench_action:
@@ -96,7 +97,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     models = [v.strip() for item in args.model or () for v in item.split(",") if v.strip()]
     if len(models) > 1 or (models and args.synthetic):
         raise ApirError("apir vm bench takes one -m model (or --synthetic shapes)")
-    model = None if args.synthetic else resolve_model(models[0] if models else DEFAULT_MODEL).resolve()
+    model = None if args.synthetic else model_path(RunConfig(models[0] if models else None,
+                                                              cache_dir=env.cache_dir())).resolve()
     argv = ["bench", *guest_args(args.bench_parser, args), "--backends", "remote-shm", "--remote",
             "ivshmem", "-o", "jsonl", "--no-history"]
     image = _image(args)
@@ -123,7 +125,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     for r in records:
         base = native.get((r["model"], r["test"]))
         r["pct_native"] = 100.0 * r["avg_ts"] / base if base else None
-    emit(records, args.output, args.history, not args.no_history)
+    emit(records, args.output, None if args.no_history else args.history)
     return 0
 
 
