@@ -125,14 +125,13 @@ class Runner:
         if current is not None:
             current.cancel()
         self._thread.join(timeout)
-        while True:  # what is still queued (the thread is gone, or stuck past the timeout)
+        while True:  # the thread is stuck past the timeout: end the rest here
             try:
                 job = self._jobs.get_nowait()
             except queue.Empty:
                 break
             if job is not None:
                 job.cancel()
-        self._jobs.put(None)  # a stuck thread still finds its way out
 
     def _serve(self) -> None:
         while (job := self._jobs.get()) is not None:
