@@ -178,8 +178,9 @@ class Daemon:
         why = self.gate.admit(addr, key, now)
         if why is not None:  # a flood of idle or failing connections: closed at once
             self.refusals.warning(now, "dropped %s: %s", peer_s, why.message)
-            self.gate.failed(key, now)
-            if why.code == ErrorCode.AUTH:  # a guest retrying a wrong token is told why
+            if why.code == ErrorCode.QUOTA:  # over its share: a failure like any other
+                self.gate.failed(key, now)
+            else:  # its budget is spent: a guest retrying a wrong token is told why
                 try:  # one small frame into an empty socket buffer: never blocks
                     sock.send(encode(why), socket.MSG_DONTWAIT)
                 except OSError:
