@@ -22,6 +22,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 import sys
 import tempfile
 import time
@@ -45,6 +46,9 @@ TIMEOUT = 30.0  # seconds without a byte before a download gives up (it can be r
 CHUNK = 1 << 20
 
 Progress = Callable[[int, int], None]  # (bytes done, bytes total or 0 when unknown)
+# A model name, and each part of an hf:// reference (org, repo, revision, folder, file):
+# a whitelist, so that no part is "." or "..", holds a separator, or hides an "@".
+NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+-]{0,127}")
 
 
 class StoreError(ApirError):
@@ -103,7 +107,19 @@ def lookup(name: str) -> Path | None:
     return Path(entry["path"]) if entry else None
 
 
+def _inside(path: Path, root: Path) -> Path:
+    """``path`` resolved (links followed, ".." gone), refused unless it lies in ``root``:
+    checked before anything is written or deleted."""
+    resolved, top = path.resolve(), root.resolve()
+    if not resolved.is_relative_to(top):
+        raise StoreError(f"{path} is outside the model store {top}; refusing to write or delete it")
+    return resolved
+
+
 def _register(name: str, path: Path, source: str, sha256: str | None) -> None:
+    if not NAME.fullmatch(name):
+        raise StoreError(f"cannot register {path.name[:100]!r}: {name[:100]!r} is not a model name (letters, "
+                         "digits and . _ + - , not first; 128 at most); rename the file")
     if name in KNOWN_MODELS:
         raise StoreError(f"cannot register {path.name} as {name!r}: that name is a packaged "
                          "model; rename the file")
@@ -158,18 +174,20 @@ def _check_gguf(path: Path) -> GGUFFile:
 def parse_hf(ref: str) -> tuple[str, str, str]:
     """``hf://org/repo[@rev]/path/file.gguf`` -> (``org/repo``, revision, ``path/file.gguf``)."""
     parts = ref.removeprefix("hf://").split("/")
-    if len(parts) < 3 or not all(parts) or not parts[-1].lower().endswith(".gguf"):
-        raise StoreError(f"bad reference {ref!r}: expected hf://org/repo[@revision]/file.gguf")
-    repo, _, revision = parts[1].partition("@")
-    if any(p in (".", "..") for p in parts):
-        raise StoreError(f"bad reference {ref!r}: '.' and '..' are not allowed")
+    if len(parts) < 3 or not parts[-1].lower().endswith(".gguf"):
+        raise StoreError(f"bad reference {ref[:200]!r}: expected hf://org/repo[@revision]/file.gguf")
+    repo, at, revision = parts[1].partition("@")
+    for part in [parts[0], repo, *([revision] if at else []), *parts[2:]]:
+        if not NAME.fullmatch(part):
+            raise StoreError(f"bad reference {ref[:200]!r}: {part[:100]!r} is not a name (letters, "
+                             "digits and . _ + - , not first)")
     return f"{parts[0]}/{repo}", revision or "main", "/".join(parts[2:])
 
 
 def _pull_hf(ref: str, progress: Progress | None, timeout: float) -> StoredModel:
     repo, revision, file = parse_hf(ref)
-    dest = cache_dir() / "hf" / repo / revision / file
-    name = dest.stem
+    dest = _inside(cache_dir() / "hf" / repo / revision / file, cache_dir() / "hf")
+    name = dest.stem  # a valid name: the file's name is one
     if name in KNOWN_MODELS:
         raise StoreError(f"cannot register {dest.name} as {name!r}: that name is a packaged model")
     old = lookup(name)
@@ -368,18 +386,23 @@ def remove(name: str) -> str:
         raise ModelNotFoundError(f"no model named {name!r} (see `apir list`)")
     _write_index(models)
     path = Path(entry["path"])
-    if str(entry.get("source", "")).startswith("hf://") and path.is_relative_to(cache_dir() / "hf"):
-        path.unlink(missing_ok=True)
-        path.with_name(path.name + ".part").unlink(missing_ok=True)
-        for parent in path.parents:  # tidy empty directories up to <cache>/hf
-            if parent == cache_dir() / "hf":
-                break
-            try:
-                parent.rmdir()
-            except OSError:
-                break
-        return f"removed {name} ({path})"
-    return f"unregistered {name}; the file {path} is kept"
+    if not str(entry.get("source", "")).startswith("hf://"):
+        return f"unregistered {name}; the file {path} is kept"
+    hf = (cache_dir() / "hf").resolve()
+    try:
+        path = _inside(path, hf)  # an edited index cannot point rm elsewhere
+    except StoreError:
+        return f"unregistered {name}; the file {path} is outside the store and kept"
+    path.unlink(missing_ok=True)
+    path.with_name(path.name + ".part").unlink(missing_ok=True)
+    for parent in path.parents:  # tidy empty directories up to <cache>/hf
+        if parent == hf:
+            break
+        try:
+            parent.rmdir()
+        except OSError:
+            break
+    return f"removed {name} ({path})"
 
 
 # ---------------------------------------------------------------- command line

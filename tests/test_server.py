@@ -328,3 +328,173 @@ def test_request_validation():
         parse_completion({"prompt": ["a", "b"]})
     with pytest.raises(RequestError):
         parse_chat([1, 2])
+
+
+# ---------------------------------------------------------------- hostile requests, raw ASGI
+async def _asgi(app, path: str, chunks, headers=(), disconnect: bool = False):
+    """POST ``chunks`` (read one per receive) to ``app``; returns (status, JSON body, chunks
+    read). With ``disconnect``, the client is gone once its body is sent."""
+    import anyio
+
+    it, pulled, ended, sent = iter(chunks), 0, False, []
+
+    async def receive():
+        nonlocal pulled, ended
+        for chunk in it:
+            pulled += 1
+            return {"type": "http.request", "body": chunk, "more_body": True}
+        if not ended:
+            ended = True
+            return {"type": "http.request", "body": b"", "more_body": False}
+        if not disconnect:
+            await anyio.sleep_forever()
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+             "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
+             "root_path": "", "headers": [(b"content-type", b"application/json"), *headers],
+             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}
+    with anyio.fail_after(30):  # a guard against a hang, not a speed test
+        await app(scope, receive, send)
+    status = next(m["status"] for m in sent if m["type"] == "http.response.start")
+    body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    return status, json.loads(body), pulled
+
+
+def _app(**kw):
+    from apir.server.app import ServeConfig, create_app
+
+    return create_app(ServeConfig(model="tiny", **kw), loader=lambda: pytest.fail("not loaded here"))
+
+
+def _post(app, path: str, body: bytes):
+    import asyncio
+
+    status, reply, _ = asyncio.run(_asgi(app, path, [body]))
+    assert set(reply["error"]) == {"message", "type", "param", "code"}, reply
+    return status, reply["error"]
+
+
+def test_malformed_json_of_any_kind_is_a_400():
+    app = _app()
+    deep = b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    status, err = _post(app, "/v1/completions", deep)
+    assert status == 400 and "nested too deeply" in err["message"]
+    status, err = _post(app, "/v1/completions", b'{"prompt": "hi", "max_tokens": 1' + b"0" * 5000 + b"}")
+    assert status == 400 and "not valid JSON" in err["message"]  # past int()'s digit limit
+    status, err = _post(app, "/v1/completions", b'{"prompt": "hi", "temperature": 1' + b"0" * 400 + b"}")
+    assert (status, err["param"]) == (400, "temperature")  # too big for a float
+    status, err = _post(app, "/v1/chat/completions", b'{"messages": [{"role": [1], "content": "x"}]}')
+    assert (status, err["param"]) == (400, "messages[0].role") and err["message"].endswith("got list")
+    status, err = _post(app, "/v1/chat/completions", json.dumps({"model": "m" * 100_000,
+                                                                 "messages": HELLO}).encode())
+    assert status == 404 and len(err["message"]) < 300  # not said back whole
+
+
+def test_body_is_capped_while_it_is_read():
+    import asyncio
+
+    from apir.server.app import MAX_BODY
+
+    app = _app()
+    mib = b" " * (1 << 20)
+    status, reply, pulled = asyncio.run(_asgi(app, "/v1/completions", [mib] * 64))
+    assert status == 413 and "over 32 MiB" in reply["error"]["message"]
+    assert pulled == MAX_BODY // len(mib) + 1  # stopped at the first MiB past the cap
+    length = [(b"content-length", str(MAX_BODY + 1).encode())]
+    status, reply, pulled = asyncio.run(_asgi(app, "/v1/completions", [b"{}"], length))
+    assert (status, pulled) == (413, 0)  # refused from its header, nothing read
+    status, reply, _ = asyncio.run(_asgi(app, "/v1/completions", [b"{}"], [(b"content-length", b"-1")]))
+    assert status == 400 and "Content-Length" in reply["error"]["message"]
+
+
+class _Held:
+    """A model whose generations wait for ``go``: the first request holds the runner."""
+
+    arch_name, n_ctx, vocab_size = "held", 64, 100
+
+    def __init__(self):
+        from types import SimpleNamespace
+
+        self.go, self.started = threading.Event(), threading.Event()
+        self.backend = SimpleNamespace(name="held", device=lambda: SimpleNamespace(name="cpu", kind="cpu"))
+        self.tokenizer = SimpleNamespace(stream=lambda: SimpleNamespace(feed=lambda t: "x", flush=lambda: ""))
+        self.file = SimpleNamespace(path=None)
+
+    def tokenize(self, text):
+        if text == "boom":
+            raise RuntimeError("failed at /srv/secret/model.py line 3")
+        return [1, 2]
+
+    def generate_ids(self, ids, params):
+        self.started.set()
+        assert self.go.wait(30)
+        yield from range(3, 3 + params.max_tokens)
+
+    def close(self):
+        pass
+
+
+def test_a_queued_request_whose_client_left_ends(monkeypatch):
+    """A non-streaming request queued behind another, whose client hangs up, gets its
+    Done at once: the handler returns and the in-flight count goes back down."""
+    from starlette.testclient import TestClient
+
+    from apir.server.app import ServeConfig, create_app
+
+    model = _Held()
+    app = create_app(ServeConfig(model="held"), loader=lambda: model)
+    with TestClient(app, raise_server_exceptions=False) as tc:
+        _wait_ok(tc)
+        first = []
+        t = threading.Thread(target=lambda: first.append(
+            tc.post("/v1/completions", json={"prompt": "a", "max_tokens": 2})))
+        t.start()
+        try:
+            assert model.started.wait(30)
+            body = json.dumps({"prompt": "b", "max_tokens": 2}).encode()
+            status, reply, _ = tc.portal.call(lambda: _asgi(app, "/v1/completions", [body], disconnect=True))
+            assert status == 200 and reply["choices"][0]["finish_reason"] == "cancelled"
+            assert "apir_requests_in_flight 1" in tc.get("/metrics").text  # only the first
+            r = tc.post("/v1/completions", json={"prompt": "boom"})
+            assert r.status_code == 500 and "/srv" not in r.text and "RuntimeError" in r.text
+        finally:
+            model.go.set()
+            t.join(30)
+        assert first[0].status_code == 200 and first[0].json()["usage"]["completion_tokens"] == 2
+        assert "apir_requests_in_flight 0" in tc.get("/metrics").text
+
+
+def test_runner_ends_every_job():
+    """Cancelled while queued, queued at close, submitted after close: each gets its Done."""
+    import asyncio
+
+    from apir.engine import SamplingParams
+    from apir.server.metrics import Metrics
+    from apir.server.runner import Done, Job, Runner
+
+    async def events(job):
+        return [e async for e in job.events()]
+
+    async def main():
+        model = _Held()
+        runner = Runner(model, Metrics())
+        jobs = [Job([1, 2], SamplingParams(max_tokens=2)) for _ in range(4)]
+        for job in jobs[:3]:
+            runner.submit(job)
+        await asyncio.to_thread(model.started.wait, 30)
+        jobs[1].cancel()
+        assert await asyncio.wait_for(events(jobs[1]), 30) == [Done("cancelled", 2, 0)]
+        closing = asyncio.create_task(asyncio.to_thread(runner.close))
+        while not runner._closed:  # job 2 is still queued when the close begins
+            await asyncio.sleep(0.01)
+        model.go.set()
+        await closing
+        runner.submit(jobs[3])
+        ends = [(await asyncio.wait_for(events(j), 30))[-1] for j in (jobs[0], jobs[2], jobs[3])]
+        assert [e.finish_reason for e in ends] == ["cancelled"] * 3
+
+    asyncio.run(main())

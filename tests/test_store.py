@@ -256,3 +256,45 @@ def test_registered_name_resolves_for_serve(tmp_path):
     store.pull(str(path))
     assert store.lookup("served") == path and store.lookup("nothing") is None
     assert Path(store.list_models()[-1].path) == path
+
+
+def test_hf_references_are_names_and_stay_in_the_store(hub, cache, capsys):
+    handler, _ = hub
+    for ref in ("hf://org/..@../x.gguf", "hf://org/repo@../x.gguf", "hf://org/repo@/x.gguf",
+                "hf://org/repo@v1/../../x.gguf", "hf://org/repo/.hidden.gguf", "hf://org/re po/x.gguf",
+                "hf://org/repo@a\\..\\b/x.gguf", "hf://org/repo//x.gguf"):
+        with pytest.raises(store.StoreError, match="bad reference"):
+            store.parse_hf(ref)
+        assert main(["pull", ref]) == 1
+        assert "bad reference" in capsys.readouterr().err
+    assert handler.ranges == [] and not cache.exists()  # nothing was fetched, nothing written
+    assert store.parse_hf("hf://Org-1/Repo_2.5@a1b2c3/sub/f+q4.gguf") == ("Org-1/Repo_2.5", "a1b2c3",
+                                                                          "sub/f+q4.gguf")
+
+
+def _forged_entry(cache, name: str, path: Path) -> None:
+    """An index that says apir downloaded ``path`` (an edited or older index)."""
+    cache.mkdir(exist_ok=True)
+    entry = {"path": str(path), "source": "hf://org/repo/x.gguf", "added": 0, "sha256": None}
+    (cache / "index.json").write_text(json.dumps({"version": 1, "models": {name: entry}}))
+
+
+def test_rm_deletes_nothing_outside_the_store(tmp_path, cache, capsys):
+    victim = tmp_path / "victim.gguf"
+    victim.write_bytes(b"precious")
+    _forged_entry(cache, "dots", cache / "hf" / "org" / ".." / ".." / ".." / "victim.gguf")
+    assert main(["rm", "dots"]) == 0
+    assert "outside the store" in capsys.readouterr().err and victim.read_bytes() == b"precious"
+    (cache / "hf" / "org").mkdir(parents=True)
+    (cache / "hf" / "org" / "link").symlink_to(tmp_path)  # a link out of the store
+    _forged_entry(cache, "link", cache / "hf" / "org" / "link" / "victim.gguf")
+    assert main(["rm", "link"]) == 0
+    assert victim.read_bytes() == b"precious" and store.lookup("link") is None
+
+
+def test_model_names_are_names(tmp_path, capsys):
+    for bad in ("bad name", "-dash", "semi;colon"):
+        path = write_tiny_gguf(tmp_path / f"{bad}.gguf")
+        assert main(["pull", str(path)]) == 1
+        assert "not a model name" in capsys.readouterr().err
+    assert store.list_models() == [m for m in store.list_models() if m.source == "package"]

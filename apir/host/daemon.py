@@ -9,7 +9,6 @@ that crashes its worker, or misbehaves, affects nobody else.
 from __future__ import annotations
 
 import ctypes
-import hmac
 import logging
 import multiprocessing
 import os
@@ -23,18 +22,19 @@ from pathlib import Path
 
 from ..backends.base import Limits
 from ..errors import ApirError
-from ..protocol import PROTOCOL_VERSION, ErrorCode, ProtocolError, op_table_hash
+from ..protocol import PROTOCOL_VERSION, ErrorCode, ProtocolError
 from ..protocol import messages as m
 from ..protocol.messages import HEADER, MAX_BODY, decode_body, decode_header, encode
 from ..transport import Address, Channel, listen
+from .handshake import HANDSHAKE_MAX, MAX_PENDING, Gate, RateLimitedLog, check_hello, peer_key
 from .session import SessionConfig
 from .worker import run_worker
 
+__all__ = ["MAX_PENDING", "Daemon", "HostConfig", "run"]  # MAX_PENDING: the hostile tests' flood size
+
 log = logging.getLogger("apir.host")
 
-HANDSHAKE_MAX = 4096  # bytes a Hello may take
 MAX_SLOTS = 1024
-MAX_PENDING = 256  # connections still in their handshake; more are closed at once
 
 
 @dataclass(frozen=True)
@@ -76,6 +76,7 @@ class Pending:
     sock: socket.socket
     address: Address
     peer: str
+    key: str | None  # whom per-peer limits count (None: a Unix socket)
     deadline: float
     buf: bytearray = field(default_factory=bytearray)
 
@@ -107,6 +108,8 @@ class Daemon:
         self.next_session = 1
         self.selector = selectors.DefaultSelector()
         self.stopping = False
+        self.gate = Gate()
+        self.refusals = RateLimitedLog(log)
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -166,17 +169,26 @@ class Daemon:
         except BlockingIOError:
             return
         except OSError as e:  # EMFILE, ENFILE, ECONNABORTED...: never fatal to the daemon
-            log.warning("accept failed: %s", e.strerror or e)
+            self.refusals.warning(time.monotonic(), "accept failed: %s", e.strerror or e)
             time.sleep(0.01)  # the listener stays readable; do not spin
             return
-        if len(self.pending) >= MAX_PENDING:  # a flood of idle connections
-            log.warning("dropped a connection: %d handshakes already pending", len(self.pending))
+        addr, now = self.listeners[listener], time.monotonic()
+        peer_s = f"{addr.scheme}:{peer}" if peer else f"{addr.scheme}:local"
+        key = peer_key(addr, peer)
+        why = self.gate.admit(addr, key, now)
+        if why is not None:  # a flood of idle or failing connections: closed at once
+            self.refusals.warning(now, "dropped %s: %s", peer_s, why.message)
+            if why.code == ErrorCode.QUOTA:  # over its share: a failure like any other
+                self.gate.failed(key, now)
+            else:  # its budget is spent: a guest retrying a wrong token is told why
+                try:  # one small frame into an empty socket buffer: never blocks
+                    sock.send(encode(why), socket.MSG_DONTWAIT)
+                except OSError:
+                    pass
             sock.close()
             return
         sock.setblocking(False)
-        addr = self.listeners[listener]
-        peer_s = f"{addr.scheme}:{peer}" if peer else f"{addr.scheme}:local"
-        self.pending[sock] = Pending(sock, addr, peer_s, time.monotonic() + self.config.handshake_timeout)
+        self.pending[sock] = Pending(sock, addr, peer_s, key, now + self.config.handshake_timeout)
         self.selector.register(sock, selectors.EVENT_READ)
 
     def _read_handshake(self, p: Pending) -> None:
@@ -202,39 +214,30 @@ class Daemon:
                 raise ProtocolError("data after the Hello before the Welcome")
             hello = decode_body(header.opcode, bytes(p.buf[HEADER.size :]))
         except ProtocolError as e:
-            self._refuse(p, ErrorCode.PROTOCOL, str(e))
+            self._refuse(p, m.Error(ErrorCode.PROTOCOL, str(e)))
             return
         self._handle_hello(p, hello)
 
     def _handle_hello(self, p: Pending, hello: m.Hello) -> None:
-        if hello.version != PROTOCOL_VERSION:
-            self._refuse(p, ErrorCode.VERSION,
-                         f"protocol version mismatch: the guest speaks version {hello.version}, this "
-                         f"host speaks version {PROTOCOL_VERSION}; install the same apir release on both sides")
-            return
-        if hello.op_table != op_table_hash():
-            self._refuse(p, ErrorCode.VERSION,
-                         "op tables differ between guest and host (same protocol version, different "
-                         "apir builds); install the same apir release on both sides")
-            return
-        if p.address.scheme != "unix" and not hmac.compare_digest(
-            hello.token.encode(), (self.config.token or "").encode()
-        ):
-            log.warning("refused %s: bad or missing token", p.peer)
-            self._refuse(p, ErrorCode.AUTH, "authentication failed: the token does not match the host's "
-                         "(set APIR_TOKEN or --token-file to the host's --token-file secret)")
+        err = check_hello(hello, None if p.address.scheme == "unix" else self.config.token)
+        if err is not None:
+            self._refuse(p, err)
             return
         if hello.status_only:
             self._send_then_close(p, self.status())
             return
         if len(self.workers) >= self.config.max_sessions:
-            self._refuse(p, ErrorCode.QUOTA, f"the host is already serving {len(self.workers)} sessions "
-                         "(its --max-sessions limit); try again later")
+            self._refuse(p, m.Error(ErrorCode.QUOTA, f"the host is already serving {len(self.workers)} "
+                                    "sessions (its --max-sessions limit); try again later"))
             return
         self._spawn(p, hello)
 
-    def _refuse(self, p: Pending, code: int, message: str) -> None:
-        self._send_then_close(p, m.Error(code, message))
+    def _refuse(self, p: Pending, err: m.Error) -> None:
+        now = time.monotonic()
+        if err.code in (ErrorCode.PROTOCOL, ErrorCode.AUTH):  # no valid token shown
+            self.gate.failed(p.key, now)
+        self.refusals.warning(now, "refused %s: %r", p.peer, err.message[:200])  # %r: no forged lines
+        self._send_then_close(p, err)
 
     def _send_then_close(self, p: Pending, msg: object) -> None:
         try:
@@ -246,7 +249,8 @@ class Daemon:
         self._drop(p)
 
     def _drop(self, p: Pending) -> None:
-        self.pending.pop(p.sock, None)
+        if self.pending.pop(p.sock, None) is not None:
+            self.gate.release(p.address, p.key)
         try:
             self.selector.unregister(p.sock)
         except (KeyError, ValueError):
@@ -256,8 +260,11 @@ class Daemon:
     def _expire_handshakes(self) -> None:
         now = time.monotonic()
         for p in [p for p in self.pending.values() if p.deadline < now]:
-            log.warning("dropped %s: no handshake within %.0fs", p.peer, self.config.handshake_timeout)
+            self.refusals.warning(now, "dropped %s: no handshake within %.0fs", p.peer,
+                                  self.config.handshake_timeout)
+            self.gate.failed(p.key, now)
             self._drop(p)
+        self.refusals.tick(now)
 
     # ------------------------------------------------------------ workers
     def _spawn(self, p: Pending, hello: m.Hello) -> None:
@@ -267,6 +274,7 @@ class Daemon:
         slot = next(i for i in range(MAX_SLOTS) if i not in used)
         self.stats[2 * slot] = self.stats[2 * slot + 1] = 0
         self.pending.pop(p.sock)
+        self.gate.release(p.address, p.key)
         self.selector.unregister(p.sock)
         limits = Limits(self.config.max_memory, self.config.max_handles, self.config.max_graph_nodes)
         cfg = SessionConfig(self.config.device, limits, self.config.max_arena, session, p.peer,

@@ -21,6 +21,7 @@ import secrets
 import sys
 import threading
 import time
+import traceback
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +31,7 @@ from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -170,7 +171,7 @@ def create_app(
 
     def ready_model(name: str | None) -> Model:
         if name is not None and name not in state.aliases:
-            raise RequestError(f"the model {name!r} does not exist; this server serves "
+            raise RequestError(f"the model {name[:100]!r} does not exist; this server serves "
                                f"{config.model_id!r}", "model", 404, "model_not_found")
         if state.model is None:
             why = f"failed to load: {state.error}" if state.error else "is still loading"
@@ -178,13 +179,28 @@ def create_app(
         return state.model
 
     async def json_body(request: Request) -> object:
-        body = await request.body()
-        if len(body) > MAX_BODY:
-            raise RequestError(f"the request body is over {MAX_BODY >> 20} MiB", status=413)
+        """The body as JSON, read at most MAX_BODY bytes far: a longer Content-Length is
+        refused before reading, a longer stream as soon as it passes the cap."""
+        too_big = RequestError(f"the request body is over {MAX_BODY >> 20} MiB", status=413)
+        length = request.headers.get("content-length")
+        if length is not None and not (length.isascii() and length.isdigit()):
+            raise RequestError("the Content-Length header is not a byte count")
+        if length is not None and int(length) > MAX_BODY:
+            raise too_big
+        body = bytearray()
+        try:
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > MAX_BODY:
+                    raise too_big
+        except ClientDisconnect:  # nobody hears the answer; no traceback in the log either
+            raise RequestError("the client left while sending its request") from None
         try:
             return json.loads(body)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise RequestError(f"the request body is not valid JSON: {e}") from None
+        except RecursionError:  # nesting deeper than the parser's stack
+            raise RequestError("the request body is not valid JSON: nested too deeply") from None
+        except ValueError as e:  # bad syntax or UTF-8, an integer of more than 4300 digits
+            raise RequestError(f"the request body is not valid JSON: {str(e)[:200]}") from None
 
     def model_card() -> dict:
         path = state.model.file.path if state.model is not None else None
@@ -217,7 +233,7 @@ def create_app(
         authorize(request)
         name = request.path_params["name"]
         if name not in state.aliases:
-            raise RequestError(f"the model {name!r} does not exist", "model", 404, "model_not_found")
+            raise RequestError(f"the model {name[:100]!r} does not exist", "model", 404, "model_not_found")
         return JSONResponse(model_card())
 
     async def chat_completions(request: Request) -> Response:
@@ -353,7 +369,10 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 
 
 async def _server_error(request: Request, exc: Exception) -> Response:
-    return JSONResponse(error_body(f"internal error: {type(exc).__name__}: {exc}", "server_error"), 500)
+    # The text of an unexpected exception (paths, internals) stays in the server's log.
+    traceback.print_exception(exc, file=sys.stderr)
+    return JSONResponse(error_body(f"internal error ({type(exc).__name__}); the server's log has "
+                                   "the details", "server_error"), 500)
 
 
 class _CountRequests:

@@ -4,8 +4,9 @@ Requests put a :class:`Job` on a FIFO; a single worker thread takes them in orde
 runs each to the end (generation is synchronous Python) before starting the next, so two
 requests never interleave in the KV cache. Text goes back to the event loop through
 ``loop.call_soon_threadsafe`` onto the job's asyncio queue. A job is cancelled (the
-client went away) by setting its flag: a queued job is skipped, a running one stops
-before its next token.
+client went away) by setting its flag: a queued job ends at once with
+``Done("cancelled")``, a running one stops before its next token. Every job ends with
+exactly one Done or Failed, so whoever waits on its events always returns.
 """
 
 from __future__ import annotations
@@ -52,9 +53,25 @@ class Job:
         self._loop = asyncio.get_running_loop()
         self._events: asyncio.Queue[Event] = asyncio.Queue()
         self._cancel = threading.Event()
+        self._lock = threading.Lock()
+        self._started = False
 
     def cancel(self) -> None:
-        self._cancel.set()
+        """Stop this job; one that has not started ends here, with its Done."""
+        with self._lock:
+            self._cancel.set()
+            if self._started:
+                return  # the runner emits the Done before its next token
+            self._started = True  # never starts now
+        self.emit(Done("cancelled", len(self.prompt_ids), 0))
+
+    def start(self) -> bool:
+        """Called by the worker thread: False when the job was cancelled before it ran."""
+        with self._lock:
+            if self._started:
+                return False
+            self._started = True
+            return True
 
     @property
     def cancelled(self) -> bool:
@@ -83,6 +100,8 @@ class Runner:
         self.model, self.metrics = model, metrics
         self._jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self._current: Job | None = None
+        self._closed = False
+        self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._serve, name="apir-generate", daemon=True)
         self._thread.start()
 
@@ -91,20 +110,36 @@ class Runner:
         return self._jobs.qsize()
 
     def submit(self, job: Job) -> None:
-        self._jobs.put(job)
+        with self._lock:
+            if not self._closed:
+                self._jobs.put(job)
+                return
+        job.cancel()  # the runner has stopped: the job ends at once
 
     def close(self, timeout: float = 10.0) -> None:
-        """Stop after the current token; jobs still queued are dropped."""
+        """Stop after the current token; jobs still queued end cancelled."""
+        with self._lock:  # no job is queued after the None
+            self._closed = True
+            self._jobs.put(None)
         current = self._current
         if current is not None:
             current.cancel()
-        self._jobs.put(None)
         self._thread.join(timeout)
+        while True:  # the thread is stuck past the timeout: end the rest here
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                job.cancel()
 
     def _serve(self) -> None:
         while (job := self._jobs.get()) is not None:
-            if job.cancelled:
+            if self._closed:
+                job.cancel()  # closing: what is still queued ends, cancelled
                 continue
+            if not job.start():
+                continue  # cancelled while queued: it has emitted its Done
             self._current = job
             try:
                 job.emit(self._run(job))
@@ -112,10 +147,6 @@ class Runner:
                 job.emit(Failed(e))
             finally:
                 self._current = None
-        # drain: the server is shutting down
-        while not self._jobs.empty():
-            if (job := self._jobs.get()) is not None:
-                job.cancel()
 
     def _run(self, job: Job) -> Done:
         """Generate, emitting text as it is safe to: never half a character and never a

@@ -48,7 +48,8 @@ def _number(body: dict, name: str, lo: float, hi: float, integer: bool = False) 
     kind = "an integer" if integer else "a number"
     if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)):
         raise RequestError(f"'{name}' must be {kind}, got {type(value).__name__}", name)
-    if not (math.isfinite(value) and lo <= value <= hi):
+    # an int is finite (and math.isfinite overflows on one of 400 digits)
+    if not ((isinstance(value, int) or math.isfinite(value)) and lo <= value <= hi):
         raise RequestError(f"'{name}' must be between {lo:g} and {hi:g}, got {value}", name)
     return value
 
@@ -205,11 +206,10 @@ def parse_chat(body: Any) -> ChatRequest:
         if not isinstance(m, dict):
             raise RequestError(f"'messages[{i}]' must be an object", f"messages[{i}]")
         role = m.get("role")
-        if role not in ROLES:
-            raise RequestError(
-                f"'messages[{i}].role' must be one of {', '.join(sorted(ROLES))}, got {role!r}",
-                f"messages[{i}].role",
-            )
+        if not isinstance(role, str) or role not in ROLES:  # a list is unhashable; said back short
+            got = repr(role)[:100] if isinstance(role, str) else type(role).__name__
+            raise RequestError(f"'messages[{i}].role' must be one of {', '.join(sorted(ROLES))}, "
+                               f"got {got}", f"messages[{i}].role")
         # templates know "system"; OpenAI's newer "developer" role means the same
         out.append({"role": "system" if role == "developer" else role, "content": _content(m, i)})
     _refuse(body, "tools", None, "no tool calling")

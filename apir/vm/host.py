@@ -1,10 +1,11 @@
 """The host end of a VM's shared-memory region: one session, the daemon's rules.
 
-``serve_region`` waits for the guest's Hello in the region's request ring, checks it as
-the daemon checks every handshake (size, message type, protocol version, op table), and
-then runs the same session worker (``run_worker``: dispatcher, executor, quotas) with the
-region's arena in place of a memfd. Who may talk to this region is decided by who can map
-it: the file is 0600 and handed to exactly one QEMU, so there is no token to check.
+``serve_region`` waits for the guest's Hello in the region's request ring, checks it with
+the daemon's own check (``host.handshake.check_hello``: size, message type, protocol
+version, op table), and then runs the same session worker (``run_worker``: dispatcher,
+executor, quotas) with the region's arena in place of a memfd. Who may talk to this
+region is decided by who can map it: the file is 0600 and handed to exactly one QEMU, so
+there is no token to check.
 """
 
 from __future__ import annotations
@@ -13,30 +14,13 @@ import logging
 from collections.abc import Callable
 
 from ..backends.base import Limits
-from ..protocol import PROTOCOL_VERSION, ErrorCode, ProtocolError, op_table_hash
+from ..host.handshake import HANDSHAKE_MAX, check_hello
+from ..protocol import ErrorCode, ProtocolError
 from ..protocol import messages as m
 from ..transport import ConnectionClosed
 from ..transport.ivshmem import Region, RingChannel
 
 log = logging.getLogger("apir.host")
-
-HANDSHAKE_MAX = 4096  # bytes a Hello may take (as in the daemon)
-
-
-def hello_error(hello: object) -> m.Error | None:
-    """Why this first frame cannot open a session (None: it can)."""
-    if not isinstance(hello, m.Hello):
-        return m.Error(ErrorCode.PROTOCOL, f"expected a Hello handshake first, got {type(hello).__name__}")
-    if hello.version != PROTOCOL_VERSION:
-        return m.Error(ErrorCode.VERSION,
-                       f"protocol version mismatch: the guest speaks version {hello.version}, this host "
-                       f"speaks version {PROTOCOL_VERSION}; install the same apir release on both sides")
-    if hello.op_table != op_table_hash():
-        return m.Error(ErrorCode.VERSION, "op tables differ between guest and host (same protocol version, "
-                       "different apir builds); install the same apir release on both sides")
-    if hello.status_only:
-        return m.Error(ErrorCode.INVALID, "a VM's shared-memory channel serves one session, no status")
-    return None
 
 
 def serve_region(region: Region, device: str | None = None, alive: Callable[[], bool] | None = None,
@@ -58,7 +42,9 @@ def serve_region(region: Region, device: str | None = None, alive: Callable[[], 
     except ProtocolError as e:
         _refuse(chan, m.Error(ErrorCode.PROTOCOL, str(e)))
         return False
-    err = hello_error(frame.message)
+    err = check_hello(frame.message, None)
+    if err is None and frame.message.status_only:
+        err = m.Error(ErrorCode.INVALID, "a VM's shared-memory channel serves one session, no status")
     if err is not None:
         _refuse(chan, err)
         return False
