@@ -15,6 +15,7 @@ from apir.backends.local import LocalBackend  # noqa: E402
 from apir.backends.local.kernels import ARGMAX_CHUNK, argmax  # noqa: E402
 from apir.backends.local.program import FusedMatmul, Leaf, Part  # noqa: E402
 from apir.engine import SamplingParams  # noqa: E402
+from apir.graph import SampleArgs  # noqa: E402
 
 IDS = [256, 72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100, 33]  # 14 tokens: padded to 16
 
@@ -233,7 +234,7 @@ class CompilingCPU(PaddingCPU):
         return DeviceInfo(d.name, d.kind, d.description, d.memory_free, d.memory_total, d.capabilities | extra)
 
     def compute(self, gid, inputs, feed=None):
-        self.steps.append((len(inputs["tokens"]), float(inputs["params"][0]) <= 0))
+        self.steps.append((len(inputs["tokens"]), SampleArgs.unpack(inputs["params"]).greedy))
         return super().compute(gid, inputs, feed)
 
 

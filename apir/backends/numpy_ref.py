@@ -13,9 +13,10 @@ import platform
 import gguf
 import numpy as np
 
-from ..graph import DType, Graph, Op
+from ..graph import DType, Graph, Op, SampleArgs
 from ..graph.dtypes import NUMPY_DTYPES
-from .base import NO_LIMITS, BackendError, Buffer, DeviceInfo, Executor, Limits, Registered
+from .base import NO_LIMITS, BackendError, DeviceInfo, Limits
+from .executor import Buffer, Executor, Registered
 
 
 def to_f32(arr: np.ndarray, dtype: DType, shape: tuple[int, ...]) -> np.ndarray:
@@ -110,8 +111,9 @@ def attention(q, k, v, pos, scale: float, window: int, softcap: float) -> np.nda
 
 
 def sample(logits: np.ndarray, params: np.ndarray) -> np.ndarray:
-    temperature, top_k, top_p, min_p, u = (float(p) for p in params)
-    if temperature <= 0:
+    a = SampleArgs.unpack(params.tolist())
+    temperature, top_k, top_p, min_p, u = a.temperature, a.top_k, a.top_p, a.min_p, a.u
+    if a.greedy:
         return logits.argmax(axis=-1).astype(np.int32)
     rows = logits.reshape(-1, logits.shape[-1])
     out = np.empty(len(rows), np.int32)

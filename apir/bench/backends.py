@@ -28,7 +28,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..backends import Backend, create_backend
+from ..backends import Backend, ExecutorConfig, create_backend
 from ..errors import ApirError
 from .errors import BenchError
 
@@ -54,7 +54,7 @@ def _closing(backend: Backend) -> Iterator[Backend]:
 
 
 def _native(opts: BackendOptions) -> AbstractContextManager[Backend]:
-    return _closing(create_backend("local", opts.device))
+    return _closing(create_backend("local", opts.device, config=ExecutorConfig.from_env()))
 
 
 def _guest_cpu(opts: BackendOptions) -> AbstractContextManager[Backend]:

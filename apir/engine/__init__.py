@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..backends import Backend, create_backend
+from ..backends import Backend, ExecutorConfig, create_backend
 from ..models.gguf_file import GGUFFile
 from ..models.resolve import resolve_model
 from .model import ContextOverflowError, Model, Progress, SamplingParams
@@ -19,7 +19,8 @@ def load(
     """
     gguf = GGUFFile(resolve_model(model))
     if isinstance(backend, str):
-        be = create_backend(backend, device, remote=remote, token_file=token_file)
+        be = create_backend(backend, device, remote=remote, token_file=token_file,
+                            config=ExecutorConfig.from_env())
     else:
         be = backend
     try:

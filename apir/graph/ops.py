@@ -38,9 +38,10 @@ Semantics, per op (``x`` etc. are inputs in order):
   CONTIGUOUS (x)                a dense copy (no-op in value)
   CONCAT     (a, b)             along axis
   ARGMAX     (x)                index of the first maximum over the last axis -> i32
-  SAMPLE     (logits, params)   one token per row; params f32[5] = temperature, top_k,
-                                 top_p, min_p, u (a uniform draw in [0, 1) from the guest's
-                                 seeded RNG). temperature <= 0 is argmax. Otherwise: scale by
+  SAMPLE     (logits, params)   one token per row; params is a packed ``SampleArgs``
+                                 (apir.graph.sampling: temperature, top_k, top_p, min_p and
+                                 u, a uniform draw in [0, 1) from the guest's seeded RNG).
+                                 temperature <= 0 is argmax. Otherwise: scale by
                                  1/temperature, sort descending (ties: lower id first), keep
                                  top_k (if > 0), softmax, keep the shortest prefix whose mass
                                  reaches top_p (if < 1), drop p < min_p * p_max (if > 0),
@@ -56,6 +57,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from .dtypes import COMPUTE_DTYPES, DType
+from .sampling import PARAMS_SIZE
 
 T = -1  # the symbolic token-count dimension
 FLOAT_DTYPES = (DType.F32, DType.F16, DType.BF16)
@@ -106,13 +108,34 @@ INT, FLOAT, INTS, STR = "int", "float", "ints", "str"
 
 Spec = tuple[tuple[int, ...], DType]  # (shape, dtype) of a value
 ShapeRule = Callable[[Sequence[Spec], tuple], Spec]
+# input shapes -> what the op needs besides its result while it runs: (shape, bytes per element)
+ScratchRule = Callable[[Sequence[tuple[int, ...]]], tuple[tuple[tuple[int, ...], int], ...]]
+
+
+class Alias(enum.Enum):
+    """Whether an op's result shares memory with its first input in the executors."""
+
+    NONE = 0  # a fresh value
+    ALWAYS = 1  # a view of the input, or the input itself (SET_ROWS writes it and returns it)
+    MAYBE = 2  # the input itself where its layout allows (a contiguous input), else a copy
 
 
 @dataclass(frozen=True)
 class OpSpec:
+    """Everything the guest, the executors and the accounting know about one op."""
+
     arity: int
     attrs: tuple[tuple[str, str], ...]  # (name, kind) in wire order
     rule: ShapeRule
+    # Alias.NONE is the only one a write through the result cannot reach the input by, and
+    # Alias.ALWAYS the only one that never allocates
+    alias: Alias = Alias.NONE
+    quantized: bool = False  # takes a quantized WEIGHT (where its shape rule allows one)
+    # (index operand, indexed operand, what): values the executors bounds-check against
+    # the indexed operand's first dim
+    index: tuple[tuple[int, int, str], ...] = ()
+    memo: bool = False  # its kernels share work that depends only on the last operand (pos)
+    scratch: ScratchRule | None = None
 
 
 # ---------------------------------------------------------------- shape helpers
@@ -345,18 +368,28 @@ def _argmax(ins, attrs):
 def _sample(ins, attrs):
     logits, params = ins
     _float(logits, "SAMPLE logits")
-    if params[1] is not DType.F32 or tuple(params[0]) != (5,):
-        raise _fail("SAMPLE params must be F32 of shape (5,)")
+    if params[1] is not DType.F32 or tuple(params[0]) != (PARAMS_SIZE,):
+        raise _fail(f"SAMPLE params must be F32 of shape ({PARAMS_SIZE},)")
     return logits[0][:-1], DType.I32
+
+
+def _attention_scratch(shapes):
+    (tq, hq, d), (s, _, _), (_, _, dv) = shapes[:3]
+    # scores and probabilities (Hq, Tq, S), keys and values repeated to Hq heads
+    return ((hq, tq, s), 8), ((s, hq, max(d, dv)), 8)
+
+
+def _sample_scratch(shapes):
+    return ((shapes[0], 32),)  # sort, softmax, cumsums of the logits
 
 
 OPS: dict[Op, OpSpec] = {
     Op.INPUT: OpSpec(0, (("name", STR),), _leaf),
-    Op.WEIGHT: OpSpec(0, (("buffer", INT), ("offset", INT)), _leaf),
+    Op.WEIGHT: OpSpec(0, (("buffer", INT), ("offset", INT)), _leaf, quantized=True),
     Op.STATE: OpSpec(0, (("buffer", INT), ("offset", INT)), _leaf),
-    Op.GET_ROWS: OpSpec(2, (), _get_rows),
-    Op.SET_ROWS: OpSpec(3, (), _set_rows),
-    Op.MATMUL: OpSpec(2, (), _matmul),
+    Op.GET_ROWS: OpSpec(2, (), _get_rows, quantized=True, index=((1, 0, "GET_ROWS row"),)),
+    Op.SET_ROWS: OpSpec(3, (), _set_rows, Alias.ALWAYS, index=((2, 0, "SET_ROWS row"),)),
+    Op.MATMUL: OpSpec(2, (), _matmul, quantized=True),
     Op.ADD: OpSpec(2, (), _binary),
     Op.MUL: OpSpec(2, (), _binary),
     Op.SCALE: OpSpec(1, (("scale", FLOAT),), _unary),
@@ -367,19 +400,21 @@ OPS: dict[Op, OpSpec] = {
     Op.RMS_NORM: OpSpec(1, (("eps", FLOAT),), _rms_norm),
     Op.SOFTMAX: OpSpec(1, (), _unary),
     Op.ROPE: OpSpec(
-        2, (("n_dims", INT), ("base", FLOAT), ("neox", INT), ("freq_scale", FLOAT)), _rope
+        2, (("n_dims", INT), ("base", FLOAT), ("neox", INT), ("freq_scale", FLOAT)), _rope, memo=True
     ),
     Op.ATTENTION: OpSpec(
-        4, (("scale", FLOAT), ("window", INT), ("softcap", FLOAT)), _attention
+        4, (("scale", FLOAT), ("window", INT), ("softcap", FLOAT)), _attention,
+        index=((3, 1, "ATTENTION position"),), memo=True, scratch=_attention_scratch,
     ),
-    Op.RESHAPE: OpSpec(1, (("shape", INTS),), _reshape),
-    Op.PERMUTE: OpSpec(1, (("axes", INTS),), _permute),
-    Op.TRANSPOSE: OpSpec(1, (("a", INT), ("b", INT)), _transpose),
-    Op.VIEW: OpSpec(1, (("axis", INT), ("start", INT), ("length", INT)), _view),
-    Op.CONTIGUOUS: OpSpec(1, (), _contiguous),
+    # a reshape of a permuted value copies (numpy and torch alike)
+    Op.RESHAPE: OpSpec(1, (("shape", INTS),), _reshape, Alias.MAYBE),
+    Op.PERMUTE: OpSpec(1, (("axes", INTS),), _permute, Alias.ALWAYS),
+    Op.TRANSPOSE: OpSpec(1, (("a", INT), ("b", INT)), _transpose, Alias.ALWAYS),
+    Op.VIEW: OpSpec(1, (("axis", INT), ("start", INT), ("length", INT)), _view, Alias.ALWAYS),
+    Op.CONTIGUOUS: OpSpec(1, (), _contiguous, Alias.MAYBE),
     Op.CONCAT: OpSpec(2, (("axis", INT),), _concat),
     Op.ARGMAX: OpSpec(1, (), _argmax),
-    Op.SAMPLE: OpSpec(2, (), _sample),
+    Op.SAMPLE: OpSpec(2, (), _sample, scratch=_sample_scratch),
 }
 
 LEAVES = (Op.INPUT, Op.WEIGHT, Op.STATE)
@@ -402,7 +437,7 @@ def infer(op: Op, inputs: Sequence[Spec], attrs: tuple) -> Spec:
         if not ok:
             raise GraphError(f"{op.name} attribute {name} must be {kind}, got {value!r}")
     for _, dtype in inputs:
-        if dtype.is_quantized and op not in (Op.GET_ROWS, Op.MATMUL):
+        if dtype.is_quantized and not spec.quantized:
             raise GraphError(f"{op.name} cannot take a quantized ({dtype.name}) input")
     try:
         return spec.rule(inputs, attrs)

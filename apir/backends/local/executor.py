@@ -14,17 +14,17 @@ import platform
 import numpy as np
 import torch
 
-from ...graph import DType, Graph, Op
+from ...graph import DType, Graph, Op, SampleArgs
 from ..base import (
+    DEFAULT_EXECUTOR,
     NO_LIMITS,
     BackendError,
-    Buffer,
     DeviceInfo,
-    Executor,
+    ExecutorConfig,
     Limits,
     Pending,
-    Registered,
 )
+from ..executor import Buffer, Executor, Registered
 from . import kernels
 from .capture import CapturedStep
 from .dequant import dequantize
@@ -76,17 +76,12 @@ class LocalBackend(Executor):
     name = "local"
 
     def __init__(self, device: str | None = None, limits: Limits = NO_LIMITS,
-                 cuda_graphs: bool | None = None) -> None:
+                 config: ExecutorConfig = DEFAULT_EXECUTOR) -> None:
         super().__init__(limits)
         self.torch_device = pick_device(device)
-        from ... import env
-
-        if cuda_graphs is None:
-            cuda_graphs = env.CUDA_GRAPHS.get() != "0"
-        self.cuda_graphs = cuda_graphs and self.torch_device.type == "cuda"
-        mode = env.COMPILE.get() or "1"
-        self.compile = self.cuda_graphs and mode != "0"
-        self.compile_prefill = mode == "all"
+        self.cuda_graphs = config.cuda_graphs and self.torch_device.type == "cuda"
+        self.compile = self.cuda_graphs and config.compile != "off"
+        self.compile_prefill = config.compile == "all"
         # Weights computed in f32 on the CPU; on accelerators they keep a 16-bit form.
         self._weights: dict[tuple, tuple[int, torch.Tensor]] = {}
         # concatenated weights of fused products, keyed by their members' weight keys
@@ -209,7 +204,7 @@ class LocalBackend(Executor):
         ``constants`` the weights and states (see ``_constants``)."""
         values: list = []
         parts: dict[int, torch.Tensor] = {}  # later members of fused products, by node id
-        memo: dict = {}  # work shared by the run's kernels (see kernels.MEMO_OPS)
+        memo: dict = {}  # work shared by the run's kernels (see OpSpec.memo)
         for nid, step in enumerate(reg.program.steps):
             if isinstance(step, Step):
                 args = [values[i] for i in step.inputs]
@@ -250,7 +245,8 @@ class LocalBackend(Executor):
             if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= limit):
                 raise BackendError(f"{what} index out of range: input {name!r} must lie in [0, {limit})")
         # the host sees the sampling params: a greedy step needs no sort of the vocabulary
-        greedy = bool(prog.sample_params) and all(float(inputs[n][0]) <= 0 for n in prog.sample_params)
+        greedy = bool(prog.sample_params) and all(SampleArgs.unpack(inputs[n]).greedy
+                                                  for n in prog.sample_params)
         n_tokens = next((a.shape[0] for a in inputs.values() if a.ndim), 0)
         if prog.device_safe and self.cuda_graphs and capturable(n_tokens):
             outs = self._replay(reg, inputs, n_tokens, greedy)

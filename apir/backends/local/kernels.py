@@ -12,7 +12,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ...graph import Op
+from ...graph import Op, SampleArgs
 from ..base import BackendError
 from . import gemv
 
@@ -168,7 +168,8 @@ def sample(logits: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
     """Op.SAMPLE without a host sync (capturable in a CUDA graph): every step of the
     reference is a tensor op, and the kept sets are always prefixes of the sorted order."""
     rows = logits.reshape(-1, logits.shape[-1]).float()
-    temperature, top_k, top_p, min_p, u = params.float().unbind()
+    a = SampleArgs.unpack(params.float())  # 0-d tensors: no host sync
+    temperature, top_k, top_p, min_p, u = a.temperature, a.top_k, a.top_p, a.min_p, a.u
     vals, order = torch.sort(rows, dim=-1, descending=True, stable=True)
     rank = torch.arange(vals.shape[-1], device=rows.device)
     keep = (top_k <= 0) | (rank < top_k)
@@ -234,7 +235,3 @@ DEVICE_KERNELS = {
     Op.SET_ROWS: lambda dst, src, ids: dst.index_copy_(0, ids.long(), src.to(dst.dtype)),
     Op.ATTENTION: attention,  # over the whole cache, masked: fixed shapes, no sync
 }
-
-# Kernels that take ``memo`` and ``key`` (the node id of their position input): work that
-# depends only on the positions is done once per run, not once per layer.
-MEMO_OPS = frozenset({Op.ROPE, Op.ATTENTION})

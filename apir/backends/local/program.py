@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ...graph import DType, Graph, Op
-from .kernels import DEVICE_KERNELS, KERNELS, MEMO_OPS
+from ...graph import OPS, DType, Graph, Op
+from .kernels import DEVICE_KERNELS, KERNELS
 
 
 @dataclass(frozen=True)
@@ -23,7 +23,7 @@ class Step:
     kernel: object
     inputs: tuple[int, ...]
     attrs: tuple
-    memo_key: int | None = None  # MEMO_OPS: the node id of the positions they share work on
+    memo_key: int | None = None  # OpSpec.memo: the node id of the positions they share work on
 
 
 @dataclass(frozen=True)
@@ -68,14 +68,6 @@ class Program:
     captured: dict = field(default_factory=dict)  # (n_tokens, greedy) -> CapturedStep (CUDA only)
 
 
-# Operand positions that index into another operand: op -> ((index operand, indexed operand, what), ...)
-INDEX_OPERANDS = {
-    Op.GET_ROWS: ((1, 0, "GET_ROWS row"),),
-    Op.SET_ROWS: ((2, 0, "SET_ROWS row"),),
-    Op.ATTENTION: ((3, 1, "ATTENTION position"),),
-}
-
-
 def fusable_groups(graph: Graph, weight_dtype) -> list[tuple[int, ...]]:
     """Node ids of MATMULs to fuse, per group (2 or more, in node order): same activation,
     2-D WEIGHT operands of the same width K whose dequantized dtype (``weight_dtype``) agrees."""
@@ -99,7 +91,7 @@ def compile_program(graph: Graph, accelerated: bool, weight_dtype) -> Program:
     checks: dict[str, tuple[int, str]] = {}  # input name -> (tightest limit, what)
     device_safe = True
     for node in nodes:
-        for idx, target, what in INDEX_OPERANDS.get(node.op, ()):
+        for idx, target, what in OPS[node.op].index:
             src = nodes[node.inputs[idx]]
             if src.op is Op.INPUT:
                 name, limit = src.attrs[0], nodes[node.inputs[target]].shape[0]
@@ -124,7 +116,7 @@ def compile_program(graph: Graph, accelerated: bool, weight_dtype) -> Program:
         elif node.op in (Op.WEIGHT, Op.STATE):
             steps.append(Leaf(node))
         else:
-            key = node.inputs[-1] if node.op in MEMO_OPS else None  # ROPE and ATTENTION: pos is last
+            key = node.inputs[-1] if OPS[node.op].memo else None  # pos is the last operand
             steps.append(Step(node.op, table[node.op], node.inputs, node.attrs, key))
     read = {i for s in steps if isinstance(s, Step) for i in s.inputs} | set(graph.outputs)
     read |= {s.x for s in steps if isinstance(s, FusedMatmul)}  # the shared activation may be a leaf
