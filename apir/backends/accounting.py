@@ -7,10 +7,11 @@ from the graph and checked before the compute runs).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from ..graph import OPS, Alias, DType, Graph, Node, Op, T
+from ..graph import OPS, Alias, DType, Graph, Op, T
 from .base import Limits, QuotaError
 
 # Host memory one registered graph node costs (decoded Node + compiled step; measured
@@ -18,15 +19,10 @@ from .base import Limits, QuotaError
 GRAPH_NODE_BYTES = 512
 
 
-def weight_key(node: Node) -> tuple:
-    """How the executors key their cached forms of a WEIGHT leaf."""
-    return (*node.attrs, node.dtype, node.shape)
-
-
 def derived_nbytes(dtype: DType, shape: tuple[int, ...]) -> int:
     """Bytes an executor's cached form of a WEIGHT takes beyond its buffer bytes.
     F32 and I32 weights are used in place; others are widened, at most to f32."""
-    return 0 if dtype in (DType.F32, DType.I32) else _poly(_term(shape), 1)
+    return 0 if dtype in (DType.F32, DType.I32) else 4 * math.prod(shape)
 
 
 class Ledger:
@@ -37,7 +33,7 @@ class Ledger:
         self.buffers = 0  # bytes of live buffers
         self.peak = 0  # the most ``buffers`` has been
         self.extra = 0  # derived weight forms + graph metadata
-        self.derived: dict[tuple, int] = {}  # derived forms by ``weight_key``
+        self.derived: dict[tuple, int] = {}  # derived forms' bytes by weight (see graph_charge)
 
     def charged(self) -> int:
         return self.buffers + self.extra
@@ -64,8 +60,9 @@ class Ledger:
     def graph_charge(self, graph: Graph) -> tuple[dict[tuple, int], int]:
         """Checks what registering ``graph`` would add: (its new derived weight forms, the
         total with its metadata), for ``add_graph`` once it is compiled."""
-        derived = {weight_key(n): derived_nbytes(n.dtype, n.shape) for n in graph.nodes
-                   if n.op is Op.WEIGHT and weight_key(n) not in self.derived}
+        # keyed as the executors key their cached forms: (handle, offset, dtype, shape)
+        keys = {(*n.attrs, n.dtype, n.shape) for n in graph.nodes if n.op is Op.WEIGHT}
+        derived = {k: derived_nbytes(k[2], k[3]) for k in keys - self.derived.keys()}
         total = sum(derived.values()) + GRAPH_NODE_BYTES * len(graph.nodes)
         self.check(total, f"registering a graph of {len(graph.nodes)} nodes")
         return derived, total
@@ -89,13 +86,7 @@ Poly = dict[int, int]  # bytes as a polynomial in T: {power: coefficient}
 
 def _term(shape: Sequence[int], factor: int = 4) -> Poly:
     """``factor`` * numel(shape) as {power of T: coefficient}."""
-    coef, power = factor, 0
-    for d in shape:
-        if d == T:
-            power += 1
-        else:
-            coef *= d
-    return {power: coef}
+    return {shape.count(T): factor * math.prod(d for d in shape if d != T)}
 
 
 def _add(total: Poly, term: Poly) -> None:

@@ -129,10 +129,6 @@ class Executor(Backend):
         """Bytes of live buffers (what ``host status`` reports)."""
         return self.ledger.buffers
 
-    def charged_bytes(self) -> int:
-        """What counts against ``Limits.max_memory`` between computes (see accounting)."""
-        return self.ledger.charged()
-
     # ------------------------------------------------------------ tensor bytes
     def set_tensor(self, handle: int, offset: int, data: bytes | memoryview | np.ndarray) -> None:
         view = memoryview(data).cast("B") if not isinstance(data, np.ndarray) else None
@@ -236,18 +232,16 @@ class Executor(Backend):
             raise BackendError("backend is closed")
 
     def _buffer(self, handle: int) -> Buffer:
-        self._check_open()
-        buf = self._buffers.get(handle) if isinstance(handle, int) else None
-        if buf is None:
-            raise BackendError(f"unknown buffer handle {handle!r}")
-        return buf
+        return self._lookup(self._buffers, handle, "buffer handle")
 
     def _graph(self, gid: int) -> Registered:
+        return self._lookup(self._graphs, gid, "graph id")
+
+    def _lookup(self, table: dict, key: int, what: str):
         self._check_open()
-        reg = self._graphs.get(gid) if isinstance(gid, int) else None
-        if reg is None:
-            raise BackendError(f"unknown graph id {gid!r}")
-        return reg
+        if not isinstance(key, int) or key not in table:
+            raise BackendError(f"unknown {what} {key!r}")
+        return table[key]
 
     @staticmethod
     def _check_range(handle: int, buf: Buffer, offset: int, size: int) -> None:

@@ -13,7 +13,7 @@ import platform
 import gguf
 import numpy as np
 
-from ..graph import DType, Graph, Op, SampleArgs
+from ..graph import OPS, DType, Graph, Op, SampleArgs
 from ..graph.dtypes import NUMPY_DTYPES
 from .base import NO_LIMITS, BackendError, DeviceInfo, Limits
 from .executor import Buffer, Executor, Registered
@@ -98,7 +98,6 @@ def attention_mask(pos: np.ndarray, n_kv: int, window: int) -> np.ndarray:
 
 def attention(q, k, v, pos, scale: float, window: int, softcap: float) -> np.ndarray:
     # q (T, Hq, D), k (S, Hkv, D), v (S, Hkv, Dv): keys past the last position are unused.
-    check_index(pos, k.shape[0], "ATTENTION position")
     n_kv = int(pos.max()) + 1
     group = q.shape[1] // k.shape[1]
     k = np.repeat(k[:n_kv], group, axis=1)  # (n_kv, Hq, D)
@@ -144,20 +143,15 @@ def _view(x, axis, start, length):
     return x[tuple(index)]
 
 
-def _get_rows(table, ids):
-    check_index(ids, table.shape[0], "GET_ROWS row")
-    return table[ids].astype(np.float32, copy=False)
-
-
 def _set_rows(dst, src, ids):
-    check_index(ids, dst.shape[0], "SET_ROWS row")
     dst[ids] = src.astype(dst.dtype)
     return dst
 
 
-# op -> f(*inputs, *attrs). Float inputs arrive as f32 (STATE as a live f32 or f16 view).
+# op -> f(*inputs, *attrs). Float inputs arrive as f32 (STATE as a live f32 or f16 view);
+# index operands (OpSpec.index) are checked before the kernel runs.
 KERNELS = {
-    Op.GET_ROWS: _get_rows,
+    Op.GET_ROWS: lambda table, ids: table[ids].astype(np.float32, copy=False),
     Op.SET_ROWS: _set_rows,
     Op.MATMUL: lambda x, w: np.matmul(x, w.T),
     Op.ADD: lambda a, b: a + b,
@@ -250,6 +244,8 @@ class NumpyBackend(Executor):
                     # compute ops work in f32; an F16 STATE arrives as a live f16 view
                     args = [a.astype(np.float32) if a.dtype == np.float16 else a for a in args]
                 try:
+                    for i, target, what in OPS[node.op].index:
+                        check_index(args[i], args[target].shape[0], what)
                     out = KERNELS[node.op](*args, *node.attrs)
                 except BackendError as e:
                     raise BackendError(f"{node.describe(nid)}: {e}") from None
