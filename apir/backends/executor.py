@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import itertools
 from abc import abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from ..errors import ApirError
-from ..graph import OPS, DType, Graph, GraphError, Op, T
+from ..graph import OPS, DType, Graph, GraphError, Node, Op, T
 from ..graph.dtypes import NUMPY_DTYPES
 from ..graph.ops import fmt_shape
 from .accounting import Ledger, Scratch
@@ -64,6 +64,9 @@ class Executor(Backend):
         self._graphs: dict[int, Registered] = {}
         self._ids = itertools.count(1)
         self.closed = False
+        # executor forms of WEIGHT leaves (dequantized, or several concatenated), keyed by
+        # the leaves' (handle, offset, dtype, shape): (their buffers' versions, the form)
+        self._weights: dict[tuple, tuple[tuple[int, ...], object]] = {}
 
     @property
     def peak_bytes(self) -> int:
@@ -316,6 +319,17 @@ class Executor(Backend):
 
     def _release(self, buf: Buffer) -> None:
         buf.storage = None
+        self._weights = {k: v for k, v in self._weights.items() if all(m[0] in self._buffers for m in k)}
+
+    def _cached(self, nodes: Sequence[Node], make: Callable[[], object]):
+        """The executor's form of WEIGHT leaves ``nodes``: ``make()``, made again after a
+        write to one of their buffers."""
+        key = tuple((*n.attrs, n.dtype, n.shape) for n in nodes)
+        versions = tuple(self._buffers[n.attrs[0]].version for n in nodes)
+        cached = self._weights.get(key)
+        if cached is None or cached[0] != versions:
+            cached = self._weights[key] = (versions, make())
+        return cached[1]
 
     @abstractmethod
     def _fill(self, buf: Buffer, value: int) -> None: ...

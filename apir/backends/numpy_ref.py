@@ -15,7 +15,7 @@ import numpy as np
 
 from ..graph import OPS, DType, Graph, Op, SampleArgs
 from ..graph.dtypes import NUMPY_DTYPES
-from .base import NO_LIMITS, BackendError, DeviceInfo, Limits
+from .base import BackendError, DeviceInfo
 from .executor import Buffer, Executor, Registered
 
 
@@ -181,10 +181,6 @@ class NumpyBackend(Executor):
 
     name = "numpy"
 
-    def __init__(self, limits: Limits = NO_LIMITS) -> None:
-        super().__init__(limits)
-        self._weights: dict[tuple, tuple[int, np.ndarray]] = {}
-
     def device(self) -> DeviceInfo:
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         free = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
@@ -202,10 +198,6 @@ class NumpyBackend(Executor):
     def _read(self, buf: Buffer, offset: int, size: int) -> bytes:
         return bytes(buf.storage[offset : offset + size])
 
-    def _release(self, buf: Buffer) -> None:
-        super()._release(buf)
-        self._weights = {k: v for k, v in self._weights.items() if k[0] in self._buffers}
-
     def _compile(self, graph: Graph) -> Graph:
         return graph  # the reference interprets the node list directly
 
@@ -217,13 +209,9 @@ class NumpyBackend(Executor):
             if node.dtype in (DType.F32, DType.F16, DType.I32):
                 return raw.view(NUMPY_DTYPES[node.dtype]).reshape(node.shape)  # a live view
             raise BackendError(f"numpy executor keeps STATE in F32/F16/I32, not {node.dtype.name}")
-        key = (handle, offset, node.dtype, node.shape)
-        cached = self._weights.get(key)
-        if cached is None or cached[0] != buf.version:
-            value = to_f32(raw, node.dtype, node.shape)
-            cached = (buf.version, value if node.dtype is DType.I32 else value.astype(np.float32))
-            self._weights[key] = cached
-        return cached[1]
+        f32 = node.dtype is not DType.I32  # I32 ids stay a view of the buffer
+        return self._cached((node,), lambda: to_f32(raw, node.dtype, node.shape).astype(
+            np.float32 if f32 else np.int32, copy=f32))
 
     def _host_outputs(self, reg: Registered, outputs: list) -> list[np.ndarray]:
         return [o.copy() for o in outputs]  # the originals stay for ``feed``

@@ -82,10 +82,6 @@ class LocalBackend(Executor):
         self.cuda_graphs = config.cuda_graphs and self.torch_device.type == "cuda"
         self.compile = self.cuda_graphs and config.compile != "off"
         self.compile_prefill = config.compile == "all"
-        # Weights computed in f32 on the CPU; on accelerators they keep a 16-bit form.
-        self._weights: dict[tuple, tuple[int, torch.Tensor]] = {}
-        # concatenated weights of fused products, keyed by their members' weight keys
-        self._fused: dict[tuple, tuple[tuple[int, ...], torch.Tensor]] = {}
 
     def device(self) -> DeviceInfo:
         dev = self.torch_device
@@ -136,13 +132,9 @@ class LocalBackend(Executor):
     def _read(self, buf: Buffer, offset: int, size: int) -> bytes:
         return buf.storage[offset : offset + size].cpu().numpy().tobytes()
 
-    def _release(self, buf: Buffer) -> None:
-        super()._release(buf)
-        self._weights = {k: v for k, v in self._weights.items() if k[0] in self._buffers}
-        self._fused = {k: v for k, v in self._fused.items() if all(m[0] in self._buffers for m in k)}
-
     # ------------------------------------------------------------ graphs
     def _weight_dtype(self, dtype: DType) -> torch.dtype:
+        """Weights are computed in f32 on the CPU; on accelerators they keep a 16-bit form."""
         if self.torch_device.type == "cpu" or dtype is DType.F32:
             return torch.float32
         return torch.bfloat16 if dtype is DType.BF16 else torch.float16
@@ -155,26 +147,13 @@ class LocalBackend(Executor):
     def _leaf(self, node) -> torch.Tensor:
         if node.op is Op.STATE:
             return self._raw(node).view(TORCH_DTYPES[node.dtype]).view(node.shape)  # live view
-        handle, offset = node.attrs
-        buf = self._buffers[handle]
-        key = (handle, offset, node.dtype, node.shape)
-        cached = self._weights.get(key)
-        if cached is None or cached[0] != buf.version:
-            int_ids = node.dtype is DType.I32
-            value = self._raw(node).view(torch.int32).view(node.shape) if int_ids else self._dequantized(node)
-            cached = (buf.version, value)
-            self._weights[key] = cached
-        return cached[1]
+        if node.dtype is DType.I32:
+            return self._cached((node,), lambda: self._raw(node).view(torch.int32).view(node.shape))
+        return self._cached((node,), lambda: self._dequantized(node))
 
     def _fused_weight(self, step: FusedMatmul) -> torch.Tensor:
-        """The members' weights, dequantized and concatenated along N (cached like leaves)."""
-        key = tuple((n.attrs[0], n.attrs[1], n.dtype, n.shape) for n in step.weights)
-        versions = tuple(self._buffers[n.attrs[0]].version for n in step.weights)
-        cached = self._fused.get(key)
-        if cached is None or cached[0] != versions:
-            cached = (versions, torch.cat([self._dequantized(n) for n in step.weights], dim=0))
-            self._fused[key] = cached
-        return cached[1]
+        """The members' weights, dequantized and concatenated along N."""
+        return self._cached(step.weights, lambda: torch.cat([self._dequantized(n) for n in step.weights]))
 
     def _dequantized(self, node) -> torch.Tensor:
         return dequantize(self._raw(node), node.dtype, node.shape).to(self._weight_dtype(node.dtype))
