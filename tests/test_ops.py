@@ -195,6 +195,25 @@ def test_alias_facts_match_the_kernels(kernels: dict) -> None:
     assert {Op.CONTIGUOUS, Op.RESHAPE} <= {op for op in aliasing if OPS[op].alias is Alias.MAYBE}
 
 
+@pytest.mark.parametrize("name", BACKENDS)
+def test_rewritten_weights_are_read_again(name: str) -> None:
+    """The executors cache weights dequantized (and, on local, two products' weights
+    concatenated); a write to their buffer makes the next compute read them again."""
+    be = make_backend(name)
+    h = be.alloc_buffer(2 * 64)  # two F16 (4, 8) weights
+    g = GraphBuilder()
+    x = g.input("x", (T, 8))
+    w1, w2 = g.weight(h, 0, (4, 8), DType.F16), g.weight(h, 64, (4, 8), DType.F16)
+    gid = be.register_graph(g.build(g.matmul(x, w1), g.matmul(x, w2)))
+    for value in (1.0, 2.0):
+        be.set_tensor(h, 0, np.full((2, 4, 8), value, np.float16))
+        for out in be.compute(gid, {"x": np.ones((1, 8), np.float32)}):
+            np.testing.assert_array_equal(out, np.full((1, 4), 8 * value, np.float32))
+    assert be._weights
+    be.free_buffer(h)
+    assert be._weights == {}  # freed with their buffer
+
+
 # ---------------------------------------------------------------- GET_ROWS
 
 
