@@ -50,6 +50,7 @@ class Registered:
     # minted again (maybe smaller) is a different buffer, and compute refuses it
     buffers: dict[int, Buffer] = field(default_factory=dict)
     scratch: Scratch = Scratch({}, ())  # what one compute's intermediates take
+    states: frozenset[int] = frozenset()  # handles of the buffers its STATE leaves are in
     # the executor-native outputs of the last compute, for ``feed`` (None: none or it failed)
     last_outputs: list | None = None
 
@@ -173,7 +174,8 @@ class Executor(Backend):
         inputs = {name: (n.shape, n.dtype) for name, n in graph.inputs().items()}
         program = self._compile(graph)
         self.ledger.add_graph(*charge)
-        self._graphs[gid] = Registered(graph, program, inputs, used, Scratch.of(graph))
+        states = frozenset(n.attrs[0] for n in graph.nodes if n.op is Op.STATE)
+        self._graphs[gid] = Registered(graph, program, inputs, used, Scratch.of(graph), states)
         return gid
 
     def free_graph(self, gid: int) -> None:
@@ -215,6 +217,8 @@ class Executor(Backend):
             raise
         except IndexError as e:
             raise BackendError(f"graph {gid}: {e}") from None
+        for handle in reg.states:  # written by the run: cached forms of them are stale
+            self._buffers[handle].version += 1
         reg.last_outputs = [o if o.nbytes <= FEED_MAX_BYTES else None for o in outputs]
         return reg, outputs
 

@@ -242,9 +242,6 @@ class NumpyBackend(Executor):
                 if node.dtype is DType.F32 and out.dtype == np.float16:
                     out = out.astype(np.float32)
                 values.append(out)
-        states = {n.attrs for n in reg.graph.nodes if n.op is Op.STATE}
-        for handle, _ in states:
-            self._buffers[handle].version += 1
         return [_as_declared(values[o], reg.graph.nodes[o].dtype) for o in reg.graph.outputs]
 
 

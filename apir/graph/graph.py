@@ -59,8 +59,7 @@ class Graph:
                 )
             if node.op in LEAVES:
                 leaf_spec_check(node.op, node.shape, node.dtype)
-                infer_leaf = node.attrs
-                if len(infer_leaf) != len(OPS[node.op].attrs) or node.inputs:
+                if len(node.attrs) != len(OPS[node.op].attrs) or node.inputs:
                     raise GraphError(f"node {nid}: malformed {node.op.name} leaf")
                 if node.op is Op.INPUT:
                     if node.attrs[0] in names:

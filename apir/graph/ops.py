@@ -141,10 +141,6 @@ class OpSpec:
 # ---------------------------------------------------------------- shape helpers
 
 
-def _fail(msg: str) -> GraphError:
-    return GraphError(msg)
-
-
 def numel_static(shape: Sequence[int]) -> tuple[int, int]:
     """(product of the static dims, how many dims are T)."""
     n, t = 1, 0
@@ -162,22 +158,22 @@ def fmt_shape(shape: Sequence[int]) -> str:
 
 def _float(spec: Spec, what: str) -> None:
     if spec[1] not in FLOAT_DTYPES:
-        raise _fail(f"{what} must be a float tensor, got {spec[1].name}")
+        raise GraphError(f"{what} must be a float tensor, got {spec[1].name}")
 
 
 def _i32(spec: Spec, what: str) -> None:
     if spec[1] is not DType.I32:
-        raise _fail(f"{what} must be I32, got {spec[1].name}")
+        raise GraphError(f"{what} must be I32, got {spec[1].name}")
 
 
 def _rank(spec: Spec, n: int, what: str) -> None:
     if len(spec[0]) != n:
-        raise _fail(f"{what} must have {n} dims, got {fmt_shape(spec[0])}")
+        raise GraphError(f"{what} must have {n} dims, got {fmt_shape(spec[0])}")
 
 
 def _axis(axis: int, rank: int) -> int:
     if not -rank <= axis < rank:
-        raise _fail(f"axis {axis} out of range for rank {rank}")
+        raise GraphError(f"axis {axis} out of range for rank {rank}")
     return axis % rank
 
 
@@ -191,7 +187,7 @@ def broadcast(a: Sequence[int], b: Sequence[int]) -> tuple[int, ...]:
         elif x == 1:
             out.append(y)
         else:
-            raise _fail(f"shapes {fmt_shape(a)} and {fmt_shape(b)} do not broadcast")
+            raise GraphError(f"shapes {fmt_shape(a)} and {fmt_shape(b)} do not broadcast")
     return tuple(reversed(out))
 
 
@@ -199,7 +195,7 @@ def broadcast(a: Sequence[int], b: Sequence[int]) -> tuple[int, ...]:
 
 
 def _leaf(ins, attrs):  # leaves carry their own spec; the builder fills it in
-    raise _fail("leaves (INPUT, WEIGHT, STATE) have no inputs to infer from")  # never an assert
+    raise GraphError("leaves (INPUT, WEIGHT, STATE) have no inputs to infer from")  # never an assert
 
 
 def _get_rows(ins, attrs):
@@ -215,13 +211,13 @@ def _set_rows(ins, attrs):
     _i32(ids, "SET_ROWS ids")
     _rank(ids, 1, "SET_ROWS ids")
     if not src[0] or not dst[0]:
-        raise _fail("SET_ROWS destination and rows need at least one dim")
+        raise GraphError("SET_ROWS destination and rows need at least one dim")
     if dst[1].is_quantized:
-        raise _fail("SET_ROWS destination cannot be quantized")
+        raise GraphError("SET_ROWS destination cannot be quantized")
     if len(src[0]) != len(dst[0]) or tuple(src[0][1:]) != tuple(dst[0][1:]):
-        raise _fail(f"SET_ROWS rows {fmt_shape(src[0])} do not fit {fmt_shape(dst[0])}")
+        raise GraphError(f"SET_ROWS rows {fmt_shape(src[0])} do not fit {fmt_shape(dst[0])}")
     if src[0][0] != ids[0][0]:
-        raise _fail(f"SET_ROWS has {src[0][0]} rows but {ids[0][0]} ids")
+        raise GraphError(f"SET_ROWS has {src[0][0]} rows but {ids[0][0]} ids")
     return dst
 
 
@@ -230,9 +226,9 @@ def _matmul(ins, attrs):
     _float(x, "MATMUL input")
     _rank(w, 2, "MATMUL weight")
     if not x[0]:
-        raise _fail("MATMUL input needs at least one dim")
+        raise GraphError("MATMUL input needs at least one dim")
     if x[0][-1] != w[0][1]:
-        raise _fail(f"MATMUL inner dims differ: input {fmt_shape(x[0])}, weight {fmt_shape(w[0])}")
+        raise GraphError(f"MATMUL inner dims differ: input {fmt_shape(x[0])}, weight {fmt_shape(w[0])}")
     return (*x[0][:-1], w[0][0]), DType.F32
 
 
@@ -253,14 +249,14 @@ def _gated(ins, attrs):
     _float(gate, "gate")
     _float(up, "up")
     if tuple(gate[0]) != tuple(up[0]):
-        raise _fail(f"gate {fmt_shape(gate[0])} and up {fmt_shape(up[0])} differ")
+        raise GraphError(f"gate {fmt_shape(gate[0])} and up {fmt_shape(up[0])} differ")
     return gate[0], DType.F32
 
 
 def _rms_norm(ins, attrs):
     (eps,) = attrs
     if not eps > 0:
-        raise _fail(f"eps must be positive, got {eps}")
+        raise GraphError(f"eps must be positive, got {eps}")
     return _unary(ins, attrs)
 
 
@@ -272,11 +268,11 @@ def _rope(ins, attrs):
     _i32(pos, "ROPE positions")
     _rank(pos, 1, "ROPE positions")
     if pos[0][0] != x[0][0]:
-        raise _fail(f"ROPE has {x[0][0]} rows but {pos[0][0]} positions")
+        raise GraphError(f"ROPE has {x[0][0]} rows but {pos[0][0]} positions")
     if not (0 < n_dims <= x[0][2] and n_dims % 2 == 0):
-        raise _fail(f"ROPE n_dims={n_dims} must be even and within head size {x[0][2]}")
+        raise GraphError(f"ROPE n_dims={n_dims} must be even and within head size {x[0][2]}")
     if not (base > 0 and freq_scale > 0) or neox not in (0, 1):
-        raise _fail(f"ROPE base={base}, freq_scale={freq_scale}, neox={neox} out of range")
+        raise GraphError(f"ROPE base={base}, freq_scale={freq_scale}, neox={neox} out of range")
     return x[0], DType.F32
 
 
@@ -290,24 +286,24 @@ def _attention(ins, attrs):
     _rank(pos, 1, "ATTENTION positions")
     (tq, hq, d), (s, hk, dk), (sv, hv, dv) = q[0], k[0], v[0]
     if dk != d or sv != s or hv != hk:
-        raise _fail(
+        raise GraphError(
             f"ATTENTION shapes disagree: q {fmt_shape(q[0])}, k {fmt_shape(k[0])}, v {fmt_shape(v[0])}"
         )
     if hk <= 0 or hq % hk:
-        raise _fail(f"ATTENTION query heads {hq} not a multiple of key heads {hk}")
+        raise GraphError(f"ATTENTION query heads {hq} not a multiple of key heads {hk}")
     if pos[0][0] != tq:
-        raise _fail(f"ATTENTION has {tq} queries but {pos[0][0]} positions")
+        raise GraphError(f"ATTENTION has {tq} queries but {pos[0][0]} positions")
     if window < 0 or softcap < 0 or not math.isfinite(scale):
-        raise _fail(f"ATTENTION window={window}, softcap={softcap}, scale={scale} out of range")
+        raise GraphError(f"ATTENTION window={window}, softcap={softcap}, scale={scale} out of range")
     return (tq, hq, dv), DType.F32
 
 
 def _reshape(ins, attrs):
     (shape,) = attrs
     if any(d < T or d == 0 for d in shape):
-        raise _fail(f"RESHAPE target {fmt_shape(shape)} has a bad dim")
+        raise GraphError(f"RESHAPE target {fmt_shape(shape)} has a bad dim")
     if numel_static(shape) != numel_static(ins[0][0]):
-        raise _fail(f"RESHAPE {fmt_shape(ins[0][0])} -> {fmt_shape(shape)} changes the size")
+        raise GraphError(f"RESHAPE {fmt_shape(ins[0][0])} -> {fmt_shape(shape)} changes the size")
     return tuple(shape), ins[0][1]
 
 
@@ -315,7 +311,7 @@ def _permute(ins, attrs):
     (axes,) = attrs
     shape = ins[0][0]
     if sorted(axes) != list(range(len(shape))):
-        raise _fail(f"PERMUTE axes {tuple(axes)} are not a permutation of rank {len(shape)}")
+        raise GraphError(f"PERMUTE axes {tuple(axes)} are not a permutation of rank {len(shape)}")
     return tuple(shape[a] for a in axes), ins[0][1]
 
 
@@ -332,13 +328,13 @@ def _view(ins, attrs):
     axis = _axis(axis, len(shape))
     n = shape[axis]
     if length <= 0:
-        raise _fail(f"VIEW length must be positive, got {length}")
+        raise GraphError(f"VIEW length must be positive, got {length}")
     if n == T:
         # symbolic axis: only a window counted from the end is checkable now
         if not (start < 0 and length <= -start):
-            raise _fail("VIEW on the token axis must count from the end (start < 0)")
+            raise GraphError("VIEW on the token axis must count from the end (start < 0)")
     elif not (-n <= start < n and (start % n) + length <= n):
-        raise _fail(f"VIEW [{start}:{start}+{length}] outside axis of size {n}")
+        raise GraphError(f"VIEW [{start}:{start}+{length}] outside axis of size {n}")
     shape[axis] = length
     return tuple(shape), ins[0][1]
 
@@ -351,12 +347,12 @@ def _concat(ins, attrs):
     (axis,) = attrs
     (a, ta), (b, tb) = ins
     if len(a) != len(b) or ta != tb:
-        raise _fail(f"CONCAT of {fmt_shape(a)} {ta.name} and {fmt_shape(b)} {tb.name}")
+        raise GraphError(f"CONCAT of {fmt_shape(a)} {ta.name} and {fmt_shape(b)} {tb.name}")
     axis = _axis(axis, len(a))
     if any(x != y for i, (x, y) in enumerate(zip(a, b)) if i != axis):
-        raise _fail(f"CONCAT shapes {fmt_shape(a)}, {fmt_shape(b)} differ off axis {axis}")
+        raise GraphError(f"CONCAT shapes {fmt_shape(a)}, {fmt_shape(b)} differ off axis {axis}")
     if T in (a[axis], b[axis]):
-        raise _fail("CONCAT along the token axis is not supported")
+        raise GraphError("CONCAT along the token axis is not supported")
     return tuple(a[:axis]) + (a[axis] + b[axis],) + tuple(a[axis + 1 :]), ta
 
 
@@ -369,7 +365,7 @@ def _sample(ins, attrs):
     logits, params = ins
     _float(logits, "SAMPLE logits")
     if params[1] is not DType.F32 or tuple(params[0]) != (PARAMS_SIZE,):
-        raise _fail(f"SAMPLE params must be F32 of shape ({PARAMS_SIZE},)")
+        raise GraphError(f"SAMPLE params must be F32 of shape ({PARAMS_SIZE},)")
     return logits[0][:-1], DType.I32
 
 

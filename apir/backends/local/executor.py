@@ -237,8 +237,6 @@ class LocalBackend(Executor):
                 for name, a in inputs.items()
             }
             outs = self._execute(reg, tensors, self._constants(prog), greedy)
-        for handle in prog.state_buffers:
-            self._buffers[handle].version += 1
         return outs
 
     def _host_outputs(self, reg: Registered, outputs: list[torch.Tensor]) -> list[np.ndarray]:

@@ -63,7 +63,6 @@ class Program:
     index_checks: tuple[tuple[str, int, str], ...] = ()
     device_safe: bool = False  # every index operand is an input: no device-side checks needed
     weight_buffers: tuple[int, ...] = ()
-    state_buffers: tuple[int, ...] = ()  # written by every run: their versions move on
     sample_params: tuple[str, ...] = ()  # inputs holding SAMPLE's params (greedy when temperature <= 0)
     captured: dict = field(default_factory=dict)  # (n_tokens, greedy) -> CapturedStep (CUDA only)
 
@@ -130,6 +129,5 @@ def compile_program(graph: Graph, accelerated: bool, weight_dtype) -> Program:
     return Program(
         steps, graph.outputs, tuple((name, *check) for name, check in checks.items()), accelerated,
         tuple(sorted({n.attrs[0] for n in nodes if n.op is Op.WEIGHT})),
-        tuple(sorted({n.attrs[0] for n in nodes if n.op is Op.STATE})),
         sample_params,
     )
