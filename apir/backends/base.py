@@ -9,6 +9,8 @@ moves bytes in and out of them, and runs registered graphs.
 from __future__ import annotations
 
 import enum
+import os
+import platform
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -94,6 +96,13 @@ class DeviceInfo:
     memory_free: int  # bytes, read fresh on every call
     memory_total: int
     capabilities: frozenset[str] = frozenset()
+
+    @classmethod
+    def host_cpu(cls) -> DeviceInfo:
+        """This machine's CPU, with its memory free and total now."""
+        page = os.sysconf("SC_PAGE_SIZE")
+        return cls("cpu", "cpu", platform.processor() or platform.machine(),
+                   page * os.sysconf("SC_AVPHYS_PAGES"), page * os.sysconf("SC_PHYS_PAGES"))
 
 
 Feed = Mapping[str, int]  # input name -> index of the output of the graph's previous compute

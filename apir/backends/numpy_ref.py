@@ -7,9 +7,6 @@ can still run a model on its own CPU ("guest-cpu").
 
 from __future__ import annotations
 
-import os
-import platform
-
 import gguf
 import numpy as np
 
@@ -111,22 +108,21 @@ def attention(q, k, v, pos, scale: float, window: int, softcap: float) -> np.nda
 
 def sample(logits: np.ndarray, params: np.ndarray) -> np.ndarray:
     a = SampleArgs.unpack(params.tolist())
-    temperature, top_k, top_p, min_p, u = a.temperature, a.top_k, a.top_p, a.min_p, a.u
     if a.greedy:
         return logits.argmax(axis=-1).astype(np.int32)
     rows = logits.reshape(-1, logits.shape[-1])
     out = np.empty(len(rows), np.int32)
     for r, row in enumerate(rows):
         order = np.argsort(-row, kind="stable")
-        scaled = row[order].astype(np.float32) / np.float32(temperature)
-        keep = len(order) if top_k <= 0 else int(min(top_k, len(order)))  # inf: all; nan: ValueError
+        scaled = row[order].astype(np.float32) / np.float32(a.temperature)
+        keep = len(order) if a.top_k <= 0 else int(min(a.top_k, len(order)))  # inf: all; nan: ValueError
         p = softmax(scaled[:keep])
-        if top_p < 1.0:
-            keep = min(keep, int(np.searchsorted(np.cumsum(p), np.float32(top_p))) + 1)
-        if min_p > 0.0:
-            keep = min(keep, int((p >= np.float32(min_p) * p[0]).sum()))
+        if a.top_p < 1.0:
+            keep = min(keep, int(np.searchsorted(np.cumsum(p), np.float32(a.top_p))) + 1)
+        if a.min_p > 0.0:
+            keep = min(keep, int((p >= np.float32(a.min_p) * p[0]).sum()))
         cdf = np.cumsum(p[:keep])
-        out[r] = order[min(int(np.searchsorted(cdf, np.float32(u) * cdf[-1], side="right")), keep - 1)]
+        out[r] = order[min(int(np.searchsorted(cdf, np.float32(a.u) * cdf[-1], side="right")), keep - 1)]
     return out.reshape(logits.shape[:-1])
 
 
@@ -182,9 +178,7 @@ class NumpyBackend(Executor):
     name = "numpy"
 
     def device(self) -> DeviceInfo:
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        free = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-        return DeviceInfo("cpu", "cpu", platform.processor() or platform.machine(), free, total)
+        return DeviceInfo.host_cpu()
 
     def _alloc(self, size: int) -> bytearray:
         return bytearray(size)  # zeroed: a fresh buffer never shows old data

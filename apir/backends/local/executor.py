@@ -9,7 +9,6 @@ walks the list.
 from __future__ import annotations
 
 import logging
-import platform
 
 import numpy as np
 import torch
@@ -94,13 +93,7 @@ class LocalBackend(Executor):
             total = torch.mps.recommended_max_memory()
             used = torch.mps.current_allocated_memory()
             return DeviceInfo("mps", "mps", "Apple GPU", total - used, total)
-        import os
-
-        page = os.sysconf("SC_PAGE_SIZE")
-        return DeviceInfo(
-            "cpu", "cpu", platform.processor() or platform.machine(),
-            page * os.sysconf("SC_AVPHYS_PAGES"), page * os.sysconf("SC_PHYS_PAGES"),
-        )
+        return DeviceInfo.host_cpu()
 
     def synchronize(self) -> None:
         """Wait for the steps ``submit`` left queued on the GPU."""

@@ -169,24 +169,23 @@ def sample(logits: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
     reference is a tensor op, and the kept sets are always prefixes of the sorted order."""
     rows = logits.reshape(-1, logits.shape[-1]).float()
     a = SampleArgs.unpack(params.float())  # 0-d tensors: no host sync
-    temperature, top_k, top_p, min_p, u = a.temperature, a.top_k, a.top_p, a.min_p, a.u
     vals, order = torch.sort(rows, dim=-1, descending=True, stable=True)
     rank = torch.arange(vals.shape[-1], device=rows.device)
-    keep = (top_k <= 0) | (rank < top_k)
-    safe_t = torch.where(temperature > 0, temperature, torch.ones_like(temperature))  # greedy: unused
+    keep = (a.top_k <= 0) | (rank < a.top_k)
+    safe_t = torch.where(a.temperature > 0, a.temperature, torch.ones_like(a.temperature))  # greedy: unused
     p = torch.softmax((vals / safe_t).masked_fill(~keep, -math.inf), dim=-1)
     # top-p: keep while the mass *before* a token is below top_p (the reference's
     # "shortest prefix reaching top_p"); an exclusive cumsum, not cum - p, for exactness
     before = torch.zeros_like(p)
     before[:, 1:] = torch.cumsum(p, dim=-1)[:, :-1]
-    keep = keep & ((top_p >= 1.0) | (before < top_p)) & (p >= min_p * p[:, :1])
+    keep = keep & ((a.top_p >= 1.0) | (before < a.top_p)) & (p >= a.min_p * p[:, :1])
     kept = torch.where(keep, p, torch.zeros_like(p))
     cdf = torch.cumsum(kept, dim=-1)
-    pick = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)
+    pick = torch.searchsorted(cdf, a.u * cdf[:, -1:], right=True)
     pick = torch.minimum(pick, keep.sum(dim=-1, keepdim=True) - 1).clamp(min=0)
     token = torch.gather(order, -1, pick).squeeze(-1)
     greedy = argmax(rows)
-    return torch.where(temperature <= 0, greedy, token).int().reshape(logits.shape[:-1])
+    return torch.where(a.temperature <= 0, greedy, token).int().reshape(logits.shape[:-1])
 
 
 def sample_greedy(logits: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
