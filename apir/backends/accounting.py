@@ -8,6 +8,7 @@ from the graph and checked before the compute runs).
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -35,15 +36,12 @@ class Ledger:
         self.extra = 0  # derived weight forms + graph metadata
         self.derived: dict[tuple, int] = {}  # derived forms' bytes by weight (see graph_charge)
 
-    def charged(self) -> int:
-        return self.buffers + self.extra
-
     def check(self, extra: int, what: str) -> None:
-        limit = self.limits.max_memory
-        if limit and self.charged() + extra > limit:
+        limit, used = self.limits.max_memory, self.buffers + self.extra
+        if limit and used + extra > limit:
             raise QuotaError(
                 f"{what} would exceed this session's memory limit "
-                f"({self.charged()} of {limit} bytes in use, counting buffers, dequantized weights "
+                f"({used} of {limit} bytes in use, counting buffers, dequantized weights "
                 "and graph metadata)"
             )
 
@@ -81,17 +79,12 @@ class Ledger:
 
 # ---------------------------------------------------------------- scratch estimate
 
-Poly = dict[int, int]  # bytes as a polynomial in T: {power: coefficient}
+Poly = Counter  # bytes as a polynomial in T: {power: coefficient}; update() adds
 
 
 def _term(shape: Sequence[int], factor: int = 4) -> Poly:
     """``factor`` * numel(shape) as {power of T: coefficient}."""
-    return {shape.count(T): factor * math.prod(d for d in shape if d != T)}
-
-
-def _add(total: Poly, term: Poly) -> None:
-    for p, c in term.items():
-        total[p] = total.get(p, 0) + c
+    return Counter({shape.count(T): factor * math.prod(d for d in shape if d != T)})
 
 
 def _poly(poly: Mapping[int, int], t: int) -> int:
@@ -112,17 +105,17 @@ class Scratch:
 
     @classmethod
     def of(cls, graph: Graph) -> Scratch:
-        total: Poly = {}
+        total: Poly = Counter()
         transient: dict[frozenset, Poly] = {}
         for node in graph.nodes:
             spec = OPS[node.op]
             if node.op in (Op.WEIGHT, Op.STATE) or spec.alias is Alias.ALWAYS:
                 continue
-            _add(total, _term(node.shape))
+            total.update(_term(node.shape))
             if spec.scratch is not None:
-                extra: Poly = {}
+                extra: Poly = Counter()
                 for shape, size in spec.scratch([graph.nodes[i].shape for i in node.inputs]):
-                    _add(extra, _term(shape, size))
+                    extra.update(_term(shape, size))
                 transient[frozenset(extra.items())] = extra
         return cls(total, tuple(transient.values()))
 

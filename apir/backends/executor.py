@@ -45,11 +45,11 @@ class Buffer:
 class Registered:
     graph: Graph
     program: object  # executor-specific compiled form
+    scratch: Scratch  # what one compute's intermediates take
     inputs: dict[str, tuple[tuple[int, ...], DType]] = field(default_factory=dict)
     # the Buffer objects its WEIGHT/STATE leaves were checked against: a handle freed and
     # minted again (maybe smaller) is a different buffer, and compute refuses it
     buffers: dict[int, Buffer] = field(default_factory=dict)
-    scratch: Scratch = Scratch({}, ())  # what one compute's intermediates take
     states: frozenset[int] = frozenset()  # handles of the buffers its STATE leaves are in
     # the executor-native outputs of the last compute, for ``feed`` (None: none or it failed)
     last_outputs: list | None = None
@@ -175,7 +175,7 @@ class Executor(Backend):
         program = self._compile(graph)
         self.ledger.add_graph(*charge)
         states = frozenset(n.attrs[0] for n in graph.nodes if n.op is Op.STATE)
-        self._graphs[gid] = Registered(graph, program, inputs, used, Scratch.of(graph), states)
+        self._graphs[gid] = Registered(graph, program, Scratch.of(graph), inputs, used, states)
         return gid
 
     def free_graph(self, gid: int) -> None:
