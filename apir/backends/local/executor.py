@@ -182,6 +182,8 @@ class LocalBackend(Executor):
                 args = [values[i] for i in step.inputs]
                 kernel = kernels.sample_greedy if greedy and step.op is Op.SAMPLE else step.kernel
                 try:
+                    for i, target, what in step.checks:
+                        kernels.check_index(args[i], args[target].shape[0], what)
                     if step.memo_key is None:
                         values.append(kernel(*args, *step.attrs))
                     else:

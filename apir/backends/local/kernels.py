@@ -22,17 +22,6 @@ def check_index(ids: torch.Tensor, limit: int, what: str) -> None:
         raise BackendError(f"{what} index out of range: values must lie in [0, {limit})")
 
 
-def get_rows(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    check_index(ids, table.shape[0], "GET_ROWS row")
-    return table[ids.long()].float()
-
-
-def set_rows(dst: torch.Tensor, src: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    check_index(ids, dst.shape[0], "SET_ROWS row")
-    dst.index_copy_(0, ids.long(), src.to(dst.dtype))
-    return dst
-
-
 def matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x @ w.T in f32, x rounded to the weight's dtype first (as llama.cpp's CUDA path does);
     one row on a GPU through the streaming kernel of ``gemv``."""
@@ -140,7 +129,6 @@ def attention(q, k, v, pos, scale: float, window: int, softcap: float, *, memo=N
 
 def attention_filled(q, k, v, pos, scale: float, window: int, softcap: float, *, memo=None, key=None):
     """CPU ATTENTION: only keys up to the highest position (a host sync, free on the CPU)."""
-    check_index(pos, k.shape[0], "ATTENTION position")
     n_kv = int(pos.max()) + 1
     return attention(q, k[:n_kv], v[:n_kv], pos, scale, window, softcap, memo=memo, key=key)
 
@@ -200,10 +188,11 @@ def view(x: torch.Tensor, axis: int, start: int, length: int) -> torch.Tensor:
     return x.narrow(axis, start % n, length)  # narrow refuses start + length > n
 
 
-# op -> f(*inputs, *attrs)
+# op -> f(*inputs, *attrs). Index operands (OpSpec.index) are checked before the kernel
+# runs, on the device's values (Step.checks) or on the host's inputs (Program.index_checks).
 KERNELS: dict = {
-    Op.GET_ROWS: get_rows,
-    Op.SET_ROWS: set_rows,
+    Op.GET_ROWS: lambda table, ids: table[ids.long()].float(),
+    Op.SET_ROWS: lambda dst, src, ids: dst.index_copy_(0, ids.long(), src.to(dst.dtype)),
     Op.MATMUL: matmul,
     Op.ADD: lambda a, b: a.float() + b.float(),
     Op.MUL: lambda a, b: a.float() * b.float(),
@@ -226,11 +215,5 @@ KERNELS: dict = {
     Op.SAMPLE: sample,
 }
 
-# Accelerators: no kernel may synchronise with the host. Index operands are checked on the
-# host before launch (see Program.index_checks), so these skip the device-side checks.
-DEVICE_KERNELS = {
-    **KERNELS,
-    Op.GET_ROWS: lambda table, ids: table[ids.long()].float(),
-    Op.SET_ROWS: lambda dst, src, ids: dst.index_copy_(0, ids.long(), src.to(dst.dtype)),
-    Op.ATTENTION: attention,  # over the whole cache, masked: fixed shapes, no sync
-}
+# Accelerators: no kernel may synchronise with the host.
+DEVICE_KERNELS = {**KERNELS, Op.ATTENTION: attention}  # over the whole cache, masked: fixed shapes

@@ -24,6 +24,7 @@ class Step:
     inputs: tuple[int, ...]
     attrs: tuple
     memo_key: int | None = None  # OpSpec.memo: the node id of the positions they share work on
+    checks: tuple[tuple[int, int, str], ...] = ()  # OpSpec.index, where checked on the device's values
 
 
 @dataclass(frozen=True)
@@ -116,7 +117,8 @@ def compile_program(graph: Graph, accelerated: bool, weight_dtype) -> Program:
             steps.append(Leaf(node))
         else:
             key = node.inputs[-1] if OPS[node.op].memo else None  # pos is the last operand
-            steps.append(Step(node.op, table[node.op], node.inputs, node.attrs, key))
+            on_device = () if accelerated else OPS[node.op].index  # else: index_checks do
+            steps.append(Step(node.op, table[node.op], node.inputs, node.attrs, key, on_device))
     read = {i for s in steps if isinstance(s, Step) for i in s.inputs} | set(graph.outputs)
     read |= {s.x for s in steps if isinstance(s, FusedMatmul)}  # the shared activation may be a leaf
     steps = [Leaf(s.node, nid in read) if isinstance(s, Leaf) else s for nid, s in enumerate(steps)]
