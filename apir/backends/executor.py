@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..errors import ApirError
-from ..graph import OPS, DType, Graph, GraphError, Node, Op, T
+from ..graph import OPS, DType, Graph, Node, Op, T
 from ..graph.dtypes import NUMPY_DTYPES
 from ..graph.ops import fmt_shape
 from .accounting import Ledger, Scratch
@@ -213,8 +213,6 @@ class Executor(Backend):
             self.ledger.check(need, f"computing graph {gid} with T={t} (about {need} bytes of intermediates)")
         try:
             outputs = self._run(reg, bound, bounds)
-        except (BackendError, GraphError):
-            raise
         except IndexError as e:
             raise BackendError(f"graph {gid}: {e}") from None
         for handle in reg.states:  # written by the run: cached forms of them are stale
