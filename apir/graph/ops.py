@@ -1,9 +1,11 @@
 """The op table: the closed set of operations a graph may contain.
 
 Opcodes are pinned (they travel over the wire). Each op has one ``OpSpec``: its arity,
-its attributes (name and kind, in wire order) and its shape rule. Shape rules run when a
-graph is built on the guest *and* again when the host validates a registered graph, so a
-bad graph is rejected before anything executes.
+its attributes (name and kind, in wire order), its shape rule, and the facts the guest,
+the executors and the memory accounting all read (aliasing, quantized operands, index
+operands, shared per-run work, scratch). Shape rules run when a graph is built on the
+guest *and* again when the host validates a registered graph, so a bad graph is rejected
+before anything executes.
 
 Shapes are tuples of ints in numpy order (outermost first). ``T`` (= -1) is the one
 symbolic dimension: the number of tokens in this step, bound when the graph is computed.
