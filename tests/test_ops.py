@@ -154,6 +154,15 @@ def test_every_op_is_covered() -> None:
     assert not set(CASES) & set(LEAVES)
 
 
+def test_op_facts_name_real_operands() -> None:
+    """OpSpec's facts point at operands the op has (the executors index them blindly)."""
+    for op, spec in OPS.items():
+        assert all(max(i, target) < spec.arity for i, target, _ in spec.index), op.name
+        assert spec.alias is Alias.NONE or spec.arity >= 1, op.name
+        assert not spec.memo or op in (Op.ROPE, Op.ATTENTION), op.name  # their pos is last
+    assert [op for op in OPS if OPS[op].quantized] == [Op.WEIGHT, Op.GET_ROWS, Op.MATMUL]
+
+
 # ---------------------------------------------------------------- aliasing
 
 
