@@ -359,6 +359,15 @@ class Executor(Backend):
         return Pending(self._host_outputs(reg, outputs))
 
 
+def check_indices(index: Sequence[tuple[int, int, str]], args: Sequence) -> None:
+    """``OpSpec.index`` on a kernel's operands (numpy arrays or torch tensors, where reading
+    them syncs): index values must lie in [0, the indexed operand's first dim)."""
+    for i, target, what in index:
+        ids, limit = args[i], args[target].shape[0]
+        if ids.reshape(-1).shape[0] and (int(ids.min()) < 0 or int(ids.max()) >= limit):
+            raise BackendError(f"{what} index out of range: values must lie in [0, {limit})")
+
+
 def _check_names(reg: Registered, inputs: Mapping[str, object], fed: Mapping[str, object]) -> None:
     """Every input of the graph either sent or fed, nothing else."""
     missing = set(reg.inputs) - set(inputs) - set(fed)

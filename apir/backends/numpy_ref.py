@@ -13,7 +13,7 @@ import numpy as np
 from ..graph import OPS, DType, Graph, Op, SampleArgs
 from ..graph.dtypes import NUMPY_DTYPES
 from .base import BackendError, DeviceInfo
-from .executor import Buffer, Executor, Registered
+from .executor import Buffer, Executor, Registered, check_indices
 
 
 def to_f32(arr: np.ndarray, dtype: DType, shape: tuple[int, ...]) -> np.ndarray:
@@ -40,11 +40,6 @@ def from_f32(x: np.ndarray, dtype: DType) -> np.ndarray:
         bits = x.astype(np.float32).view(np.uint32)
         return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
     return x.astype(np.int32)
-
-
-def check_index(ids: np.ndarray, limit: int, what: str) -> None:
-    if ids.size and (ids.min() < 0 or ids.max() >= limit):
-        raise BackendError(f"{what} index out of range: values must lie in [0, {limit})")
 
 
 # ---------------------------------------------------------------- kernels
@@ -226,8 +221,7 @@ class NumpyBackend(Executor):
                     # compute ops work in f32; an F16 STATE arrives as a live f16 view
                     args = [a.astype(np.float32) if a.dtype == np.float16 else a for a in args]
                 try:
-                    for i, target, what in OPS[node.op].index:
-                        check_index(args[i], args[target].shape[0], what)
+                    check_indices(OPS[node.op].index, args)
                     out = KERNELS[node.op](*args, *node.attrs)
                 except BackendError as e:
                     raise BackendError(f"{node.describe(nid)}: {e}") from None

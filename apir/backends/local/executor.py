@@ -23,7 +23,7 @@ from ..base import (
     Limits,
     Pending,
 )
-from ..executor import Buffer, Executor, Registered
+from ..executor import Buffer, Executor, Registered, check_indices
 from . import kernels
 from .capture import CapturedStep
 from .dequant import dequantize
@@ -182,8 +182,7 @@ class LocalBackend(Executor):
                 args = [values[i] for i in step.inputs]
                 kernel = kernels.sample_greedy if greedy and step.op is Op.SAMPLE else step.kernel
                 try:
-                    for i, target, what in step.checks:
-                        kernels.check_index(args[i], args[target].shape[0], what)
+                    check_indices(step.checks, args)
                     if step.memo_key is None:
                         values.append(kernel(*args, *step.attrs))
                     else:

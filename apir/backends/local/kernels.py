@@ -17,11 +17,6 @@ from ..base import BackendError
 from . import gemv
 
 
-def check_index(ids: torch.Tensor, limit: int, what: str) -> None:
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= limit):
-        raise BackendError(f"{what} index out of range: values must lie in [0, {limit})")
-
-
 def matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x @ w.T in f32, x rounded to the weight's dtype first (as llama.cpp's CUDA path does);
     one row on a GPU through the streaming kernel of ``gemv``."""
