@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import env
+from .backends import DEFAULT_EXECUTOR, ExecutorConfig
 from .errors import ApirError
 from .models.resolve import DEFAULT_CACHE_DIR, resolve_model
 
@@ -56,6 +57,7 @@ class RunConfig:
     remote: str | None = None  # a host daemon's address, or "auto"
     token_file: str | None = None
     cache_dir: Path = DEFAULT_CACHE_DIR
+    executor: ExecutorConfig = DEFAULT_EXECUTOR  # how a local backend runs graphs
 
     def __post_init__(self) -> None:
         if self.ctx_size is not None and self.ctx_size < 1:
@@ -71,7 +73,7 @@ def run_config(args: argparse.Namespace) -> RunConfig:
     """The ``RunConfig`` of parsed ``add_model`` and ``add_backend`` flags (either or both)."""
     given = {f: getattr(args, f) for f in ("model", "backend", "device", "ctx_size", "remote",
                                            "token_file") if hasattr(args, f)}
-    return RunConfig(**given, cache_dir=env.cache_dir())
+    return RunConfig(**given, cache_dir=env.cache_dir(), executor=ExecutorConfig.from_env())
 
 
 @contextlib.contextmanager
@@ -105,7 +107,7 @@ def load(config: RunConfig, progress=None, say: Callable[[str], None] = eprint):
     t0 = time.perf_counter()
     model = load_model(model_path(config), backend=config.target, device=config.device,
                        n_ctx=config.ctx_size, progress=progress, remote=config.remote,
-                       token_file=config.token_file)
+                       token_file=config.token_file, executor=config.executor)
     dev = model.backend.device()
     where = f"{model.backend.name}:{dev.name}" + (f" via {config.remote}" if config.remote else "")
     say(f"loaded {model.file.path.name} ({model.arch_name}, {model.file.quantization()}) "

@@ -10,11 +10,12 @@ pytest.importorskip("torch")
 import torch  # noqa: E402
 
 import apir  # noqa: E402
-from apir.backends.base import DeviceInfo  # noqa: E402
+from apir.backends.base import DeviceInfo, ExecutorConfig  # noqa: E402
 from apir.backends.local import LocalBackend  # noqa: E402
 from apir.backends.local.kernels import ARGMAX_CHUNK, argmax  # noqa: E402
 from apir.backends.local.program import FusedMatmul, Leaf, Part  # noqa: E402
 from apir.engine import SamplingParams  # noqa: E402
+from apir.graph import SampleArgs  # noqa: E402
 
 IDS = [256, 72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100, 33]  # 14 tokens: padded to 16
 
@@ -233,7 +234,7 @@ class CompilingCPU(PaddingCPU):
         return DeviceInfo(d.name, d.kind, d.description, d.memory_free, d.memory_total, d.capabilities | extra)
 
     def compute(self, gid, inputs, feed=None):
-        self.steps.append((len(inputs["tokens"]), float(inputs["params"][0]) <= 0))
+        self.steps.append((len(inputs["tokens"]), SampleArgs.unpack(inputs["params"]).greedy))
         return super().compute(gid, inputs, feed)
 
 
@@ -278,3 +279,21 @@ def test_fused_products_whose_shared_operand_is_a_weight():
             outs.append(b.compute(b.register_graph(g.build(g.matmul(x, w1), g.matmul(x, w2))), {}))
     for got, want in zip(*outs):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_the_executor_runs_as_its_config_says_not_as_the_environment_does(tmp_path, monkeypatch):
+    """A library user's LocalBackend gets the built-in defaults whatever the environment or
+    ~/.config/apir/config.toml say; callers at the edge resolve those once (from_env)."""
+    config = tmp_path / "config.toml"
+    config.write_text('cuda_graphs = "0"\n')
+    monkeypatch.setenv("APIR_CONFIG", str(config))
+    monkeypatch.setenv("APIR_COMPILE", "all")
+    assert ExecutorConfig.from_env() == ExecutorConfig(cuda_graphs=False, compile="all")
+    monkeypatch.setenv("APIR_COMPILE", "0")
+    assert ExecutorConfig.from_env().compile == "off"
+    with LocalBackend("cpu") as b:
+        assert (b.compile_prefill, b.cuda_graphs) == (False, False)  # cpu: never captured
+    with LocalBackend("cpu", config=ExecutorConfig(compile="all")) as b:
+        assert b.compile_prefill
+    with pytest.raises(ValueError, match="compile must be one of"):
+        ExecutorConfig(compile="1")

@@ -26,9 +26,11 @@ def _models(tmp_path) -> list[str]:
 
 
 def _decode(path: str, cuda_graphs: bool) -> tuple[list[int], list[int], np.ndarray]:
+    from apir.backends import ExecutorConfig
     from apir.backends.local import LocalBackend
 
-    with apir.load(path, backend=LocalBackend("cuda", cuda_graphs=cuda_graphs)) as model:
+    backend = LocalBackend("cuda", config=ExecutorConfig(cuda_graphs=cuda_graphs))
+    with apir.load(path, backend=backend) as model:
         ids = model.tokenize(PROMPT)
         greedy = list(model.generate_ids(ids, SamplingParams(temperature=0, max_tokens=48)))
         sampled = list(model.generate_ids(ids, SamplingParams(temperature=0.9, seed=3, max_tokens=48)))

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from apir.backends import BackendError, create_backend
+from apir.backends import BackendError, Limits, QuotaError, create_backend
 from apir.errors import ApirError
 from apir.graph import DType, Graph, GraphBuilder, GraphError, Node, Op, T
 
@@ -171,6 +171,40 @@ def test_validate_other_structure() -> None:
         Graph((X, Node(Op.MATMUL, (0,), (), (4,), DType.F32)), (1,)).validate()
     with raises(GraphError, "SCALE", "attribute scale"):
         Graph((X, Node(Op.SCALE, (0,), ("big",), (4,), DType.F32)), (1,)).validate()
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_writes_through_a_contiguous_weight_are_refused(name: str) -> None:
+    """CONTIGUOUS of a (contiguous) WEIGHT is the weight itself in both executors, so a
+    SET_ROWS into it would rewrite the cached weight: refused like a direct write."""
+    be = make(name)
+    g = GraphBuilder()
+    w = g.weight(be.alloc_buffer(4 * 6 * 4), 0, (4, 6), DType.F32, label="token_embd")
+    rows = g.set_rows(g.contiguous(w), g.input("src", (1, 6)), g.input("ids", (1,), DType.I32))
+    with raises(GraphError, "SET_ROWS", "'token_embd'", "may only write a STATE"):
+        be.register_graph(g.build(rows))
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_copying_layout_ops_are_charged_as_intermediates(name: str) -> None:
+    """TRANSPOSE is a view (free); CONTIGUOUS or RESHAPE of it copies, and counts."""
+    from apir.backends.accounting import Scratch
+
+    g = GraphBuilder()
+    x = g.input("x", (T, 64))
+    t = g.transpose(x, 0, 1)
+    assert Scratch.of(g.build(t)).total == {1: 4 * 64}  # the input alone
+    dense, flat = g.contiguous(t), g.reshape(t, (T, 64))
+    assert Scratch.of(g.build(dense, flat)).total == {1: 3 * 4 * 64}
+    if name == "numpy":
+        from apir.backends.numpy_ref import NumpyBackend as be_class
+    else:
+        from apir.backends.local import LocalBackend as be_class
+    be = be_class(limits=Limits(max_memory=64 << 10))
+    gid = be.register_graph(g.build(dense))  # all four nodes: 3 * 256 bytes per token
+    with raises(QuotaError, f"computing graph {gid} with T=100", "76800 bytes of intermediates"):
+        be.compute(gid, {"x": np.zeros((100, 64), np.float32)})
+    assert be.compute(gid, {"x": np.ones((4, 64), np.float32)})[0].shape == (64, 4)
 
 
 @pytest.mark.parametrize("name", BACKENDS)

@@ -22,9 +22,10 @@ torch = pytest.importorskip("torch")
 from apir.backends import create_backend, numpy_ref  # noqa: E402
 from apir.backends.base import Backend  # noqa: E402
 from apir.backends.local import kernels as local_kernels  # noqa: E402
-from apir.graph import DType, GraphBuilder, Op, T, Value  # noqa: E402
+from apir.graph import OPS, Alias, DType, GraphBuilder, Op, SampleArgs, T, Value  # noqa: E402
 from apir.graph.dtypes import NUMPY_DTYPES  # noqa: E402
 from apir.graph.ops import LEAVES  # noqa: E402
+from apir.graph.sampling import GREEDY, PARAMS_SIZE  # noqa: E402
 
 BACKENDS = ("numpy", "local")
 N_TOK = 5  # what T is bound to unless a test says otherwise
@@ -151,6 +152,75 @@ def test_every_op_is_covered() -> None:
     missing = sorted(op.name for op in ops if not CASES.get(op))
     assert not missing, f"ops without a test case in {__name__}: {missing}"
     assert not set(CASES) & set(LEAVES)
+
+
+def test_op_facts_name_real_operands() -> None:
+    """OpSpec's facts point at operands the op has (the executors index them blindly)."""
+    for op, spec in OPS.items():
+        assert all(max(i, target) < spec.arity for i, target, _ in spec.index), op.name
+        assert spec.alias is Alias.NONE or spec.arity >= 1, op.name
+        assert not spec.memo or op in (Op.ROPE, Op.ATTENTION), op.name  # their pos is last
+    assert [op for op in OPS if OPS[op].quantized] == [Op.WEIGHT, Op.GET_ROWS, Op.MATMUL]
+
+
+# ---------------------------------------------------------------- aliasing
+
+
+def _call(kernels: dict, op: Op, x):
+    """Run ``op``'s kernel with ``x`` (2-D, shape (a, b), a >= 3) as its first input."""
+    a, b = x.shape
+    if op is Op.SET_ROWS:
+        src, ids = np.ones((1, b), np.float32), np.zeros(1, np.int32)
+        if kernels is local_kernels.KERNELS:
+            src, ids = torch.from_numpy(src), torch.from_numpy(ids)
+        return kernels[op](x, src, ids)
+    rest = {Op.RESHAPE: ((a * b,),), Op.PERMUTE: ((1, 0),), Op.TRANSPOSE: (0, 1),
+            Op.VIEW: (0, 1, 2), Op.SCALE: (2.0,), Op.ADD: (x,), Op.CONCAT: (x, 0)}
+    return kernels[op](x, *rest.get(op, ()))
+
+
+def _shares(out, x) -> bool:
+    if isinstance(x, np.ndarray):
+        return np.shares_memory(out, x)
+    return out.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("kernels", [numpy_ref.KERNELS, local_kernels.KERNELS], ids=["numpy", "local"])
+def test_alias_facts_match_the_kernels(kernels: dict) -> None:
+    """OpSpec.alias is what the executors do: graph validation trusts it to find writes into
+    a WEIGHT (a CONTIGUOUS of a contiguous value is that value), the scratch estimate to
+    charge every op that may allocate (a CONTIGUOUS or RESHAPE of a transposed value copies)."""
+    aliasing = [op for op in Op if OPS[op].alias is not Alias.NONE]
+    plain = [Op.SCALE, Op.ADD, Op.SOFTMAX, Op.CONCAT, Op.SILU]
+    for op in aliasing + plain:
+        for transposed in (False, True):
+            x = np.arange(24, dtype=np.float32).reshape((6, 4) if transposed else (4, 6))
+            if kernels is local_kernels.KERNELS:
+                x = torch.from_numpy(x)
+            x = x.T if transposed else x  # (4, 6) either way; the transposed one is a view
+            shares = _shares(_call(kernels, op, x), x)
+            want = OPS[op].alias is Alias.ALWAYS or (OPS[op].alias is Alias.MAYBE and not transposed)
+            assert shares == want, f"{op.name} on a {'transposed' if transposed else 'contiguous'} input"
+    assert {Op.CONTIGUOUS, Op.RESHAPE} <= {op for op in aliasing if OPS[op].alias is Alias.MAYBE}
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_rewritten_weights_are_read_again(name: str) -> None:
+    """The executors cache weights dequantized (and, on local, two products' weights
+    concatenated); a write to their buffer makes the next compute read them again."""
+    be = make_backend(name)
+    h = be.alloc_buffer(2 * 64)  # two F16 (4, 8) weights
+    g = GraphBuilder()
+    x = g.input("x", (T, 8))
+    w1, w2 = g.weight(h, 0, (4, 8), DType.F16), g.weight(h, 64, (4, 8), DType.F16)
+    gid = be.register_graph(g.build(g.matmul(x, w1), g.matmul(x, w2)))
+    for value in (1.0, 2.0):
+        be.set_tensor(h, 0, np.full((2, 4, 8), value, np.float16))
+        for out in be.compute(gid, {"x": np.ones((1, 8), np.float32)}):
+            np.testing.assert_array_equal(out, np.full((1, 4), 8 * value, np.float32))
+    assert be._weights
+    be.free_buffer(h)
+    assert be._weights == {}  # freed with their buffer
 
 
 # ---------------------------------------------------------------- GET_ROWS
@@ -752,6 +822,18 @@ def kept_distribution(logits, temperature, top_k=0, top_p=1.0, min_p=0.0) -> np.
     out = np.zeros(len(logits))
     out[order[:keep]] = p[:keep] / p[:keep].sum()
     return out
+
+
+def test_sample_args_wire_layout() -> None:
+    """The params vector is the fields in declaration order, as Op.SAMPLE documents."""
+    args = SampleArgs(temperature=0.7, top_k=40, top_p=0.9, min_p=0.05, u=0.25)
+    packed = args.pack()
+    assert packed.dtype == np.float32 and packed.shape == (PARAMS_SIZE,) == (5,)
+    np.testing.assert_array_equal(packed, np.array([0.7, 40, 0.9, 0.05, 0.25], np.float32))
+    assert SampleArgs.unpack(packed.tolist()) == SampleArgs(*(float(np.float32(v)) for v in (0.7, 40, 0.9, 0.05, 0.25)))
+    unpacked = SampleArgs.unpack(torch.from_numpy(packed))  # 0-d tensors, read without a sync
+    assert float(unpacked.top_p) == float(np.float32(0.9)) and not unpacked.greedy
+    assert SampleArgs.unpack(GREEDY.pack()).greedy
 
 
 @covers(Op.SAMPLE)

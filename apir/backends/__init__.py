@@ -2,15 +2,25 @@
 
 from __future__ import annotations
 
-from .base import Backend, BackendError, BufferPurpose, DeviceInfo, Limits, QuotaError
+from .base import (
+    DEFAULT_EXECUTOR,
+    Backend,
+    BackendError,
+    BufferPurpose,
+    DeviceInfo,
+    ExecutorConfig,
+    Limits,
+    QuotaError,
+)
 
 BACKENDS = ("local", "numpy", "remote")
 
 
 def create_backend(name: str = "local", device: str | None = None, remote: str | None = None,
-                   token_file: str | None = None) -> Backend:
-    """A backend by name: ``local`` (PyTorch on ``device``), ``numpy`` (reference), or
-    ``remote`` (forwarded to the host daemon at ``remote``, e.g. ``unix:///run/apir.sock``)."""
+                   token_file: str | None = None, config: ExecutorConfig = DEFAULT_EXECUTOR) -> Backend:
+    """A backend by name: ``local`` (PyTorch on ``device``, run as ``config`` says), ``numpy``
+    (reference), or ``remote`` (forwarded to the host daemon at ``remote``, e.g.
+    ``unix:///run/apir.sock``)."""
     if name == "numpy":
         if device not in (None, "cpu"):
             raise BackendError(f"the numpy backend runs on the cpu only, not {device!r}")
@@ -24,7 +34,7 @@ def create_backend(name: str = "local", device: str | None = None, remote: str |
             raise BackendError(
                 f"the local backend needs PyTorch ({e}); install it with: pip install 'apir[host]'"
             ) from None
-        return LocalBackend(device)
+        return LocalBackend(device, config=config)
     if name == "remote":
         from .remote import RemoteBackend
 
@@ -33,6 +43,6 @@ def create_backend(name: str = "local", device: str | None = None, remote: str |
 
 
 __all__ = [
-    "BACKENDS", "Backend", "BackendError", "BufferPurpose", "DeviceInfo", "Limits", "QuotaError",
-    "create_backend",
+    "BACKENDS", "Backend", "BackendError", "BufferPurpose", "DeviceInfo", "ExecutorConfig", "Limits",
+    "QuotaError", "create_backend",
 ]

@@ -7,15 +7,13 @@ can still run a model on its own CPU ("guest-cpu").
 
 from __future__ import annotations
 
-import os
-import platform
-
 import gguf
 import numpy as np
 
-from ..graph import DType, Graph, Op
+from ..graph import OPS, DType, Graph, Op, SampleArgs
 from ..graph.dtypes import NUMPY_DTYPES
-from .base import NO_LIMITS, BackendError, Buffer, DeviceInfo, Executor, Limits, Registered
+from .base import BackendError, DeviceInfo
+from .executor import Buffer, Executor, Registered, check_indices
 
 
 def to_f32(arr: np.ndarray, dtype: DType, shape: tuple[int, ...]) -> np.ndarray:
@@ -42,11 +40,6 @@ def from_f32(x: np.ndarray, dtype: DType) -> np.ndarray:
         bits = x.astype(np.float32).view(np.uint32)
         return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
     return x.astype(np.int32)
-
-
-def check_index(ids: np.ndarray, limit: int, what: str) -> None:
-    if ids.size and (ids.min() < 0 or ids.max() >= limit):
-        raise BackendError(f"{what} index out of range: values must lie in [0, {limit})")
 
 
 # ---------------------------------------------------------------- kernels
@@ -97,7 +90,6 @@ def attention_mask(pos: np.ndarray, n_kv: int, window: int) -> np.ndarray:
 
 def attention(q, k, v, pos, scale: float, window: int, softcap: float) -> np.ndarray:
     # q (T, Hq, D), k (S, Hkv, D), v (S, Hkv, Dv): keys past the last position are unused.
-    check_index(pos, k.shape[0], "ATTENTION position")
     n_kv = int(pos.max()) + 1
     group = q.shape[1] // k.shape[1]
     k = np.repeat(k[:n_kv], group, axis=1)  # (n_kv, Hq, D)
@@ -110,22 +102,22 @@ def attention(q, k, v, pos, scale: float, window: int, softcap: float) -> np.nda
 
 
 def sample(logits: np.ndarray, params: np.ndarray) -> np.ndarray:
-    temperature, top_k, top_p, min_p, u = (float(p) for p in params)
-    if temperature <= 0:
+    a = SampleArgs.unpack(params.tolist())
+    if a.greedy:
         return logits.argmax(axis=-1).astype(np.int32)
     rows = logits.reshape(-1, logits.shape[-1])
     out = np.empty(len(rows), np.int32)
     for r, row in enumerate(rows):
         order = np.argsort(-row, kind="stable")
-        scaled = row[order].astype(np.float32) / np.float32(temperature)
-        keep = len(order) if top_k <= 0 else int(min(top_k, len(order)))  # inf: all; nan: ValueError
+        scaled = row[order].astype(np.float32) / np.float32(a.temperature)
+        keep = len(order) if a.top_k <= 0 else int(min(a.top_k, len(order)))  # inf: all; nan: ValueError
         p = softmax(scaled[:keep])
-        if top_p < 1.0:
-            keep = min(keep, int(np.searchsorted(np.cumsum(p), np.float32(top_p))) + 1)
-        if min_p > 0.0:
-            keep = min(keep, int((p >= np.float32(min_p) * p[0]).sum()))
+        if a.top_p < 1.0:
+            keep = min(keep, int(np.searchsorted(np.cumsum(p), np.float32(a.top_p))) + 1)
+        if a.min_p > 0.0:
+            keep = min(keep, int((p >= np.float32(a.min_p) * p[0]).sum()))
         cdf = np.cumsum(p[:keep])
-        out[r] = order[min(int(np.searchsorted(cdf, np.float32(u) * cdf[-1], side="right")), keep - 1)]
+        out[r] = order[min(int(np.searchsorted(cdf, np.float32(a.u) * cdf[-1], side="right")), keep - 1)]
     return out.reshape(logits.shape[:-1])
 
 
@@ -142,20 +134,15 @@ def _view(x, axis, start, length):
     return x[tuple(index)]
 
 
-def _get_rows(table, ids):
-    check_index(ids, table.shape[0], "GET_ROWS row")
-    return table[ids].astype(np.float32, copy=False)
-
-
 def _set_rows(dst, src, ids):
-    check_index(ids, dst.shape[0], "SET_ROWS row")
     dst[ids] = src.astype(dst.dtype)
     return dst
 
 
-# op -> f(*inputs, *attrs). Float inputs arrive as f32 (STATE as a live f32 or f16 view).
+# op -> f(*inputs, *attrs). Float inputs arrive as f32 (STATE as a live f32 or f16 view);
+# index operands (OpSpec.index) are checked before the kernel runs.
 KERNELS = {
-    Op.GET_ROWS: _get_rows,
+    Op.GET_ROWS: lambda table, ids: table[ids].astype(np.float32, copy=False),
     Op.SET_ROWS: _set_rows,
     Op.MATMUL: lambda x, w: np.matmul(x, w.T),
     Op.ADD: lambda a, b: a + b,
@@ -185,14 +172,8 @@ class NumpyBackend(Executor):
 
     name = "numpy"
 
-    def __init__(self, limits: Limits = NO_LIMITS) -> None:
-        super().__init__(limits)
-        self._weights: dict[tuple, tuple[int, np.ndarray]] = {}
-
     def device(self) -> DeviceInfo:
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        free = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-        return DeviceInfo("cpu", "cpu", platform.processor() or platform.machine(), free, total)
+        return DeviceInfo.host_cpu()
 
     def _alloc(self, size: int) -> bytearray:
         return bytearray(size)  # zeroed: a fresh buffer never shows old data
@@ -206,10 +187,6 @@ class NumpyBackend(Executor):
     def _read(self, buf: Buffer, offset: int, size: int) -> bytes:
         return bytes(buf.storage[offset : offset + size])
 
-    def _release(self, buf: Buffer) -> None:
-        super()._release(buf)
-        self._weights = {k: v for k, v in self._weights.items() if k[0] in self._buffers}
-
     def _compile(self, graph: Graph) -> Graph:
         return graph  # the reference interprets the node list directly
 
@@ -221,13 +198,9 @@ class NumpyBackend(Executor):
             if node.dtype in (DType.F32, DType.F16, DType.I32):
                 return raw.view(NUMPY_DTYPES[node.dtype]).reshape(node.shape)  # a live view
             raise BackendError(f"numpy executor keeps STATE in F32/F16/I32, not {node.dtype.name}")
-        key = (handle, offset, node.dtype, node.shape)
-        cached = self._weights.get(key)
-        if cached is None or cached[0] != buf.version:
-            value = to_f32(raw, node.dtype, node.shape)
-            cached = (buf.version, value if node.dtype is DType.I32 else value.astype(np.float32))
-            self._weights[key] = cached
-        return cached[1]
+        f32 = node.dtype is not DType.I32  # I32 ids stay a view of the buffer
+        return self._cached((node,), lambda: to_f32(raw, node.dtype, node.shape).astype(
+            np.float32 if f32 else np.int32, copy=f32))
 
     def _host_outputs(self, reg: Registered, outputs: list) -> list[np.ndarray]:
         return [o.copy() for o in outputs]  # the originals stay for ``feed``
@@ -248,6 +221,7 @@ class NumpyBackend(Executor):
                     # compute ops work in f32; an F16 STATE arrives as a live f16 view
                     args = [a.astype(np.float32) if a.dtype == np.float16 else a for a in args]
                 try:
+                    check_indices(OPS[node.op].index, args)
                     out = KERNELS[node.op](*args, *node.attrs)
                 except BackendError as e:
                     raise BackendError(f"{node.describe(nid)}: {e}") from None
@@ -256,9 +230,6 @@ class NumpyBackend(Executor):
                 if node.dtype is DType.F32 and out.dtype == np.float16:
                     out = out.astype(np.float32)
                 values.append(out)
-        states = {n.attrs for n in reg.graph.nodes if n.op is Op.STATE}
-        for handle, _ in states:
-            self._buffers[handle].version += 1
         return [_as_declared(values[o], reg.graph.nodes[o].dtype) for o in reg.graph.outputs]
 
 

@@ -21,8 +21,7 @@ from contextlib import AbstractContextManager, closing
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..backends import Backend
-from ..engine import make_backend
+from ..backends import DEFAULT_EXECUTOR, Backend, ExecutorConfig, create_backend
 from ..errors import ApirError
 from ..spawn import free_port, start_host, write_token
 from .errors import BenchError
@@ -33,17 +32,18 @@ class BackendOptions:
     device: str | None = None  # cpu | cuda | mps; None = the best available
     remote_url: str | None = None  # an existing daemon for remote-*; None = start one
     token_file: str | None = None  # its shared secret (tcp/vsock), else $APIR_TOKEN
+    executor: ExecutorConfig = DEFAULT_EXECUTOR  # how native runs graphs
 
 
 Factory = Callable[[BackendOptions], AbstractContextManager[Backend]]
 
 
 def _native(opts: BackendOptions) -> AbstractContextManager[Backend]:
-    return closing(make_backend("local", opts.device))
+    return closing(create_backend("local", opts.device, config=opts.executor))
 
 
 def _guest_cpu(opts: BackendOptions) -> AbstractContextManager[Backend]:
-    return closing(make_backend("numpy"))
+    return closing(create_backend("numpy"))
 
 
 def _remote_shm(opts: BackendOptions) -> AbstractContextManager[Backend]:
@@ -82,7 +82,7 @@ def open_backend(name: str, opts: BackendOptions) -> AbstractContextManager[Back
 
 def _connect(name: str, url: str, opts: BackendOptions, token_file: str | None) -> Backend:
     try:
-        return make_backend("remote", opts.device, remote=url, token_file=token_file)
+        return create_backend("remote", opts.device, remote=url, token_file=token_file)
     except ApirError as e:  # nobody listening, or refused: version, token, device
         raise BenchError(f"{name}: cannot use the host at {url}: {e}") from None
 

@@ -10,6 +10,7 @@ import argparse
 import sys
 
 from .. import env
+from ..backends import ExecutorConfig
 from ..flags import eprint
 from ..models.resolve import DEFAULT_MODEL
 from .backends import BACKENDS, BackendOptions, parse_backends
@@ -55,7 +56,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     config = BenchConfig(
         sources=tuple(sources), backends=tuple(backends), n_prompt=tuple(args.n_prompt),
         n_gen=tuple(args.n_gen), reps=args.repetitions,
-        options=BackendOptions(args.device, args.remote, args.token_file), cache_dir=env.cache_dir(),
+        options=BackendOptions(args.device, args.remote, args.token_file, ExecutorConfig.from_env()), cache_dir=env.cache_dir(),
     )
     if args.plot:
         from .plot import require_matplotlib

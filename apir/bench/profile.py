@@ -79,12 +79,13 @@ def render(p: Profile) -> str:
 
 def run(spec: str, device: str | None, n_gen: int, n_prompt: int) -> str:
     """Profile decode (and a prefill of ``n_prompt`` tokens) of a synthetic model natively."""
+    from ..backends.base import ExecutorConfig
     from ..backends.local import LocalBackend
     from .synthetic import SyntheticFile
 
     f = SyntheticFile.from_spec(spec)
     out = []
-    with Model(f, LocalBackend(device), n_ctx=max(n_prompt, 8) + n_gen + 8) as model:
+    with Model(f, LocalBackend(device, config=ExecutorConfig.from_env()), n_ctx=max(n_prompt, 8) + n_gen + 8) as model:
         token = model.prefill([1, 2, 3, 4])
         out.append(render(profile(model, f"{spec} decode", n_gen,
                                   lambda: model.decode_steps(token, 4, n_gen))))

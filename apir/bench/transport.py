@@ -163,9 +163,10 @@ def measure(urls: list[str], token_file: str | None, calls: int, upload_mb: int,
         null = {name: _null_calls(b, calls) for name, b in remotes.items()}
         backends = dict(remotes)
         if native_device is not None:
+            from ..backends.base import ExecutorConfig
             from ..backends.local import LocalBackend
 
-            backends = {"native": LocalBackend(native_device), **remotes}
+            backends = {"native": LocalBackend(native_device, config=ExecutorConfig.from_env()), **remotes}
         kinds = {"step": {}, "pipelined": {"pipelined": True}, "prefill": {"n_tokens": PREFILL_TOKENS}}
         steps = _steps({(name, kind): model_step(b, **kw) for name, b in backends.items()
                         for kind, kw in kinds.items()}, calls)

@@ -4,23 +4,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..backends import Backend, create_backend
+from ..backends import DEFAULT_EXECUTOR, Backend, ExecutorConfig, create_backend
 from ..models.gguf_file import GGUFFile
 from ..models.resolve import DEFAULT_CACHE_DIR, resolve_model
 from .model import ContextOverflowError, Model, Progress, SamplingParams
-
-
-def make_backend(name: str, device: str | None = None, remote: str | None = None,
-                 token_file: str | None = None) -> Backend:
-    """A backend by name, the one place ``run``, ``serve`` and ``bench`` build one:
-    ``remote`` forwards every graph to the host daemon at address ``remote``."""
-    return create_backend(name, device, remote=remote, token_file=token_file)
 
 
 def load(
     model: str | Path | None = None, backend: str | Backend = "local", device: str | None = None,
     n_ctx: int | None = None, progress: Progress | None = None, remote: str | None = None,
     token_file: str | None = None, cache_dir: Path = DEFAULT_CACHE_DIR,
+    executor: ExecutorConfig = DEFAULT_EXECUTOR,
 ) -> Model:
     """Open ``model`` (a known name, a .gguf path, or None for the default) on ``backend``.
 
@@ -28,7 +22,10 @@ def load(
     comes from the arguments: no environment variable or config file is read here.
     """
     gguf = GGUFFile(resolve_model(None if model is None else str(model), cache_dir))
-    be = make_backend(backend, device, remote, token_file) if isinstance(backend, str) else backend
+    if isinstance(backend, str):
+        be = create_backend(backend, device, remote, token_file, executor)
+    else:
+        be = backend
     try:
         return Model(gguf, be, n_ctx=n_ctx, progress=progress)
     except BaseException:
@@ -36,4 +33,4 @@ def load(
         raise
 
 
-__all__ = ["ContextOverflowError", "Model", "SamplingParams", "load", "make_backend"]
+__all__ = ["ContextOverflowError", "Model", "SamplingParams", "load"]

@@ -19,7 +19,8 @@ import numpy as np
 from ..backends import Backend, BufferPurpose
 from ..backends.base import ALIGNMENT
 from ..errors import ApirError
-from ..graph import DType, GraphBuilder, T
+from ..graph import DType, GraphBuilder, SampleArgs, T
+from ..graph.sampling import GREEDY, PARAMS_SIZE
 from ..models.gguf_file import GGUFFile
 from ..models.registry import architecture
 from ..models.tokenizer import Tokenizer
@@ -28,8 +29,8 @@ from ..models.weights import KVCache, KVLayout, TensorSlot, Weights, WeightTable
 DEFAULT_CTX = 4096  # like llama.cpp: a model's full context is opt-in (it sizes the KV cache)
 PREFILL_CHUNK = 512  # llama.cpp's default micro-batch
 PAD_MIN = 8  # steps longer than a decode step are padded to a power of two (see _step)
-_GREEDY = np.array([0.0, 1, 1.0, 0.0, 0.0], np.float32)  # SAMPLE params: argmax
-_SAMPLED = np.array([1.0, 40, 0.95, 0.05, 0.5], np.float32)  # any params that sample
+_GREEDY = GREEDY.pack()  # SAMPLE params: argmax
+_SAMPLED = SampleArgs(1.0, 40, 0.95, 0.05, 0.5).pack()  # any params that sample
 
 
 class ContextOverflowError(ApirError):
@@ -111,7 +112,7 @@ class Model:
         w, kv = Weights(g, self.weights), KVCache(g, self.kv)
         logits = self.arch.build(g, self.args, w, tokens, pos, kv, last_only)
         if last_only:
-            logits = g.sample(logits, g.input("params", (5,), DType.F32))
+            logits = g.sample(logits, g.input("params", (PARAMS_SIZE,), DType.F32))
         return self.backend.register_graph(g.build(logits))
 
     # ------------------------------------------------------------ tokens
@@ -248,7 +249,7 @@ class Model:
         knobs = [params.temperature, params.top_k, params.top_p, params.min_p]
 
         def draw() -> np.ndarray:
-            return np.array([*knobs, rng.random()], np.float32)
+            return SampleArgs(*knobs, u=rng.random()).pack()
 
         token = self._chunks(self._sample_graph, prompt_ids, 0, draw)[-1]
         tid, pos = int(token[0]), len(prompt_ids)  # pos: where tid goes in the cache

@@ -2,6 +2,8 @@
 
 from .dtypes import DType
 from .graph import Graph, GraphBuilder, Node, Value
-from .ops import OPS, GraphError, Op, T
+from .ops import OPS, Alias, GraphError, Op, T
+from .sampling import SampleArgs
 
-__all__ = ["DType", "Graph", "GraphBuilder", "GraphError", "Node", "OPS", "Op", "T", "Value"]
+__all__ = ["Alias", "DType", "Graph", "GraphBuilder", "GraphError", "Node", "OPS", "Op",
+           "SampleArgs", "T", "Value"]

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .dtypes import COMPUTE_DTYPES, DType
-from .ops import LEAVES, OPS, GraphError, Op, fmt_shape, infer, leaf_spec_check
+from .ops import LEAVES, OPS, Alias, GraphError, Op, fmt_shape, infer, leaf_spec_check
 
 
 @dataclass(frozen=True)
@@ -41,15 +41,14 @@ class Graph:
         if not self.nodes or len(self.nodes) > max_nodes:
             raise GraphError(f"a graph needs 1..{max_nodes} nodes, got {len(self.nodes)}")
         names: set[str] = set()
-        # per node: the node whose memory its value may share (layout ops and SET_ROWS
-        # return views of their first input in the executors); one pass, no recursion
+        # per node: the node whose memory its value may share (OpSpec.alias); one pass
         root: list[int] = []
         for nid, node in enumerate(self.nodes):
             if not isinstance(node.op, Op) or node.op not in OPS:
                 raise GraphError(f"node {nid}: unknown op {node.op!r}")
             if any(not 0 <= i < nid for i in node.inputs):
                 raise GraphError(f"node {nid} ({node.op.name}) uses an unknown or later node id")
-            root.append(root[node.inputs[0]] if node.op in _ALIASING and node.inputs else nid)
+            root.append(root[node.inputs[0]] if OPS[node.op].alias is not Alias.NONE and node.inputs else nid)
             if node.op is Op.SET_ROWS and node.inputs and self.nodes[root[nid]].op in (Op.WEIGHT, Op.INPUT):
                 # writing a WEIGHT would change the executor's cached weights (or the
                 # buffer itself, for F32/I32) behind its back; writing an INPUT would
@@ -60,8 +59,7 @@ class Graph:
                 )
             if node.op in LEAVES:
                 leaf_spec_check(node.op, node.shape, node.dtype)
-                infer_leaf = node.attrs
-                if len(infer_leaf) != len(OPS[node.op].attrs) or node.inputs:
+                if len(node.attrs) != len(OPS[node.op].attrs) or node.inputs:
                     raise GraphError(f"node {nid}: malformed {node.op.name} leaf")
                 if node.op is Op.INPUT:
                     if node.attrs[0] in names:
@@ -81,10 +79,6 @@ class Graph:
             if self.nodes[o].dtype not in COMPUTE_DTYPES:  # a quantized WEIGHT cannot be sent back
                 raise GraphError(f"output {self.nodes[o].describe(o)} must be one of "
                                  f"{[d.name for d in COMPUTE_DTYPES]}")
-
-
-# ops whose result may share memory with their first input (see Graph.validate)
-_ALIASING = (Op.VIEW, Op.RESHAPE, Op.PERMUTE, Op.TRANSPOSE, Op.CONTIGUOUS, Op.SET_ROWS)
 
 
 @dataclass(frozen=True)

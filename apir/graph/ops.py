@@ -1,9 +1,11 @@
 """The op table: the closed set of operations a graph may contain.
 
 Opcodes are pinned (they travel over the wire). Each op has one ``OpSpec``: its arity,
-its attributes (name and kind, in wire order) and its shape rule. Shape rules run when a
-graph is built on the guest *and* again when the host validates a registered graph, so a
-bad graph is rejected before anything executes.
+its attributes (name and kind, in wire order), its shape rule, and the facts the guest,
+the executors and the memory accounting all read (aliasing, quantized operands, index
+operands, shared per-run work, scratch). Shape rules run when a graph is built on the
+guest *and* again when the host validates a registered graph, so a bad graph is rejected
+before anything executes.
 
 Shapes are tuples of ints in numpy order (outermost first). ``T`` (= -1) is the one
 symbolic dimension: the number of tokens in this step, bound when the graph is computed.
@@ -38,9 +40,10 @@ Semantics, per op (``x`` etc. are inputs in order):
   CONTIGUOUS (x)                a dense copy (no-op in value)
   CONCAT     (a, b)             along axis
   ARGMAX     (x)                index of the first maximum over the last axis -> i32
-  SAMPLE     (logits, params)   one token per row; params f32[5] = temperature, top_k,
-                                 top_p, min_p, u (a uniform draw in [0, 1) from the guest's
-                                 seeded RNG). temperature <= 0 is argmax. Otherwise: scale by
+  SAMPLE     (logits, params)   one token per row; params is a packed ``SampleArgs``
+                                 (apir.graph.sampling: temperature, top_k, top_p, min_p and
+                                 u, a uniform draw in [0, 1) from the guest's seeded RNG).
+                                 temperature <= 0 is argmax. Otherwise: scale by
                                  1/temperature, sort descending (ties: lower id first), keep
                                  top_k (if > 0), softmax, keep the shortest prefix whose mass
                                  reaches top_p (if < 1), drop p < min_p * p_max (if > 0),
@@ -56,6 +59,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from .dtypes import COMPUTE_DTYPES, DType
+from .sampling import PARAMS_SIZE
 
 T = -1  # the symbolic token-count dimension
 FLOAT_DTYPES = (DType.F32, DType.F16, DType.BF16)
@@ -106,20 +110,37 @@ INT, FLOAT, INTS, STR = "int", "float", "ints", "str"
 
 Spec = tuple[tuple[int, ...], DType]  # (shape, dtype) of a value
 ShapeRule = Callable[[Sequence[Spec], tuple], Spec]
+# input shapes -> what the op needs besides its result while it runs: (shape, bytes per element)
+ScratchRule = Callable[[Sequence[tuple[int, ...]]], tuple[tuple[tuple[int, ...], int], ...]]
+
+
+class Alias(enum.Enum):
+    """Whether an op's result shares memory with its first input in the executors."""
+
+    NONE = 0  # a fresh value
+    ALWAYS = 1  # a view of the input, or the input itself (SET_ROWS writes it and returns it)
+    MAYBE = 2  # the input itself where its layout allows (a contiguous input), else a copy
 
 
 @dataclass(frozen=True)
 class OpSpec:
+    """Everything the guest, the executors and the accounting know about one op."""
+
     arity: int
     attrs: tuple[tuple[str, str], ...]  # (name, kind) in wire order
     rule: ShapeRule
+    # Alias.NONE is the only one a write through the result cannot reach the input by, and
+    # Alias.ALWAYS the only one that never allocates
+    alias: Alias = Alias.NONE
+    quantized: bool = False  # takes a quantized WEIGHT (where its shape rule allows one)
+    # (index operand, indexed operand, what): values the executors bounds-check against
+    # the indexed operand's first dim
+    index: tuple[tuple[int, int, str], ...] = ()
+    memo: bool = False  # its kernels share work that depends only on the last operand (pos)
+    scratch: ScratchRule | None = None
 
 
 # ---------------------------------------------------------------- shape helpers
-
-
-def _fail(msg: str) -> GraphError:
-    return GraphError(msg)
 
 
 def numel_static(shape: Sequence[int]) -> tuple[int, int]:
@@ -139,22 +160,22 @@ def fmt_shape(shape: Sequence[int]) -> str:
 
 def _float(spec: Spec, what: str) -> None:
     if spec[1] not in FLOAT_DTYPES:
-        raise _fail(f"{what} must be a float tensor, got {spec[1].name}")
+        raise GraphError(f"{what} must be a float tensor, got {spec[1].name}")
 
 
 def _i32(spec: Spec, what: str) -> None:
     if spec[1] is not DType.I32:
-        raise _fail(f"{what} must be I32, got {spec[1].name}")
+        raise GraphError(f"{what} must be I32, got {spec[1].name}")
 
 
 def _rank(spec: Spec, n: int, what: str) -> None:
     if len(spec[0]) != n:
-        raise _fail(f"{what} must have {n} dims, got {fmt_shape(spec[0])}")
+        raise GraphError(f"{what} must have {n} dims, got {fmt_shape(spec[0])}")
 
 
 def _axis(axis: int, rank: int) -> int:
     if not -rank <= axis < rank:
-        raise _fail(f"axis {axis} out of range for rank {rank}")
+        raise GraphError(f"axis {axis} out of range for rank {rank}")
     return axis % rank
 
 
@@ -168,7 +189,7 @@ def broadcast(a: Sequence[int], b: Sequence[int]) -> tuple[int, ...]:
         elif x == 1:
             out.append(y)
         else:
-            raise _fail(f"shapes {fmt_shape(a)} and {fmt_shape(b)} do not broadcast")
+            raise GraphError(f"shapes {fmt_shape(a)} and {fmt_shape(b)} do not broadcast")
     return tuple(reversed(out))
 
 
@@ -176,7 +197,7 @@ def broadcast(a: Sequence[int], b: Sequence[int]) -> tuple[int, ...]:
 
 
 def _leaf(ins, attrs):  # leaves carry their own spec; the builder fills it in
-    raise _fail("leaves (INPUT, WEIGHT, STATE) have no inputs to infer from")  # never an assert
+    raise GraphError("leaves (INPUT, WEIGHT, STATE) have no inputs to infer from")  # never an assert
 
 
 def _get_rows(ins, attrs):
@@ -192,13 +213,13 @@ def _set_rows(ins, attrs):
     _i32(ids, "SET_ROWS ids")
     _rank(ids, 1, "SET_ROWS ids")
     if not src[0] or not dst[0]:
-        raise _fail("SET_ROWS destination and rows need at least one dim")
+        raise GraphError("SET_ROWS destination and rows need at least one dim")
     if dst[1].is_quantized:
-        raise _fail("SET_ROWS destination cannot be quantized")
+        raise GraphError("SET_ROWS destination cannot be quantized")
     if len(src[0]) != len(dst[0]) or tuple(src[0][1:]) != tuple(dst[0][1:]):
-        raise _fail(f"SET_ROWS rows {fmt_shape(src[0])} do not fit {fmt_shape(dst[0])}")
+        raise GraphError(f"SET_ROWS rows {fmt_shape(src[0])} do not fit {fmt_shape(dst[0])}")
     if src[0][0] != ids[0][0]:
-        raise _fail(f"SET_ROWS has {src[0][0]} rows but {ids[0][0]} ids")
+        raise GraphError(f"SET_ROWS has {src[0][0]} rows but {ids[0][0]} ids")
     return dst
 
 
@@ -207,9 +228,9 @@ def _matmul(ins, attrs):
     _float(x, "MATMUL input")
     _rank(w, 2, "MATMUL weight")
     if not x[0]:
-        raise _fail("MATMUL input needs at least one dim")
+        raise GraphError("MATMUL input needs at least one dim")
     if x[0][-1] != w[0][1]:
-        raise _fail(f"MATMUL inner dims differ: input {fmt_shape(x[0])}, weight {fmt_shape(w[0])}")
+        raise GraphError(f"MATMUL inner dims differ: input {fmt_shape(x[0])}, weight {fmt_shape(w[0])}")
     return (*x[0][:-1], w[0][0]), DType.F32
 
 
@@ -230,14 +251,14 @@ def _gated(ins, attrs):
     _float(gate, "gate")
     _float(up, "up")
     if tuple(gate[0]) != tuple(up[0]):
-        raise _fail(f"gate {fmt_shape(gate[0])} and up {fmt_shape(up[0])} differ")
+        raise GraphError(f"gate {fmt_shape(gate[0])} and up {fmt_shape(up[0])} differ")
     return gate[0], DType.F32
 
 
 def _rms_norm(ins, attrs):
     (eps,) = attrs
     if not eps > 0:
-        raise _fail(f"eps must be positive, got {eps}")
+        raise GraphError(f"eps must be positive, got {eps}")
     return _unary(ins, attrs)
 
 
@@ -249,11 +270,11 @@ def _rope(ins, attrs):
     _i32(pos, "ROPE positions")
     _rank(pos, 1, "ROPE positions")
     if pos[0][0] != x[0][0]:
-        raise _fail(f"ROPE has {x[0][0]} rows but {pos[0][0]} positions")
+        raise GraphError(f"ROPE has {x[0][0]} rows but {pos[0][0]} positions")
     if not (0 < n_dims <= x[0][2] and n_dims % 2 == 0):
-        raise _fail(f"ROPE n_dims={n_dims} must be even and within head size {x[0][2]}")
+        raise GraphError(f"ROPE n_dims={n_dims} must be even and within head size {x[0][2]}")
     if not (base > 0 and freq_scale > 0) or neox not in (0, 1):
-        raise _fail(f"ROPE base={base}, freq_scale={freq_scale}, neox={neox} out of range")
+        raise GraphError(f"ROPE base={base}, freq_scale={freq_scale}, neox={neox} out of range")
     return x[0], DType.F32
 
 
@@ -267,24 +288,24 @@ def _attention(ins, attrs):
     _rank(pos, 1, "ATTENTION positions")
     (tq, hq, d), (s, hk, dk), (sv, hv, dv) = q[0], k[0], v[0]
     if dk != d or sv != s or hv != hk:
-        raise _fail(
+        raise GraphError(
             f"ATTENTION shapes disagree: q {fmt_shape(q[0])}, k {fmt_shape(k[0])}, v {fmt_shape(v[0])}"
         )
     if hk <= 0 or hq % hk:
-        raise _fail(f"ATTENTION query heads {hq} not a multiple of key heads {hk}")
+        raise GraphError(f"ATTENTION query heads {hq} not a multiple of key heads {hk}")
     if pos[0][0] != tq:
-        raise _fail(f"ATTENTION has {tq} queries but {pos[0][0]} positions")
+        raise GraphError(f"ATTENTION has {tq} queries but {pos[0][0]} positions")
     if window < 0 or softcap < 0 or not math.isfinite(scale):
-        raise _fail(f"ATTENTION window={window}, softcap={softcap}, scale={scale} out of range")
+        raise GraphError(f"ATTENTION window={window}, softcap={softcap}, scale={scale} out of range")
     return (tq, hq, dv), DType.F32
 
 
 def _reshape(ins, attrs):
     (shape,) = attrs
     if any(d < T or d == 0 for d in shape):
-        raise _fail(f"RESHAPE target {fmt_shape(shape)} has a bad dim")
+        raise GraphError(f"RESHAPE target {fmt_shape(shape)} has a bad dim")
     if numel_static(shape) != numel_static(ins[0][0]):
-        raise _fail(f"RESHAPE {fmt_shape(ins[0][0])} -> {fmt_shape(shape)} changes the size")
+        raise GraphError(f"RESHAPE {fmt_shape(ins[0][0])} -> {fmt_shape(shape)} changes the size")
     return tuple(shape), ins[0][1]
 
 
@@ -292,7 +313,7 @@ def _permute(ins, attrs):
     (axes,) = attrs
     shape = ins[0][0]
     if sorted(axes) != list(range(len(shape))):
-        raise _fail(f"PERMUTE axes {tuple(axes)} are not a permutation of rank {len(shape)}")
+        raise GraphError(f"PERMUTE axes {tuple(axes)} are not a permutation of rank {len(shape)}")
     return tuple(shape[a] for a in axes), ins[0][1]
 
 
@@ -309,13 +330,13 @@ def _view(ins, attrs):
     axis = _axis(axis, len(shape))
     n = shape[axis]
     if length <= 0:
-        raise _fail(f"VIEW length must be positive, got {length}")
+        raise GraphError(f"VIEW length must be positive, got {length}")
     if n == T:
         # symbolic axis: only a window counted from the end is checkable now
         if not (start < 0 and length <= -start):
-            raise _fail("VIEW on the token axis must count from the end (start < 0)")
+            raise GraphError("VIEW on the token axis must count from the end (start < 0)")
     elif not (-n <= start < n and (start % n) + length <= n):
-        raise _fail(f"VIEW [{start}:{start}+{length}] outside axis of size {n}")
+        raise GraphError(f"VIEW [{start}:{start}+{length}] outside axis of size {n}")
     shape[axis] = length
     return tuple(shape), ins[0][1]
 
@@ -328,12 +349,12 @@ def _concat(ins, attrs):
     (axis,) = attrs
     (a, ta), (b, tb) = ins
     if len(a) != len(b) or ta != tb:
-        raise _fail(f"CONCAT of {fmt_shape(a)} {ta.name} and {fmt_shape(b)} {tb.name}")
+        raise GraphError(f"CONCAT of {fmt_shape(a)} {ta.name} and {fmt_shape(b)} {tb.name}")
     axis = _axis(axis, len(a))
     if any(x != y for i, (x, y) in enumerate(zip(a, b)) if i != axis):
-        raise _fail(f"CONCAT shapes {fmt_shape(a)}, {fmt_shape(b)} differ off axis {axis}")
+        raise GraphError(f"CONCAT shapes {fmt_shape(a)}, {fmt_shape(b)} differ off axis {axis}")
     if T in (a[axis], b[axis]):
-        raise _fail("CONCAT along the token axis is not supported")
+        raise GraphError("CONCAT along the token axis is not supported")
     return tuple(a[:axis]) + (a[axis] + b[axis],) + tuple(a[axis + 1 :]), ta
 
 
@@ -345,18 +366,28 @@ def _argmax(ins, attrs):
 def _sample(ins, attrs):
     logits, params = ins
     _float(logits, "SAMPLE logits")
-    if params[1] is not DType.F32 or tuple(params[0]) != (5,):
-        raise _fail("SAMPLE params must be F32 of shape (5,)")
+    if params[1] is not DType.F32 or tuple(params[0]) != (PARAMS_SIZE,):
+        raise GraphError(f"SAMPLE params must be F32 of shape ({PARAMS_SIZE},)")
     return logits[0][:-1], DType.I32
+
+
+def _attention_scratch(shapes):
+    (tq, hq, d), (s, _, _), (_, _, dv) = shapes[:3]
+    # scores and probabilities (Hq, Tq, S), keys and values repeated to Hq heads
+    return ((hq, tq, s), 8), ((s, hq, max(d, dv)), 8)
+
+
+def _sample_scratch(shapes):
+    return ((shapes[0], 32),)  # sort, softmax, cumsums of the logits
 
 
 OPS: dict[Op, OpSpec] = {
     Op.INPUT: OpSpec(0, (("name", STR),), _leaf),
-    Op.WEIGHT: OpSpec(0, (("buffer", INT), ("offset", INT)), _leaf),
+    Op.WEIGHT: OpSpec(0, (("buffer", INT), ("offset", INT)), _leaf, quantized=True),
     Op.STATE: OpSpec(0, (("buffer", INT), ("offset", INT)), _leaf),
-    Op.GET_ROWS: OpSpec(2, (), _get_rows),
-    Op.SET_ROWS: OpSpec(3, (), _set_rows),
-    Op.MATMUL: OpSpec(2, (), _matmul),
+    Op.GET_ROWS: OpSpec(2, (), _get_rows, quantized=True, index=((1, 0, "GET_ROWS row"),)),
+    Op.SET_ROWS: OpSpec(3, (), _set_rows, Alias.ALWAYS, index=((2, 0, "SET_ROWS row"),)),
+    Op.MATMUL: OpSpec(2, (), _matmul, quantized=True),
     Op.ADD: OpSpec(2, (), _binary),
     Op.MUL: OpSpec(2, (), _binary),
     Op.SCALE: OpSpec(1, (("scale", FLOAT),), _unary),
@@ -367,19 +398,21 @@ OPS: dict[Op, OpSpec] = {
     Op.RMS_NORM: OpSpec(1, (("eps", FLOAT),), _rms_norm),
     Op.SOFTMAX: OpSpec(1, (), _unary),
     Op.ROPE: OpSpec(
-        2, (("n_dims", INT), ("base", FLOAT), ("neox", INT), ("freq_scale", FLOAT)), _rope
+        2, (("n_dims", INT), ("base", FLOAT), ("neox", INT), ("freq_scale", FLOAT)), _rope, memo=True
     ),
     Op.ATTENTION: OpSpec(
-        4, (("scale", FLOAT), ("window", INT), ("softcap", FLOAT)), _attention
+        4, (("scale", FLOAT), ("window", INT), ("softcap", FLOAT)), _attention,
+        index=((3, 1, "ATTENTION position"),), memo=True, scratch=_attention_scratch,
     ),
-    Op.RESHAPE: OpSpec(1, (("shape", INTS),), _reshape),
-    Op.PERMUTE: OpSpec(1, (("axes", INTS),), _permute),
-    Op.TRANSPOSE: OpSpec(1, (("a", INT), ("b", INT)), _transpose),
-    Op.VIEW: OpSpec(1, (("axis", INT), ("start", INT), ("length", INT)), _view),
-    Op.CONTIGUOUS: OpSpec(1, (), _contiguous),
+    # a reshape of a permuted value copies (numpy and torch alike)
+    Op.RESHAPE: OpSpec(1, (("shape", INTS),), _reshape, Alias.MAYBE),
+    Op.PERMUTE: OpSpec(1, (("axes", INTS),), _permute, Alias.ALWAYS),
+    Op.TRANSPOSE: OpSpec(1, (("a", INT), ("b", INT)), _transpose, Alias.ALWAYS),
+    Op.VIEW: OpSpec(1, (("axis", INT), ("start", INT), ("length", INT)), _view, Alias.ALWAYS),
+    Op.CONTIGUOUS: OpSpec(1, (), _contiguous, Alias.MAYBE),
     Op.CONCAT: OpSpec(2, (("axis", INT),), _concat),
     Op.ARGMAX: OpSpec(1, (), _argmax),
-    Op.SAMPLE: OpSpec(2, (), _sample),
+    Op.SAMPLE: OpSpec(2, (), _sample, scratch=_sample_scratch),
 }
 
 LEAVES = (Op.INPUT, Op.WEIGHT, Op.STATE)
@@ -402,7 +435,7 @@ def infer(op: Op, inputs: Sequence[Spec], attrs: tuple) -> Spec:
         if not ok:
             raise GraphError(f"{op.name} attribute {name} must be {kind}, got {value!r}")
     for _, dtype in inputs:
-        if dtype.is_quantized and op not in (Op.GET_ROWS, Op.MATMUL):
+        if dtype.is_quantized and not spec.quantized:
             raise GraphError(f"{op.name} cannot take a quantized ({dtype.name}) input")
     try:
         return spec.rule(inputs, attrs)

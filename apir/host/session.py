@@ -23,7 +23,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ..backends.base import BackendError, BufferPurpose, Executor, Limits, Pending, QuotaError
+from ..backends.base import BackendError, BufferPurpose, Limits, Pending, QuotaError
+from ..backends.executor import Executor
 from ..errors import ApirError
 from ..graph import DType, GraphError, Op
 from ..graph.dtypes import NUMPY_DTYPES, from_numpy

@@ -35,9 +35,10 @@ def run_worker(chan: Channel, hello: m.Hello, config: SessionConfig, publish,
     """Entry point of a session's worker process (after fork): build, welcome, serve.
     ``arena``: one the transport already shares with the guest (ivshmem), instead of a memfd."""
     started = time.monotonic()
+    from ..backends.base import ExecutorConfig
     from ..backends.local import LocalBackend  # torch: only worker processes execute
 
-    backend = LocalBackend(config.device, limits=config.limits)
+    backend = LocalBackend(config.device, limits=config.limits, config=ExecutorConfig.from_env())
     fds: tuple[int, ...] = ()
     socket_chan, region, doorbell = chan, None, None
     if arena is None and chan.unix and hello.arena_size > 0:

@@ -9,22 +9,21 @@ walks the list.
 from __future__ import annotations
 
 import logging
-import platform
 
 import numpy as np
 import torch
 
-from ...graph import DType, Graph, Op
+from ...graph import DType, Graph, Op, SampleArgs
 from ..base import (
+    DEFAULT_EXECUTOR,
     NO_LIMITS,
     BackendError,
-    Buffer,
     DeviceInfo,
-    Executor,
+    ExecutorConfig,
     Limits,
     Pending,
-    Registered,
 )
+from ..executor import Buffer, Executor, Registered, check_indices
 from . import kernels
 from .capture import CapturedStep
 from .dequant import dequantize
@@ -76,21 +75,12 @@ class LocalBackend(Executor):
     name = "local"
 
     def __init__(self, device: str | None = None, limits: Limits = NO_LIMITS,
-                 cuda_graphs: bool | None = None) -> None:
+                 config: ExecutorConfig = DEFAULT_EXECUTOR) -> None:
         super().__init__(limits)
         self.torch_device = pick_device(device)
-        from ... import env
-
-        if cuda_graphs is None:
-            cuda_graphs = env.CUDA_GRAPHS.get() != "0"
-        self.cuda_graphs = cuda_graphs and self.torch_device.type == "cuda"
-        mode = env.COMPILE.get() or "1"
-        self.compile = self.cuda_graphs and mode != "0"
-        self.compile_prefill = mode == "all"
-        # Weights computed in f32 on the CPU; on accelerators they keep a 16-bit form.
-        self._weights: dict[tuple, tuple[int, torch.Tensor]] = {}
-        # concatenated weights of fused products, keyed by their members' weight keys
-        self._fused: dict[tuple, tuple[tuple[int, ...], torch.Tensor]] = {}
+        self.cuda_graphs = config.cuda_graphs and self.torch_device.type == "cuda"
+        self.compile = self.cuda_graphs and config.compile != "off"
+        self.compile_prefill = config.compile == "all"
 
     def device(self) -> DeviceInfo:
         dev = self.torch_device
@@ -103,13 +93,7 @@ class LocalBackend(Executor):
             total = torch.mps.recommended_max_memory()
             used = torch.mps.current_allocated_memory()
             return DeviceInfo("mps", "mps", "Apple GPU", total - used, total)
-        import os
-
-        page = os.sysconf("SC_PAGE_SIZE")
-        return DeviceInfo(
-            "cpu", "cpu", platform.processor() or platform.machine(),
-            page * os.sysconf("SC_AVPHYS_PAGES"), page * os.sysconf("SC_PHYS_PAGES"),
-        )
+        return DeviceInfo.host_cpu()
 
     def synchronize(self) -> None:
         """Wait for the steps ``submit`` left queued on the GPU."""
@@ -141,13 +125,9 @@ class LocalBackend(Executor):
     def _read(self, buf: Buffer, offset: int, size: int) -> bytes:
         return buf.storage[offset : offset + size].cpu().numpy().tobytes()
 
-    def _release(self, buf: Buffer) -> None:
-        super()._release(buf)
-        self._weights = {k: v for k, v in self._weights.items() if k[0] in self._buffers}
-        self._fused = {k: v for k, v in self._fused.items() if all(m[0] in self._buffers for m in k)}
-
     # ------------------------------------------------------------ graphs
     def _weight_dtype(self, dtype: DType) -> torch.dtype:
+        """Weights are computed in f32 on the CPU; on accelerators they keep a 16-bit form."""
         if self.torch_device.type == "cpu" or dtype is DType.F32:
             return torch.float32
         return torch.bfloat16 if dtype is DType.BF16 else torch.float16
@@ -160,26 +140,13 @@ class LocalBackend(Executor):
     def _leaf(self, node) -> torch.Tensor:
         if node.op is Op.STATE:
             return self._raw(node).view(TORCH_DTYPES[node.dtype]).view(node.shape)  # live view
-        handle, offset = node.attrs
-        buf = self._buffers[handle]
-        key = (handle, offset, node.dtype, node.shape)
-        cached = self._weights.get(key)
-        if cached is None or cached[0] != buf.version:
-            int_ids = node.dtype is DType.I32
-            value = self._raw(node).view(torch.int32).view(node.shape) if int_ids else self._dequantized(node)
-            cached = (buf.version, value)
-            self._weights[key] = cached
-        return cached[1]
+        if node.dtype is DType.I32:
+            return self._cached((node,), lambda: self._raw(node).view(torch.int32).view(node.shape))
+        return self._cached((node,), lambda: self._dequantized(node))
 
     def _fused_weight(self, step: FusedMatmul) -> torch.Tensor:
-        """The members' weights, dequantized and concatenated along N (cached like leaves)."""
-        key = tuple((n.attrs[0], n.attrs[1], n.dtype, n.shape) for n in step.weights)
-        versions = tuple(self._buffers[n.attrs[0]].version for n in step.weights)
-        cached = self._fused.get(key)
-        if cached is None or cached[0] != versions:
-            cached = (versions, torch.cat([self._dequantized(n) for n in step.weights], dim=0))
-            self._fused[key] = cached
-        return cached[1]
+        """The members' weights, dequantized and concatenated along N."""
+        return self._cached(step.weights, lambda: torch.cat([self._dequantized(n) for n in step.weights]))
 
     def _dequantized(self, node) -> torch.Tensor:
         return dequantize(self._raw(node), node.dtype, node.shape).to(self._weight_dtype(node.dtype))
@@ -209,12 +176,13 @@ class LocalBackend(Executor):
         ``constants`` the weights and states (see ``_constants``)."""
         values: list = []
         parts: dict[int, torch.Tensor] = {}  # later members of fused products, by node id
-        memo: dict = {}  # work shared by the run's kernels (see kernels.MEMO_OPS)
+        memo: dict = {}  # work shared by the run's kernels (see OpSpec.memo)
         for nid, step in enumerate(reg.program.steps):
             if isinstance(step, Step):
                 args = [values[i] for i in step.inputs]
                 kernel = kernels.sample_greedy if greedy and step.op is Op.SAMPLE else step.kernel
                 try:
+                    check_indices(step.checks, args)
                     if step.memo_key is None:
                         values.append(kernel(*args, *step.attrs))
                     else:
@@ -250,7 +218,8 @@ class LocalBackend(Executor):
             if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= limit):
                 raise BackendError(f"{what} index out of range: input {name!r} must lie in [0, {limit})")
         # the host sees the sampling params: a greedy step needs no sort of the vocabulary
-        greedy = bool(prog.sample_params) and all(float(inputs[n][0]) <= 0 for n in prog.sample_params)
+        greedy = bool(prog.sample_params) and all(SampleArgs.unpack(inputs[n]).greedy
+                                                  for n in prog.sample_params)
         n_tokens = next((a.shape[0] for a in inputs.values() if a.ndim), 0)
         if prog.device_safe and self.cuda_graphs and capturable(n_tokens):
             outs = self._replay(reg, inputs, n_tokens, greedy)
@@ -262,8 +231,6 @@ class LocalBackend(Executor):
                 for name, a in inputs.items()
             }
             outs = self._execute(reg, tensors, self._constants(prog), greedy)
-        for handle in prog.state_buffers:
-            self._buffers[handle].version += 1
         return outs
 
     def _host_outputs(self, reg: Registered, outputs: list[torch.Tensor]) -> list[np.ndarray]:

@@ -12,25 +12,9 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ...graph import Op
+from ...graph import Op, SampleArgs
 from ..base import BackendError
 from . import gemv
-
-
-def check_index(ids: torch.Tensor, limit: int, what: str) -> None:
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= limit):
-        raise BackendError(f"{what} index out of range: values must lie in [0, {limit})")
-
-
-def get_rows(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    check_index(ids, table.shape[0], "GET_ROWS row")
-    return table[ids.long()].float()
-
-
-def set_rows(dst: torch.Tensor, src: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    check_index(ids, dst.shape[0], "SET_ROWS row")
-    dst.index_copy_(0, ids.long(), src.to(dst.dtype))
-    return dst
 
 
 def matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -140,7 +124,6 @@ def attention(q, k, v, pos, scale: float, window: int, softcap: float, *, memo=N
 
 def attention_filled(q, k, v, pos, scale: float, window: int, softcap: float, *, memo=None, key=None):
     """CPU ATTENTION: only keys up to the highest position (a host sync, free on the CPU)."""
-    check_index(pos, k.shape[0], "ATTENTION position")
     n_kv = int(pos.max()) + 1
     return attention(q, k[:n_kv], v[:n_kv], pos, scale, window, softcap, memo=memo, key=key)
 
@@ -168,24 +151,24 @@ def sample(logits: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
     """Op.SAMPLE without a host sync (capturable in a CUDA graph): every step of the
     reference is a tensor op, and the kept sets are always prefixes of the sorted order."""
     rows = logits.reshape(-1, logits.shape[-1]).float()
-    temperature, top_k, top_p, min_p, u = params.float().unbind()
+    a = SampleArgs.unpack(params.float())  # 0-d tensors: no host sync
     vals, order = torch.sort(rows, dim=-1, descending=True, stable=True)
     rank = torch.arange(vals.shape[-1], device=rows.device)
-    keep = (top_k <= 0) | (rank < top_k)
-    safe_t = torch.where(temperature > 0, temperature, torch.ones_like(temperature))  # greedy: unused
+    keep = (a.top_k <= 0) | (rank < a.top_k)
+    safe_t = torch.where(a.temperature > 0, a.temperature, torch.ones_like(a.temperature))  # greedy: unused
     p = torch.softmax((vals / safe_t).masked_fill(~keep, -math.inf), dim=-1)
     # top-p: keep while the mass *before* a token is below top_p (the reference's
     # "shortest prefix reaching top_p"); an exclusive cumsum, not cum - p, for exactness
     before = torch.zeros_like(p)
     before[:, 1:] = torch.cumsum(p, dim=-1)[:, :-1]
-    keep = keep & ((top_p >= 1.0) | (before < top_p)) & (p >= min_p * p[:, :1])
+    keep = keep & ((a.top_p >= 1.0) | (before < a.top_p)) & (p >= a.min_p * p[:, :1])
     kept = torch.where(keep, p, torch.zeros_like(p))
     cdf = torch.cumsum(kept, dim=-1)
-    pick = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)
+    pick = torch.searchsorted(cdf, a.u * cdf[:, -1:], right=True)
     pick = torch.minimum(pick, keep.sum(dim=-1, keepdim=True) - 1).clamp(min=0)
     token = torch.gather(order, -1, pick).squeeze(-1)
     greedy = argmax(rows)
-    return torch.where(temperature <= 0, greedy, token).int().reshape(logits.shape[:-1])
+    return torch.where(a.temperature <= 0, greedy, token).int().reshape(logits.shape[:-1])
 
 
 def sample_greedy(logits: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
@@ -200,10 +183,11 @@ def view(x: torch.Tensor, axis: int, start: int, length: int) -> torch.Tensor:
     return x.narrow(axis, start % n, length)  # narrow refuses start + length > n
 
 
-# op -> f(*inputs, *attrs)
+# op -> f(*inputs, *attrs). Index operands (OpSpec.index) are checked before the kernel
+# runs, on the device's values (Step.checks) or on the host's inputs (Program.index_checks).
 KERNELS: dict = {
-    Op.GET_ROWS: get_rows,
-    Op.SET_ROWS: set_rows,
+    Op.GET_ROWS: lambda table, ids: table[ids.long()].float(),
+    Op.SET_ROWS: lambda dst, src, ids: dst.index_copy_(0, ids.long(), src.to(dst.dtype)),
     Op.MATMUL: matmul,
     Op.ADD: lambda a, b: a.float() + b.float(),
     Op.MUL: lambda a, b: a.float() * b.float(),
@@ -226,15 +210,5 @@ KERNELS: dict = {
     Op.SAMPLE: sample,
 }
 
-# Accelerators: no kernel may synchronise with the host. Index operands are checked on the
-# host before launch (see Program.index_checks), so these skip the device-side checks.
-DEVICE_KERNELS = {
-    **KERNELS,
-    Op.GET_ROWS: lambda table, ids: table[ids.long()].float(),
-    Op.SET_ROWS: lambda dst, src, ids: dst.index_copy_(0, ids.long(), src.to(dst.dtype)),
-    Op.ATTENTION: attention,  # over the whole cache, masked: fixed shapes, no sync
-}
-
-# Kernels that take ``memo`` and ``key`` (the node id of their position input): work that
-# depends only on the positions is done once per run, not once per layer.
-MEMO_OPS = frozenset({Op.ROPE, Op.ATTENTION})
+# Accelerators: no kernel may synchronise with the host.
+DEVICE_KERNELS = {**KERNELS, Op.ATTENTION: attention}  # over the whole cache, masked: fixed shapes

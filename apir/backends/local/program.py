@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ...graph import DType, Graph, Op
-from .kernels import DEVICE_KERNELS, KERNELS, MEMO_OPS
+from ...graph import OPS, DType, Graph, Op
+from .kernels import DEVICE_KERNELS, KERNELS
 
 
 @dataclass(frozen=True)
@@ -23,7 +23,8 @@ class Step:
     kernel: object
     inputs: tuple[int, ...]
     attrs: tuple
-    memo_key: int | None = None  # MEMO_OPS: the node id of the positions they share work on
+    memo_key: int | None = None  # OpSpec.memo: the node id of the positions they share work on
+    checks: tuple[tuple[int, int, str], ...] = ()  # OpSpec.index, where checked on the device's values
 
 
 @dataclass(frozen=True)
@@ -63,17 +64,8 @@ class Program:
     index_checks: tuple[tuple[str, int, str], ...] = ()
     device_safe: bool = False  # every index operand is an input: no device-side checks needed
     weight_buffers: tuple[int, ...] = ()
-    state_buffers: tuple[int, ...] = ()  # written by every run: their versions move on
     sample_params: tuple[str, ...] = ()  # inputs holding SAMPLE's params (greedy when temperature <= 0)
     captured: dict = field(default_factory=dict)  # (n_tokens, greedy) -> CapturedStep (CUDA only)
-
-
-# Operand positions that index into another operand: op -> ((index operand, indexed operand, what), ...)
-INDEX_OPERANDS = {
-    Op.GET_ROWS: ((1, 0, "GET_ROWS row"),),
-    Op.SET_ROWS: ((2, 0, "SET_ROWS row"),),
-    Op.ATTENTION: ((3, 1, "ATTENTION position"),),
-}
 
 
 def fusable_groups(graph: Graph, weight_dtype) -> list[tuple[int, ...]]:
@@ -99,7 +91,7 @@ def compile_program(graph: Graph, accelerated: bool, weight_dtype) -> Program:
     checks: dict[str, tuple[int, str]] = {}  # input name -> (tightest limit, what)
     device_safe = True
     for node in nodes:
-        for idx, target, what in INDEX_OPERANDS.get(node.op, ()):
+        for idx, target, what in OPS[node.op].index:
             src = nodes[node.inputs[idx]]
             if src.op is Op.INPUT:
                 name, limit = src.attrs[0], nodes[node.inputs[target]].shape[0]
@@ -124,8 +116,9 @@ def compile_program(graph: Graph, accelerated: bool, weight_dtype) -> Program:
         elif node.op in (Op.WEIGHT, Op.STATE):
             steps.append(Leaf(node))
         else:
-            key = node.inputs[-1] if node.op in MEMO_OPS else None  # ROPE and ATTENTION: pos is last
-            steps.append(Step(node.op, table[node.op], node.inputs, node.attrs, key))
+            key = node.inputs[-1] if OPS[node.op].memo else None  # pos is the last operand
+            on_device = () if accelerated else OPS[node.op].index  # else: index_checks do
+            steps.append(Step(node.op, table[node.op], node.inputs, node.attrs, key, on_device))
     read = {i for s in steps if isinstance(s, Step) for i in s.inputs} | set(graph.outputs)
     read |= {s.x for s in steps if isinstance(s, FusedMatmul)}  # the shared activation may be a leaf
     steps = [Leaf(s.node, nid in read) if isinstance(s, Leaf) else s for nid, s in enumerate(steps)]
@@ -138,6 +131,5 @@ def compile_program(graph: Graph, accelerated: bool, weight_dtype) -> Program:
     return Program(
         steps, graph.outputs, tuple((name, *check) for name, check in checks.items()), accelerated,
         tuple(sorted({n.attrs[0] for n in nodes if n.op is Op.WEIGHT})),
-        tuple(sorted({n.attrs[0] for n in nodes if n.op is Op.STATE})),
         sample_params,
     )

@@ -148,7 +148,7 @@ def _patch() -> None:
 
     # APIR_PROBE_DETAIL=1: the parts of the executor's submit, each as <name>< and <name>>
     if os.environ.get("APIR_PROBE_DETAIL") == "1":
-        from apir.backends import base
+        from apir.backends import accounting
 
         def wrap(cls, name):
             fn = getattr(cls, name)
@@ -165,7 +165,7 @@ def _patch() -> None:
 
         for cls, name in [(executor.LocalBackend, "_launch"), (executor.LocalBackend, "_pending"),
                           (executor.LocalBackend, "_run"), (executor.LocalBackend, "_replay"),
-                          (base.Executor, "_check_quota"), (capture.CapturedStep, "_stage"),
+                          (accounting.Ledger, "check"), (capture.CapturedStep, "_stage"),
                           (torch.cuda.CUDAGraph, "replay")]:
             wrap(cls, name)
 

@@ -1,0 +1,379 @@
+"""What every executor (numpy, torch) shares: handle bookkeeping and validation of every
+request, done here once, so the executors only implement storage and op execution and
+the host daemon serving an untrusted guest inherits the same checks. Memory charges are
+``apir.backends.accounting``'s.
+"""
+
+from __future__ import annotations
+
+import itertools
+from abc import abstractmethod
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..errors import ApirError
+from ..graph import OPS, DType, Graph, Node, Op, T
+from ..graph.dtypes import NUMPY_DTYPES
+from ..graph.ops import fmt_shape
+from .accounting import Ledger, Scratch
+from .base import (
+    ALIGNMENT,
+    NO_LIMITS,
+    Backend,
+    BackendError,
+    BufferPurpose,
+    Feed,
+    Limits,
+    Pending,
+    QuotaError,
+)
+
+FEED_MAX_BYTES = 64 << 10  # outputs kept on the device for feeding (tokens, not logits)
+
+
+@dataclass
+class Buffer:
+    size: int
+    purpose: BufferPurpose
+    storage: object  # executor-specific: bytearray, torch.Tensor, ...
+    version: int = 0  # bumped on every write, so cached derived forms know to refresh
+
+
+@dataclass
+class Registered:
+    graph: Graph
+    program: object  # executor-specific compiled form
+    scratch: Scratch  # what one compute's intermediates take
+    inputs: dict[str, tuple[tuple[int, ...], DType]] = field(default_factory=dict)
+    # the Buffer objects its WEIGHT/STATE leaves were checked against: a handle freed and
+    # minted again (maybe smaller) is a different buffer, and compute refuses it
+    buffers: dict[int, Buffer] = field(default_factory=dict)
+    states: frozenset[int] = frozenset()  # handles of the buffers its STATE leaves are in
+    # the executor-native outputs of the last compute, for ``feed`` (None: none or it failed)
+    last_outputs: list | None = None
+
+
+class Executor(Backend):
+    """A backend that executes graphs itself (see the module's docstring)."""
+
+    def __init__(self, limits: Limits = NO_LIMITS) -> None:
+        self.limits = limits
+        self.ledger = Ledger(limits)
+        self._buffers: dict[int, Buffer] = {}
+        self._graphs: dict[int, Registered] = {}
+        self._ids = itertools.count(1)
+        self.closed = False
+        # executor forms of WEIGHT leaves (dequantized, or several concatenated), keyed by
+        # the leaves' (handle, offset, dtype, shape): (their buffers' versions, the form)
+        self._weights: dict[tuple, tuple[tuple[int, ...], object]] = {}
+
+    @property
+    def peak_bytes(self) -> int:
+        """The most bytes of buffers this executor has held at once."""
+        return self.ledger.peak
+
+    # ------------------------------------------------------------ devices
+    def supports(self, op: Op, dtypes: Sequence[DType] = ()) -> bool:
+        """Whether ``op`` runs here on inputs of ``dtypes`` (every op in the table does)."""
+        return OPS[op].quantized or not any(DType(d).is_quantized for d in dtypes)
+
+    # ------------------------------------------------------------ buffers
+    def alloc_buffer(
+        self, size: int, purpose: BufferPurpose = BufferPurpose.COMPUTE, handle: int | None = None
+    ) -> int:
+        """A zeroed buffer of ``size`` bytes. ``handle`` lets a remote guest mint the id."""
+        self._check_open()
+        if not isinstance(size, int) or size <= 0:
+            raise BackendError(f"buffer size must be a positive integer, got {size!r}")
+        try:
+            purpose = BufferPurpose(purpose)
+        except ValueError:
+            raise BackendError(f"unknown buffer purpose {purpose!r}") from None
+        handle = self._new_handle(handle, self._buffers)
+        self.ledger.check(size, f"allocating {size} bytes")
+        try:
+            storage = self._alloc(size)
+        except (MemoryError, RuntimeError) as e:
+            raise QuotaError(f"the device cannot allocate {size} bytes: {str(e).splitlines()[0]}") from None
+        self._buffers[handle] = Buffer(size, purpose, storage)
+        self.ledger.add_buffer(size)
+        return handle
+
+    def _new_handle(self, handle: int | None, table: dict) -> int:
+        live = len(self._buffers) + len(self._graphs)
+        if self.limits.max_handles and live >= self.limits.max_handles:
+            raise QuotaError(f"too many live handles ({live}); free buffers or graphs first")
+        if handle is None:
+            return next(self._ids)
+        if not isinstance(handle, int) or not 0 < handle < 1 << 31:
+            raise BackendError(f"handle {handle!r} must be an integer in [1, 2^31)")
+        if handle in table:
+            raise BackendError(f"handle {handle} is already in use")
+        return handle
+
+    def free_buffer(self, handle: int) -> None:
+        buf = self._buffer(handle)
+        del self._buffers[handle]
+        self.ledger.free_buffer(handle, buf.size)
+        self._release(buf)
+
+    def clear_buffer(self, handle: int, value: int = 0) -> None:
+        buf = self._buffer(handle)
+        if not 0 <= value <= 255:
+            raise BackendError(f"clear value must be a byte, got {value}")
+        self._fill(buf, value)
+        buf.version += 1
+
+    def buffer_size(self, handle: int) -> int:
+        return self._buffer(handle).size
+
+    def allocated_bytes(self) -> int:
+        """Bytes of live buffers (what ``host status`` reports)."""
+        return self.ledger.buffers
+
+    # ------------------------------------------------------------ tensor bytes
+    def set_tensor(self, handle: int, offset: int, data: bytes | memoryview | np.ndarray) -> None:
+        view = memoryview(data).cast("B") if not isinstance(data, np.ndarray) else None
+        raw = np.frombuffer(view, np.uint8) if view is not None else data.reshape(-1).view(np.uint8)
+        buf = self._buffer(handle)
+        self._check_range(handle, buf, offset, raw.nbytes)
+        self._write(buf, offset, raw)
+        buf.version += 1
+
+    def get_tensor(self, handle: int, offset: int, size: int) -> bytes:
+        buf = self._buffer(handle)
+        self._check_range(handle, buf, offset, size)
+        return self._read(buf, offset, size)
+
+    def copy_tensor(self, src: int, src_offset: int, dst: int, dst_offset: int, size: int) -> None:
+        data = np.frombuffer(self.get_tensor(src, src_offset, size), np.uint8)
+        self.set_tensor(dst, dst_offset, data)
+
+    # ------------------------------------------------------------ graphs
+    def register_graph(self, graph: Graph, gid: int | None = None) -> int:
+        """Validate ``graph`` against the op table and this backend's buffers; compile it once."""
+        self._check_open()
+        if len(graph.nodes) > self.limits.max_graph_nodes:
+            raise QuotaError(f"graph of {len(graph.nodes)} nodes exceeds the limit of {self.limits.max_graph_nodes}")
+        graph.validate(self.limits.max_graph_nodes)
+        used: dict[int, Buffer] = {}
+        for nid, node in enumerate(graph.nodes):
+            if node.op in (Op.WEIGHT, Op.STATE):
+                handle, offset = node.attrs
+                what = node.describe(nid)
+                if handle not in self._buffers:
+                    raise BackendError(f"{what} refers to unknown buffer {handle}")
+                if offset % ALIGNMENT:
+                    raise BackendError(f"{what}: offset {offset} is not {ALIGNMENT}-byte aligned")
+                self._check_range(handle, self._buffers[handle], offset, node.dtype.nbytes(node.shape))
+                used[handle] = self._buffers[handle]
+        gid = self._new_handle(gid, self._graphs)
+        charge = self.ledger.graph_charge(graph)  # before compiling: that dequantizes the weights
+        inputs = {name: (n.shape, n.dtype) for name, n in graph.inputs().items()}
+        program = self._compile(graph)
+        self.ledger.add_graph(*charge)
+        states = frozenset(n.attrs[0] for n in graph.nodes if n.op is Op.STATE)
+        self._graphs[gid] = Registered(graph, program, Scratch.of(graph), inputs, used, states)
+        return gid
+
+    def free_graph(self, gid: int) -> None:
+        reg = self._graph(gid)
+        del self._graphs[gid]
+        self.ledger.free_graph(reg.graph)
+
+    def compute(self, gid: int, inputs: Mapping[str, np.ndarray], feed: Feed | None = None) -> list[np.ndarray]:
+        """Bind ``inputs`` by name (and ``feed``, see Backend.compute) and run graph ``gid``;
+        returns its outputs as numpy arrays."""
+        reg, outputs = self._launch(gid, inputs, feed or {})
+        return self._host_outputs(reg, outputs)
+
+    def submit(self, gid: int, inputs: Mapping[str, np.ndarray], feed: Feed | None = None) -> Pending:
+        try:
+            reg, outputs = self._launch(gid, inputs, feed or {})
+            return self._pending(reg, outputs)
+        except ApirError as e:
+            return Pending(error=e)
+
+    def _launch(self, gid: int, inputs: Mapping[str, np.ndarray], feed: Feed) -> tuple[Registered, list]:
+        """Check everything, then start the run; returns its executor-native outputs."""
+        reg = self._graph(gid)
+        last, reg.last_outputs = reg.last_outputs, None  # any failure leaves nothing to feed from
+        bounds = self._feed_bounds(reg, gid, feed)
+        _check_names(reg, inputs, feed)
+        fed = self._fed(gid, feed, last)
+        bound, n_tokens = self._bind(reg, inputs, fed)
+        for handle, buf in reg.buffers.items():
+            if self._buffers.get(handle) is not buf:
+                raise BackendError(f"graph {gid} uses buffer {handle}, which was freed")
+        if self.limits.max_memory:
+            t = n_tokens or 1
+            need = reg.scratch.nbytes(t)
+            self.ledger.check(need, f"computing graph {gid} with T={t} (about {need} bytes of intermediates)")
+        try:
+            outputs = self._run(reg, bound, bounds)
+        except IndexError as e:
+            raise BackendError(f"graph {gid}: {e}") from None
+        for handle in reg.states:  # written by the run: cached forms of them are stale
+            self._buffers[handle].version += 1
+        reg.last_outputs = [o if o.nbytes <= FEED_MAX_BYTES else None for o in outputs]
+        return reg, outputs
+
+    def synchronize(self) -> None:
+        """Wait for queued work. Executors here run synchronously, so this only checks state."""
+        self._check_open()
+
+    def close(self) -> None:
+        for handle in list(self._buffers):
+            self.free_buffer(handle)
+        self._graphs.clear()
+        self.ledger.clear()
+        self.closed = True
+
+    # ------------------------------------------------------------ checks
+    def _check_open(self) -> None:
+        if self.closed:
+            raise BackendError("backend is closed")
+
+    def _buffer(self, handle: int) -> Buffer:
+        return self._lookup(self._buffers, handle, "buffer handle")
+
+    def _graph(self, gid: int) -> Registered:
+        return self._lookup(self._graphs, gid, "graph id")
+
+    def _lookup(self, table: dict, key: int, what: str):
+        self._check_open()
+        if not isinstance(key, int) or key not in table:
+            raise BackendError(f"unknown {what} {key!r}")
+        return table[key]
+
+    @staticmethod
+    def _check_range(handle: int, buf: Buffer, offset: int, size: int) -> None:
+        if not (isinstance(offset, int) and isinstance(size, int)):
+            raise BackendError("offset and size must be integers")
+        if offset < 0 or size < 0 or offset + size > buf.size:
+            raise BackendError(
+                f"bytes [{offset}, {offset + size}) lie outside buffer {handle} of {buf.size} bytes"
+            )
+
+    @staticmethod
+    def _feed_bounds(reg: Registered, gid: int, feed: Feed) -> dict[str, int | None]:
+        """Check what ``feed`` asks for; returns per fed input an exclusive upper bound its
+        values are known to respect (an ARGMAX or SAMPLE output lies in [0, vocabulary)),
+        else None."""
+        nodes, bounds = reg.graph.nodes, {}
+        for name, k in feed.items():
+            if name not in reg.inputs:
+                raise BackendError(f"feed names {name!r}, which is not an input of graph {gid}")
+            if not (isinstance(k, int) and 0 <= k < len(reg.graph.outputs)):
+                raise BackendError(f"feed of {name!r}: graph {gid} has no output {k!r}")
+            node, dtype = nodes[reg.graph.outputs[k]], reg.inputs[name][1]
+            if dtype not in (DType.I32, DType.F32) or node.dtype is not dtype:
+                raise BackendError(f"input {name!r} ({dtype.name}) cannot be fed from output {k} "
+                                   f"({node.dtype.name}): only I32 and F32 inputs, of the same dtype")
+            picks = node.op in (Op.ARGMAX, Op.SAMPLE)
+            bounds[name] = nodes[node.inputs[0]].shape[-1] if picks else None
+        return bounds
+
+    @staticmethod
+    def _fed(gid: int, feed: Feed, last: list | None) -> dict[str, object]:
+        """The values ``feed`` binds: outputs of the previous compute (``last``), kept on
+        the device in executor-native form."""
+        if not feed:
+            return {}
+        if last is None:
+            raise BackendError(f"graph {gid} has no outputs to feed from: it has not been computed "
+                               "yet, or its last compute failed")
+        values = {name: last[k] for name, k in feed.items()}
+        for name, k in feed.items():
+            if values[name] is None:
+                raise BackendError(f"feed of {name!r}: output {k} of graph {gid} is larger than "
+                                   f"{FEED_MAX_BYTES} bytes and is not kept for feeding")
+        return values
+
+    @staticmethod
+    def _bind(reg: Registered, inputs: Mapping[str, np.ndarray],
+              fed: Mapping[str, object]) -> tuple[dict[str, object], int | None]:
+        """Check every input's dtype and shape (names: ``_check_names``); work out T.
+        Returns the values (numpy arrays; fed ones executor-native) and T."""
+        n_tokens = None
+        out = {}
+        for name, (shape, dtype) in reg.inputs.items():
+            arr = fed[name] if name in fed else np.asarray(inputs[name])
+            if name not in fed and arr.dtype != NUMPY_DTYPES[dtype]:
+                raise BackendError(f"input {name!r} must be {dtype.name}, got numpy {arr.dtype}")
+            if len(arr.shape) != len(shape):
+                raise BackendError(f"input {name!r} must have shape {fmt_shape(shape)}, got {arr.shape}")
+            for want, got in zip(shape, arr.shape):
+                if want == T:
+                    n_tokens = got if n_tokens is None else n_tokens
+                    if got != n_tokens or got <= 0:
+                        raise BackendError(f"input {name!r}: token dim {got} disagrees with T={n_tokens}")
+                elif want != got:
+                    raise BackendError(f"input {name!r} must have shape {fmt_shape(shape)}, got {arr.shape}")
+            out[name] = arr if name in fed else np.ascontiguousarray(arr)
+        return out, n_tokens
+
+    # ------------------------------------------------------------ executor hooks
+    @abstractmethod
+    def _alloc(self, size: int) -> object: ...
+
+    def _release(self, buf: Buffer) -> None:
+        buf.storage = None
+        self._weights = {k: v for k, v in self._weights.items() if all(m[0] in self._buffers for m in k)}
+
+    def _cached(self, nodes: Sequence[Node], make: Callable[[], object]):
+        """The executor's form of WEIGHT leaves ``nodes``: ``make()``, made again after a
+        write to one of their buffers."""
+        key = tuple((*n.attrs, n.dtype, n.shape) for n in nodes)
+        versions = tuple(self._buffers[n.attrs[0]].version for n in nodes)
+        cached = self._weights.get(key)
+        if cached is None or cached[0] != versions:
+            cached = self._weights[key] = (versions, make())
+        return cached[1]
+
+    @abstractmethod
+    def _fill(self, buf: Buffer, value: int) -> None: ...
+
+    @abstractmethod
+    def _write(self, buf: Buffer, offset: int, data: np.ndarray) -> None: ...
+
+    @abstractmethod
+    def _read(self, buf: Buffer, offset: int, size: int) -> bytes: ...
+
+    @abstractmethod
+    def _compile(self, graph: Graph) -> object: ...
+
+    @abstractmethod
+    def _run(self, reg: Registered, inputs: dict[str, object], bounds: dict[str, int | None]) -> list:
+        """Execute; returns the outputs in executor-native form. ``bounds``: see ``_fed``."""
+
+    @abstractmethod
+    def _host_outputs(self, reg: Registered, outputs: list) -> list[np.ndarray]:
+        """``_run``'s outputs as numpy arrays of their nodes' dtypes, owned by the caller."""
+
+    def _pending(self, reg: Registered, outputs: list) -> Pending:
+        """``submit``'s result: an executor whose device runs ahead of the host starts
+        copying the outputs back here and lets ``result()`` wait for them."""
+        return Pending(self._host_outputs(reg, outputs))
+
+
+def check_indices(index: Sequence[tuple[int, int, str]], args: Sequence) -> None:
+    """``OpSpec.index`` on a kernel's operands (numpy arrays or torch tensors, where reading
+    them syncs): index values must lie in [0, the indexed operand's first dim)."""
+    for i, target, what in index:
+        ids, limit = args[i], args[target].shape[0]
+        if ids.reshape(-1).shape[0] and (int(ids.min()) < 0 or int(ids.max()) >= limit):
+            raise BackendError(f"{what} index out of range: values must lie in [0, {limit})")
+
+
+def _check_names(reg: Registered, inputs: Mapping[str, object], fed: Mapping[str, object]) -> None:
+    """Every input of the graph either sent or fed, nothing else."""
+    missing = set(reg.inputs) - set(inputs) - set(fed)
+    extra = (set(inputs) - set(reg.inputs)) | (set(inputs) & set(fed))
+    if missing or extra:
+        raise BackendError(
+            f"graph inputs are {sorted(reg.inputs)}; missing {sorted(missing)}, unexpected "
+            f"{sorted(extra)} (an input is either sent or fed, not both)"
+        )
