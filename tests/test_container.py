@@ -134,15 +134,38 @@ def test_systemd_unit_verifies(tmp_path):
     assert str(copy) not in done.stderr, done.stderr  # no "ignoring ..." complaints
 
 
+def readme_lines() -> list[str]:
+    """README.md's lines, continued lines joined."""
+    return re.sub(r"\\\n\s*", "", (ROOT / "README.md").read_text()).splitlines()
+
+
 def test_readme_container_lines_match_the_image():
-    readme = re.sub(r"\\\n\s*", "", (ROOT / "README.md").read_text())  # join continued lines
+    readme = "\n".join(readme_lines())
     assert "## Running in a container" in readme
     assert "apir-guest apir" not in readme  # the entrypoint is apir already
-    runs = [line for line in readme.splitlines() if re.match(r"(podman|docker) run", line)]
-    assert any(r.startswith("podman") for r in runs) and any(r.startswith("docker") for r in runs)
-    for line in runs:
-        assert '-v "$XDG_RUNTIME_DIR/apir:/run/apir"' in line
+    runs = [line for line in readme_lines()
+            if re.match(r"(podman|docker|scripts/container\.sh) run", line)]
+    for tool in ("podman", "docker", "scripts/container.sh"):
+        assert any(r.startswith(tool) for r in runs), tool
+    for line in runs:  # the socket's directory, as `apir host` makes it, at the image's APIR_REMOTE
+        assert re.search(r'-v "(\$dir|\$XDG_RUNTIME_DIR/apir):/run/apir"', line) or "tcp://" in line, line
     assert "contrib/systemd/apir-host.service" in readme
+
+
+@pytest.mark.parametrize("runtime_dir", ["/run/user/1000", None])
+def test_readme_socket_directory_is_where_apir_host_listens(runtime_dir, monkeypatch):
+    """The README's `dir=...` line, run by bash, names default_socket_path()'s directory,
+    with and without XDG_RUNTIME_DIR."""
+    from apir.transport.address import default_socket_path
+
+    if runtime_dir:
+        monkeypatch.setenv("XDG_RUNTIME_DIR", runtime_dir)
+    else:
+        monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
+    line = next(x for x in readme_lines() if x.startswith("dir="))
+    out = subprocess.run(["bash", "-c", f'{line}\nprintf %s "$dir"'], capture_output=True, text=True,
+                         timeout=10)
+    assert out.stdout == str(default_socket_path().parent)
 
 
 # ---------------------------------------------------------------- the image, run by Podman
@@ -203,6 +226,19 @@ def test_container_run_equals_local(podman, host, local_output):
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert "via unix:///run/apir/apir.sock" in out.stderr  # the image's APIR_REMOTE, the host's socket
+    assert out.stdout == local_output
+
+
+@needs_podman
+def test_readme_container_run_line_runs_as_written(podman, host, local_output):
+    """The README's `scripts/container.sh run ... apir-guest run ...` line, word for word,
+    with $dir the test daemon's socket directory: apir-guest is the image just built."""
+    line = next(x for x in readme_lines()
+                if x.startswith("scripts/container.sh run --rm --network none"))
+    env = {**os.environ, "dir": str(Path(host.unix.removeprefix("unix://")).parent)}
+    out = subprocess.run(["bash", "-c", line], cwd=ROOT, capture_output=True, text=True, env=env,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
     assert out.stdout == local_output
 
 
