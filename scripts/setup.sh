@@ -39,3 +39,12 @@ if [ "${1:-}" = "--test" ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/nul
   fi
   python -m apir.cli vm build >/dev/null 2>&1 || echo "setup: apir vm build failed (run it to see why)" >&2
 fi
+# The container test (tests/test_container.py): Podman runs the guest image, which
+# scripts/container.sh builds offline from a debootstrapped Debian (runc: crun cannot run
+# containers inside some containers, CI's among them; the script picks what works).
+if [ "${1:-}" = "--test" ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  if ! command -v podman >/dev/null 2>&1 || ! command -v debootstrap >/dev/null 2>&1; then
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+      podman runc debootstrap) >/dev/null 2>&1 || echo "setup: could not install podman; the container test will skip" >&2
+  fi
+fi
