@@ -10,9 +10,9 @@ import pytest
 from rawguest import body_of, frame
 
 from apir.graph import DType, GraphBuilder, Op, T
-from apir.protocol import ProtocolError, graph_codec
+from apir.protocol import ALIGN, ProtocolError, graph_codec
 from apir.protocol import messages as m
-from apir.protocol.step import ALIGN, MAX_TOKENS, StepLayout, pack
+from apir.protocol.step import MAX_TOKENS, StepLayout, pack
 from apir.protocol.wire import MAX_ITEMS, MAX_RANK, MAX_STR, Reader, Writer
 
 

@@ -27,6 +27,8 @@ from ..errors import ApirError
 from ..graph import DType, Graph, GraphError, Op, T
 from ..graph.dtypes import NUMPY_DTYPES, from_numpy
 from ..protocol import (
+    ARENA_ALIGN,
+    INLINE_MAX,
     PROTOCOL_VERSION,
     WANT_REPLY,
     ErrorCode,
@@ -39,13 +41,12 @@ from ..protocol import (
 from ..protocol import messages as m
 from ..protocol.step import StepLayout
 from ..transport import Arena, ArenaRing, Channel, ConnectionClosed, Frame, connect, parse_address
-from ..transport.arena import ARENA_ALIGN, check_sealed
+from ..transport.arena import check_sealed
 from ..transport.doorbell import Doorbell
 from ..transport.ivshmem import Region, RingChannel
 from .base import Backend, BackendError, BufferPurpose, DeviceInfo, Feed, Pending, QuotaError
 
 CHUNK = 8 << 20  # upload pieces: well under the frame limit, big enough to stream fast
-INLINE_MAX = 4096  # inputs up to this size go inline even when an arena exists
 # Bytes sent while replies are awaited before the guest first takes them (see _send):
 # well under what a socket's buffers or a ring hold, so the host can always read them.
 PIPELINE_BYTES = 64 << 10

@@ -27,14 +27,21 @@ from ..backends.base import BackendError, BufferPurpose, Executor, Limits, Pendi
 from ..errors import ApirError
 from ..graph import DType, GraphError, Op
 from ..graph.dtypes import NUMPY_DTYPES, from_numpy
-from ..protocol import WANT_REPLY, ErrorCode, ProtocolError, decode_body, encode
+from ..protocol import (
+    ARENA_ALIGN,
+    INLINE_MAX,
+    WANT_REPLY,
+    ErrorCode,
+    ProtocolError,
+    decode_body,
+    encode,
+)
 from ..protocol import messages as m
 from ..protocol.step import StepLayout, pack
 from ..transport import Arena, ArenaError, Channel, ConnectionClosed
 
 log = logging.getLogger("apir.host")
 
-INLINE_MAX = 4096  # outputs up to this size travel inline even when an arena exists
 MAX_IN_FLIGHT = 2  # Steps queued on the device before the oldest one's reply must go out
 # Polling for the guest's next frame while a step runs (to queue it before replying) is
 # for decode-sized steps, where the next one comes while this one runs. A prefill chunk's
@@ -334,7 +341,7 @@ class Session:
             if place >= 0 and len(raw) > INLINE_MAX and place + len(raw) <= out_offset + capacity:
                 self.arena.write(place, raw)
                 blob = m.Blob(b"", place, len(raw))
-                place += -(-len(raw) // 64) * 64
+                place += -(-len(raw) // ARENA_ALIGN) * ARENA_ALIGN
             else:
                 blob = m.Blob(raw, -1, len(raw))
             result.append(m.Tensor(f"out{i}", int(dtype), tuple(arr.shape), blob))

@@ -42,6 +42,10 @@ PROTOCOL_VERSION = 3
 HEADER = struct.Struct("<4sHHII")
 MAX_BODY = 64 << 20  # one frame; bulk uploads are chunked below this
 WANT_REPLY = 1
+# What guest and host must agree on about where bytes lie:
+INLINE_MAX = 4096  # blobs up to this size travel inline even when an arena exists
+ALIGN = 16  # each tensor of a Step's or Data's payload starts at a multiple of this
+ARENA_ALIGN = 64  # each arena range a request names starts at a multiple of this
 
 
 def op_table_hash() -> bytes:

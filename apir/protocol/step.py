@@ -25,9 +25,9 @@ import numpy as np
 
 from ..graph import Graph, T
 from ..graph.dtypes import NUMPY_DTYPES
+from .messages import ALIGN
 from .wire import ProtocolError
 
-ALIGN = 16
 MAX_TOKENS = 1 << 31  # T beyond this is refused before any size is worked out
 _CACHED = 16  # placements remembered per layout (decode uses one T, prefill one or two)
 

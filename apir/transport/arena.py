@@ -16,9 +16,9 @@ from __future__ import annotations
 import fcntl
 
 from ..errors import ApirError
+from ..protocol import ARENA_ALIGN
 
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
-ARENA_ALIGN = 64
 
 
 class ArenaError(ApirError):
