@@ -94,7 +94,7 @@ def test_an_error_surfaces_at_its_own_result_and_a_fed_step_after_it_fails(host,
         with pytest.raises(BackendError, match="no outputs to feed from"):
             fed.result()
         with pytest.raises(BackendError, match="feed names 'nope', which is not an input"):
-            remote.compute(gid, _pos(0), feed={"nope": 0})  # the general Compute: the host says
+            remote.compute(gid, _pos(0), feed={"nope": 0})  # the guest says, as the local backend would
         assert remote.compute(gid, {"tokens": np.array([3], np.int32), **_pos(0)})[0].shape == (1,)
 
 
@@ -108,7 +108,7 @@ def test_many_requests_in_flight_through_a_small_arena(host, transport):
         g = GraphBuilder()
         x = g.input("x", (T, 1024))
         gid = remote.register_graph(g.build(g.scale(x, 2.0), g.scale(x, -1.0)))
-        # T only in a fed input: a general Compute, its feed by name
+        # T only in a fed input: that of the output feeding it, in the previous compute
         g = GraphBuilder()
         named = remote.register_graph(g.build(g.input("tok", (T,), DType.I32), g.scale(g.input("x", (64, 1024)), 3.0)))
         remote.compute(named, {"tok": np.array([4, 2], np.int32), "x": xs[0]})

@@ -109,7 +109,8 @@ def test_other_protocol_version_is_refused_with_both_versions_named(host):
     assert "version 99" in reply.message and f"version {m.PROTOCOL_VERSION}" in reply.message
 
 
-@pytest.mark.parametrize("version", [1, 42])  # 1: a guest from before the Step message
+# 1: a guest from before the Step message; 3: one from before Step was the only compute
+@pytest.mark.parametrize("version", [1, 3, 42])
 def test_other_protocol_version_raises_typed_error(host, monkeypatch, version):
     import apir.backends.remote as remote
 
@@ -138,9 +139,9 @@ def _step_graphs(b, w: np.ndarray) -> tuple[int, int]:
 
 @pytest.mark.parametrize("transport", ["unix", "tcp"])
 def test_steps_give_exactly_the_local_outputs(host, transport):
-    """Computes in the registered form travel as fixed-layout Steps (small and large,
-    inline and through the arena); anything else as a general Compute, whose error names
-    what is wrong. Either way the outputs are the local backend's, dtype and shape."""
+    """Computes travel as fixed-layout Steps (small and large, inline and through the
+    arena), with exactly the local backend's outputs, dtype and shape; inputs off the
+    registered form are refused before anything is sent, in the local backend's words."""
     from apir.backends.base import BackendError
     from apir.backends.local import LocalBackend
     from apir.backends.remote import RemoteBackend
@@ -161,10 +162,32 @@ def test_steps_give_exactly_the_local_outputs(host, transport):
                 got = remote.compute(graphs[1][i], inputs)
                 assert [(a.dtype, a.shape) for a in got] == [(a.dtype, a.shape) for a in want]
                 assert all(np.array_equal(a, b) and a.flags.writeable for a, b in zip(got, want))
-        assert sent.count(m.Step) == 6 and m.Compute not in sent
-        with pytest.raises(BackendError, match="input 'x' must be F16"):
-            remote.compute(graphs[1][0], {"x": np.ones((1, 8), np.float32), "ids": np.zeros(1, np.int32)})
-        assert sent[-1] is m.Compute
+        assert sent.count(m.Step) == 6
+        n_sent = len(sent)
+        bad = {"x": np.ones((1, 8), np.float32), "ids": np.zeros(1, np.int32)}
+        for b, gid in ((local, graphs[0][0]), (remote, graphs[1][0])):
+            with pytest.raises(BackendError, match="input 'x' must be F16, got numpy float32"):
+                b.compute(gid, bad)
+        assert len(sent) == n_sent
+
+
+def test_a_compute_off_the_layout_is_an_error_naming_the_reason(host):
+    """No fallback message exists: inputs or a feed off the registered form fail at their
+    own result with the reason, nothing is sent, and the session goes on."""
+    from apir.backends.base import BackendError
+    from apir.backends.remote import RemoteBackend
+    from apir.graph import GraphBuilder
+
+    with RemoteBackend(host.unix) as remote:
+        g = GraphBuilder()
+        gid = remote.register_graph(g.build(g.scale(g.input("x", (2,)), 2.0)))
+        with pytest.raises(BackendError, match=f"feed names 'nope', which is not an input of graph {gid}"):
+            remote.submit(gid, {"x": np.ones(2, np.float32)}, feed={"nope": 0}).result()
+        with pytest.raises(BackendError, match=r"must have shape \(2\), got \(3,\)"):
+            remote.submit(gid, {"x": np.ones(3, np.float32)}).result()
+        with pytest.raises(BackendError, match="unknown graph id 99"):
+            remote.compute(99, {})
+        assert remote.compute(gid, {"x": np.ones(2, np.float32)})[0].tolist() == [2.0, 2.0]
 
 
 def test_tcp_without_token_is_refused(host, monkeypatch):

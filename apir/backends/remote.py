@@ -24,8 +24,7 @@ import numpy as np
 
 from .. import __version__
 from ..errors import ApirError
-from ..graph import DType, Graph, GraphError, Op, T
-from ..graph.dtypes import NUMPY_DTYPES, from_numpy
+from ..graph import DType, Graph, GraphError, Op
 from ..protocol import (
     ARENA_ALIGN,
     INLINE_MAX,
@@ -39,7 +38,7 @@ from ..protocol import (
     op_table_hash,
 )
 from ..protocol import messages as m
-from ..protocol.step import StepLayout
+from ..protocol.step import LayoutError, StepLayout
 from ..transport import Arena, ArenaRing, Channel, ConnectionClosed, Frame, connect, parse_address
 from ..transport.arena import check_sealed
 from ..transport.doorbell import Doorbell
@@ -142,8 +141,7 @@ class RemoteBackend(Backend):
             self.chan.sock.settimeout(timeout)
         self._ids = itertools.count(1)
         self._rids = itertools.count(1)
-        self._graphs: dict[int, Graph] = {}
-        self._layouts: dict[int, StepLayout | None] = {}  # graph id -> its Step layout
+        self._layouts: dict[int, StepLayout] = {}  # graph id -> its Step layout
         self._awaited: collections.deque[Awaited] = collections.deque()  # sent, reply not read yet
         self._unread = 0  # bytes sent while replies were awaited (see _send)
         self._posted = False  # a request without a reply sent since the last one with (see synchronize)
@@ -337,12 +335,7 @@ class RemoteBackend(Backend):
 
     def _read_blob(self, blob: m.Blob) -> bytes:
         """A private copy of the blob's bytes."""
-        data = self._blob_view(blob)
-        return data if isinstance(data, bytes) else bytes(data)
-
-    def _blob_view(self, blob: m.Blob) -> bytes | memoryview:
-        """The blob's bytes; in place when they lie in the arena (copy before keeping)."""
-        return blob.inline if blob.arena_offset < 0 else self._arena_window(blob.arena_offset, blob.size)
+        return blob.inline if blob.arena_offset < 0 else bytes(self._arena_window(blob.arena_offset, blob.size))
 
     def _arena_window(self, offset: int, size: int) -> memoryview:
         if self.arena is None:
@@ -389,12 +382,10 @@ class RemoteBackend(Backend):
         graph.validate()  # catch our own mistakes before the round trip
         gid = next(self._ids)
         self._call(m.RegisterGraph(gid, graph))  # waits: graph errors belong here
-        self._graphs[gid] = graph
         self._layouts[gid] = StepLayout.of(graph)
         return gid
 
     def free_graph(self, gid: int) -> None:
-        self._graphs.pop(gid, None)
         self._layouts.pop(gid, None)
         self._post(m.FreeGraph(gid))
 
@@ -412,14 +403,13 @@ class RemoteBackend(Backend):
 
     def _submit(self, gid: int, inputs: Mapping[str, np.ndarray], feed: Feed) -> Awaited:
         layout = self._layouts.get(gid)
-        packed = None
-        if layout is not None and all(name in layout.names for name in feed):
-            pairs = [(layout.names.index(name), k) for name, k in feed.items()]
-            fed = tuple(sorted(i for i, _ in pairs))
-            packed = layout.pack_inputs(inputs, fed)
-        if packed is None:  # not the registered form: the host says exactly what is wrong
-            return self._submit_named(gid, inputs, feed)
-        n_tokens, payload = packed
+        if layout is None:
+            raise BackendError(f"unknown graph id {gid!r}")
+        try:
+            pairs, fed = layout.feed_pairs(feed, gid)
+            n_tokens, payload = layout.pack_inputs(inputs, fed, pairs)
+        except LayoutError as e:
+            raise BackendError(str(e)) from None
         out_size = layout.placement(True, n_tokens).size
         in_at, out_at = self._place([len(payload), out_size])
         rid = next(self._rids)
@@ -430,45 +420,15 @@ class RemoteBackend(Backend):
     def _step_reply(self, layout: StepLayout, n_tokens: int, header: FrameHeader, body: bytearray,
                     rid: int) -> list[np.ndarray]:
         """The outputs a Step's reply holds."""
-        if header.opcode != m.DATA_OPCODE:  # an Error, or Outputs unlike the graph's
+        if header.opcode != m.DATA_OPCODE:  # an Error
             reply = self._reply(header, body, rid)
-            if not isinstance(reply, m.Outputs):
-                raise ProtocolError(f"expected Data for a Step, got {type(reply).__name__}")
-            return self._arrays(reply)
+            raise ProtocolError(f"expected Data for a Step, got {type(reply).__name__}")
         if header.request_id != rid:
             raise ProtocolError(f"reply to request {header.request_id}, expected {rid}")
         inline, arena_offset, size = m.parse_data(body)
         if arena_offset < 0:  # a view of the reply's body: already private and writeable
             return layout.unpack_outputs(inline, n_tokens)
         return layout.unpack_outputs(bytearray(self._arena_window(arena_offset, size)), n_tokens)  # one copy
-
-    def _submit_named(self, gid: int, inputs: Mapping[str, np.ndarray], feed: Feed) -> Awaited:
-        """The general compute: every input with its name, dtype and shape."""
-        arrays, n_tokens = {}, None
-        for name, arr in inputs.items():
-            arr = np.ascontiguousarray(arr)
-            try:
-                arrays[name] = arr, DType.BF16 if arr.dtype == np.uint16 else from_numpy(arr.dtype)
-            except ValueError as e:
-                raise BackendError(f"input {name!r}: {e}") from None
-            n_tokens = n_tokens or (arr.shape[0] if arr.ndim else None)
-        graph = self._graphs.get(gid)
-        out_need = 0 if graph is None else sum(_nbytes(graph.nodes[o], n_tokens) + 64 for o in graph.outputs)
-        *at, out_at = self._place([a.nbytes for a, _ in arrays.values()] + [out_need])
-        tensors = tuple(m.Tensor(name, int(dtype), tuple(arr.shape), self._blob(memoryview(arr).cast("B"), off))
-                        for (name, (arr, dtype)), off in zip(arrays.items(), at))
-        msg = m.Compute(gid, tensors, out_at, out_need if out_at >= 0 else 0,
-                        tuple(m.NamedFeed(name, k) for name, k in feed.items()))
-        rid = next(self._rids)
-        return self._request(encode(msg, rid, WANT_REPLY), rid, "Compute",
-                             lambda header, body, rid: self._arrays(self._reply(header, body, rid)))
-
-    def _arrays(self, reply: m.Outputs) -> list[np.ndarray]:
-        outs = []
-        for t in reply.outputs:
-            dtype = DType.parse(t.dtype)
-            outs.append(np.frombuffer(self._blob_view(t.data), NUMPY_DTYPES[dtype]).reshape(t.shape).copy())
-        return outs
 
     def ping(self) -> float:
         """Seconds of one round trip to the host (a Synchronize, sent even with nothing
@@ -537,6 +497,3 @@ class Awaited(Pending):
         return super().result()
 
 
-def _nbytes(node, n_tokens: int | None) -> int:
-    shape = tuple((n_tokens or 1) if d == T else d for d in node.shape)
-    return node.dtype.nbytes(shape)
