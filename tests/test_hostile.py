@@ -26,8 +26,8 @@ from apir.host.daemon import MAX_PENDING, HostConfig
 from apir.host.session import scrub
 from apir.protocol import ALIGN
 from apir.protocol import messages as m
-from apir.transport import ivshmem as iv
 from apir.transport import parse_address
+from apir.transport import shm as iv
 
 E = m.ErrorCode
 MAX_MEMORY = 64 << 20

@@ -170,7 +170,7 @@ class _AheadSession:
         from apir.backends.base import Pending
         from apir.host.session import Session, SessionConfig
         from apir.protocol.step import StepLayout
-        from apir.transport import Channel
+        from apir.transport import SocketChannel
 
         events: list[str] = []
         self.events = events
@@ -198,7 +198,7 @@ class _AheadSession:
         self.gid, _ = _decoder(backend)
         session.layouts[self.gid] = self.layout = StepLayout.of(backend._graphs[self.gid].graph)
         host_end, guest_end = socket.socketpair()
-        session.chan, self.guest = Channel(host_end), Channel(guest_end)
+        session.chan, self.guest = SocketChannel(host_end), SocketChannel(guest_end)
         session.chan.spin_seconds = 0.2  # how long the host waits for the next step before replying
         self.server = threading.Thread(target=session.serve, daemon=True)
         self.server.start()

@@ -11,17 +11,17 @@ import time
 import pytest
 
 from apir.protocol import messages as m
-from apir.transport import Channel, ConnectionClosed
+from apir.transport import ConnectionClosed, SocketChannel
 from apir.transport.channel import RECV_BUFFER
 from apir.transport.doorbell import Doorbell
-from apir.transport.ivshmem import Region, RingChannel
+from apir.transport.shm import Region, RingChannel
 
 
 def test_socket_frames_in_any_pieces():
     """Frames read through the channel's buffer: several in one read, one split across
     many, bodies larger than the buffer, and descriptors with the frame they came with."""
     a, b = socket.socketpair()
-    reader = Channel(b)
+    reader = SocketChannel(b)
     frames = [m.encode(m.Synchronize(), 1), m.encode(m.Data(m.Blob(b"x" * 100, -1, 100)), 2),
               m.encode(m.Data(m.Blob(bytes(range(256)) * (RECV_BUFFER // 64), -1, RECV_BUFFER * 4)), 3)]
     a.sendall(b"".join(frames[:2]))  # two frames in one read
@@ -57,7 +57,7 @@ def test_socket_eof_between_frames():
     a, b = socket.socketpair()
     a.close()
     with pytest.raises(ConnectionClosed, match="between messages"):
-        Channel(b).recv()
+        SocketChannel(b).recv()
     b.close()
 
 

@@ -39,10 +39,7 @@ from ..protocol import (
 )
 from ..protocol import messages as m
 from ..protocol.step import LayoutError, StepLayout
-from ..transport import Arena, ArenaRing, Channel, ConnectionClosed, Frame, connect, parse_address
-from ..transport.arena import check_sealed
-from ..transport.doorbell import Doorbell
-from ..transport.ivshmem import Region, RingChannel
+from ..transport import ArenaRing, Connection, ConnectionClosed, connect
 from .base import Backend, BackendError, BufferPurpose, DeviceInfo, Feed, Pending, QuotaError
 
 CHUNK = 8 << 20  # upload pieces: well under the frame limit, big enough to stream fast
@@ -100,26 +97,24 @@ def read_token(token_file: str | None = None) -> str:
     return env.TOKEN.get() or ""
 
 
-def handshake(chan: Channel, hello: m.Hello) -> Frame:
-    chan.send(hello, 0, WANT_REPLY)
-    frame = chan.recv()
-    if isinstance(frame.message, m.Error):
-        raise_error(frame.message)
-    return frame
+def handshake(url: str | None, hello: m.Hello, timeout: float | None, want: type) -> tuple[Connection, object]:
+    """Connect, say ``hello``, and return the connection with the host's answer, which
+    must be a ``want``; an Error is raised as its exception."""
+    conn, reply = connect(url, hello, timeout)
+    if not isinstance(reply, want):
+        conn.close()
+        if isinstance(reply, m.Error):
+            raise_error(reply)
+        raise ProtocolError(f"expected {want.__name__}, got {type(reply).__name__}")
+    return conn, reply
 
 
 def host_status(url: str | None = None, token_file: str | None = None) -> m.Status:
     """Ask a daemon for its sessions and their memory (no session is created)."""
-    addr = parse_address(url)
-    chan = connect(addr)
-    try:
-        hello = m.Hello(PROTOCOL_VERSION, op_table_hash(), read_token(token_file), f"apir {__version__}", 0, True)
-        frame = handshake(chan, hello)
-        if not isinstance(frame.message, m.Status):
-            raise ProtocolError(f"expected Status, got {type(frame.message).__name__}")
-        return frame.message
-    finally:
-        chan.close()
+    hello = m.Hello(PROTOCOL_VERSION, op_table_hash(), read_token(token_file), f"apir {__version__}", 0, True)
+    conn, status = handshake(url, hello, None, m.Status)
+    conn.close()
+    return status
 
 
 class RemoteBackend(Backend):
@@ -128,17 +123,10 @@ class RemoteBackend(Backend):
     def __init__(self, url: str | None = None, device: str | None = None,
                  token_file: str | None = None, arena_size: int = DEFAULT_ARENA,
                  timeout: float | None = None) -> None:
-        injected = None
-        if url is not None and url.split("://", 1)[0] == "ivshmem":  # a VM's shared memory
-            from ..transport.ivshmem import guest_connect
-
-            injected = guest_connect(url, timeout)  # (channel, arena, region)
-            self.address = url
-            self.chan = injected[0]
-        else:
-            self.address = parse_address(url)
-            self.chan = connect(self.address)
-            self.chan.sock.settimeout(timeout)
+        hello = m.Hello(PROTOCOL_VERSION, op_table_hash(), read_token(token_file),
+                        f"apir {__version__} pid {os.getpid()} on {socket.gethostname()}", arena_size)
+        self.conn, welcome = handshake(url, hello, timeout, m.Welcome)
+        self.chan, self.arena, self.address = self.conn.channel, self.conn.arena, self.conn.address
         self._ids = itertools.count(1)
         self._rids = itertools.count(1)
         self._layouts: dict[int, StepLayout] = {}  # graph id -> its Step layout
@@ -147,36 +135,12 @@ class RemoteBackend(Backend):
         self._posted = False  # a request without a reply sent since the last one with (see synchronize)
         self.closed = False
         self.round_trip_seconds = 0.0  # of the last request that waited for the host
-        want_arena = arena_size if injected or self.address.scheme == "unix" else 0
-        hello = m.Hello(PROTOCOL_VERSION, op_table_hash(), read_token(token_file),
-                        f"apir {__version__} pid {os.getpid()} on {socket.gethostname()}", want_arena)
-        try:
-            frame = handshake(self.chan, hello)
-        except (ConnectionClosed, ApirError):
-            self.chan.close()
-            raise
-        welcome = frame.message
-        if not isinstance(welcome, m.Welcome):
-            self.chan.close()
-            raise ProtocolError(f"expected Welcome, got {type(welcome).__name__}")
         self.session = welcome.session
         self._device = _device(welcome.device)
         if device not in (None, self._device.kind):
             self.close()
             raise BackendError(f"the host executes on {self._device.kind}, not {device!r}; "
                                f"start it with `apir host --device {device}`")
-        self.arena = None
-        if len(frame.fds) == 3:  # a Unix session: ring region + doorbells (see host/worker.py)
-            self.arena = self._attach_region(frame.fds, welcome.arena_size)
-        else:
-            for fd in frame.fds:
-                os.close(fd)
-        if injected is not None:
-            self.arena, self._region = injected[1], injected[2]
-            if welcome.arena_size != self.arena.size:
-                self.close()
-                raise ProtocolError(f"the host granted a {welcome.arena_size}-byte arena, the "
-                                    f"shared region holds {self.arena.size}")
         from .. import env
 
         self.chan.spin_seconds = env.spin_seconds(self._device.kind)
@@ -184,29 +148,6 @@ class RemoteBackend(Backend):
 
     def __repr__(self) -> str:
         return f"RemoteBackend({self.address}, session {self.session})"
-
-    def _attach_region(self, fds: tuple[int, ...], arena_size: int) -> Arena:
-        """Switch to the session's shared rings; frames stop travelling on the socket."""
-        region_fd, to_host, to_guest = fds
-        try:
-            try:
-                check_sealed(region_fd)
-            except ApirError:
-                os.close(region_fd)
-                raise
-            self._region = Region.open_fd(region_fd, "the host's shared region")  # owns the fd
-        except ApirError:
-            for fd in (to_host, to_guest):
-                os.close(fd)
-            self.chan.close()
-            raise
-        if self._region.arena_size != arena_size:
-            raise ProtocolError(f"the host granted a {arena_size}-byte arena, the region holds "
-                                f"{self._region.arena_size}")
-        self._doorbell = Doorbell(notify_fd=to_host, wait_fd=to_guest, sock=self.chan.sock)
-        self._socket_chan = self.chan
-        self.chan = RingChannel(self._region, "guest", doorbell=self._doorbell)
-        return self._region.arena()
 
     # ------------------------------------------------------------ plumbing
     def _send(self, frame: bytes, what: str) -> None:
@@ -452,24 +393,16 @@ class RemoteBackend(Backend):
                 raise last._error
 
     def close(self) -> None:
-        if self.closed:
-            return
-        try:
-            self.chan.send(m.Goodbye(), next(self._rids))
-        except (ConnectionClosed, OSError):
-            pass
-        self.closed = True
-        while self._awaited:
-            self._awaited.popleft().fail(BackendError("the remote backend was closed before this reply came"))
-        self.chan.close()
-        if self.arena is not None:
-            self.arena.close()
-            self.arena = None
-        if getattr(self, "_region", None) is not None:
-            self._region.close()
-        if getattr(self, "_doorbell", None) is not None:
-            self._doorbell.close()
-            self._socket_chan.close()
+        if not self.closed:
+            try:
+                self.chan.send(m.Goodbye(), next(self._rids))
+            except (ConnectionClosed, OSError):
+                pass
+            self.closed = True
+            while self._awaited:
+                self._awaited.popleft().fail(BackendError("the remote backend was closed before this reply came"))
+        self.conn.close()  # also after the host went away: the arena and region go too
+        self.arena = None
 
 
 Decoder = Callable[[FrameHeader, bytearray, int], object]  # (header, body, request id) -> value

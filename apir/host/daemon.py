@@ -26,7 +26,7 @@ from ..errors import ApirError
 from ..protocol import PROTOCOL_VERSION, ErrorCode, ProtocolError, op_table_hash
 from ..protocol import messages as m
 from ..protocol.messages import HEADER, MAX_BODY, decode_body, decode_header, encode
-from ..transport import Address, Channel, listen
+from ..transport import Address, Connection, listen
 from .session import SessionConfig
 from .worker import run_worker
 
@@ -284,7 +284,7 @@ class Daemon:
                 def publish(allocated: int, peak: int) -> None:
                     self.stats[2 * slot], self.stats[2 * slot + 1] = allocated, peak
 
-                run_worker(Channel(p.sock, self.config.max_message), hello, cfg, publish)
+                run_worker(Connection.over(p.sock, p.peer, self.config.max_message), hello, cfg, publish)
             except BaseException:  # noqa: BLE001 - a worker must never return into the parent's loop
                 log.exception("session %d worker failed", session)
                 code = 1

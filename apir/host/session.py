@@ -110,7 +110,7 @@ class Session:
                  publish=None, liveness: socket.socket | None = None) -> None:
         self.chan, self.backend, self.arena, self.config = chan, backend, arena, config
         # the guest's socket, watched for a hang-up (with rings, frames no longer use it)
-        self.liveness = liveness if liveness is not None else getattr(chan, "sock", None)
+        self.liveness = liveness
         self.deferred: m.Error | None = None  # first failure of a request nobody waited for
         self.publish = publish or (lambda allocated, peak: None)
         self.busy = False  # a request is being served (see _watch_hangup)
@@ -123,10 +123,7 @@ class Session:
         # Idle between requests is fine (a chat waits on its user); once a frame has
         # started, every read must make progress within io_timeout, and every reply must
         # drain within it, so a stalled or non-reading guest ends its own session.
-        # A channel without a socket (ivshmem) waits and times out inside recv itself.
-        sock = getattr(self.chan, "sock", None)
-        if sock is not None:
-            sock.settimeout(self.config.io_timeout)
+        self.chan.set_timeout(self.config.io_timeout)
         if self.liveness is not None:
             threading.Thread(target=self._watch_hangup, args=(self.liveness,), name="hangup",
                              daemon=True).start()
@@ -139,7 +136,7 @@ class Session:
                 continue
             try:
                 self.busy = bool(in_flight)
-                if sock is not None and not in_flight:  # a socket Channel: wait with no timeout between frames
+                if not in_flight:  # wait with no timeout between frames
                     self.chan.wait_idle()
                 header, body, fds = self.chan.recv_frame()
                 self.busy = True

@@ -1,7 +1,8 @@
-"""A framed message channel over a connected stream socket (Unix, TCP or vsock).
+"""Framed message channels: what every transport offers (``Channel``), and the one over
+a connected stream socket (Unix, TCP or vsock).
 
 Frames are ``apir.protocol`` frames. On Unix sockets a frame may carry file descriptors
-(SCM_RIGHTS); the host uses that to hand the guest its shared arena.
+(SCM_RIGHTS); the host uses that to hand the guest its shared region.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import array
 import select
 import socket
 import time
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 from ..errors import ApirError
 from ..protocol import FrameHeader, ProtocolError, decode_body, decode_header, encode
@@ -31,7 +32,38 @@ class Frame(NamedTuple):  # a tuple: made once per frame, on the hot path
     fds: tuple[int, ...] = ()
 
 
-class Channel:
+class Channel(Protocol):
+    """Frames to and from the peer: a socket (``SocketChannel``) or shared-memory rings
+    (``apir.transport.shm.RingChannel``)."""
+
+    max_body: int  # the largest frame body accepted
+    spin_seconds: float  # busy-poll this long for the next frame before sleeping
+    bytes_sent: int
+    bytes_received: int
+
+    def send(self, msg: object, request_id: int = 0, flags: int = 0, fds: tuple[int, ...] = ()) -> None: ...
+
+    def send_frame(self, frame: bytes, fds: tuple[int, ...] = ()) -> None:
+        """Send an encoded frame (the hot path builds its frames without message objects)."""
+
+    def recv(self) -> Frame: ...
+
+    def recv_frame(self) -> tuple[FrameHeader, bytearray, tuple[int, ...]]:
+        """One whole frame, its header checked, its body not decoded yet (a private copy)."""
+
+    def frame_ready(self) -> bool:
+        """Whether the next frame (or the peer's going) has begun to arrive; never waits."""
+
+    def wait_idle(self) -> None:
+        """Wait, with no time limit, until the next frame starts to arrive."""
+
+    def set_timeout(self, seconds: float) -> None:
+        """How long a started frame may take to arrive, and a frame to be sent."""
+
+    def close(self) -> None: ...
+
+
+class SocketChannel:
     def __init__(self, sock: socket.socket, max_body: int = MAX_BODY) -> None:
         self.sock = sock
         self.max_body = max_body
@@ -80,6 +112,9 @@ class Channel:
             idle.register(self.sock, select.POLLIN)
             idle.poll()
         self._arrived = True
+
+    def set_timeout(self, seconds: float) -> None:
+        self.sock.settimeout(seconds)
 
     def send(self, msg: object, request_id: int = 0, flags: int = 0, fds: tuple[int, ...] = ()) -> None:
         self.send_frame(encode(msg, request_id, flags), fds)

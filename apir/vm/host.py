@@ -15,8 +15,8 @@ from collections.abc import Callable
 from ..backends.base import Limits
 from ..protocol import PROTOCOL_VERSION, ErrorCode, ProtocolError, op_table_hash
 from ..protocol import messages as m
-from ..transport import ConnectionClosed
-from ..transport.ivshmem import Region, RingChannel
+from ..transport import Connection, ConnectionClosed
+from ..transport.shm import Region, RingChannel
 
 log = logging.getLogger("apir.host")
 
@@ -65,7 +65,7 @@ def serve_region(region: Region, device: str | None = None, alive: Callable[[], 
     chan.max_body, chan.timeout = m.MAX_BODY, None  # idle waits end when the guest or VM does
     config = SessionConfig(device, limits or Limits(), region.arena_size, 1, "ivshmem:vm", io_timeout)
     log.info("session 1 start: peer ivshmem:vm, client %r", frame.message.client[:80])
-    run_worker(chan, frame.message, config, lambda allocated, peak: None, arena=region.arena())
+    run_worker(Connection(chan, "ivshmem:vm", region.arena()), frame.message, config, lambda allocated, peak: None)
     return True
 
 
