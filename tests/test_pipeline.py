@@ -6,6 +6,7 @@ the right ``result()``; several requests in flight never share arena bytes."""
 from __future__ import annotations
 
 import signal
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,7 +22,7 @@ VOCAB, DIM = 64, 16
 
 
 def _remote(host, transport: str, **kw) -> RemoteBackend:
-    return RemoteBackend(host.unix if transport == "unix" else host.tcp, token_file=host.token_file, **kw)
+    return RemoteBackend(host.unix if transport == "unix" else host.tcp, token=Path(host.token_file).read_text().strip(), **kw)
 
 
 def _decoder(b) -> tuple[int, int]:

@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -149,7 +150,7 @@ def test_steps_give_exactly_the_local_outputs(host, transport):
     rng = np.random.default_rng(1)
     w = rng.standard_normal((16, 8)).astype(np.float32)
     url = host.unix if transport == "unix" else host.tcp
-    with LocalBackend("cpu") as local, RemoteBackend(url, token_file=host.token_file) as remote:
+    with LocalBackend("cpu") as local, RemoteBackend(url, token=Path(host.token_file).read_text().strip()) as remote:
         sent = []  # the message type of every frame the guest sends
         send = remote.chan.send_frame
         remote.chan.send_frame = lambda frame, *a: (sent.append(m.OPCODES[m.decode_header(frame[:16]).opcode]),
@@ -188,6 +189,28 @@ def test_a_compute_off_the_layout_is_an_error_naming_the_reason(host):
         with pytest.raises(BackendError, match="unknown graph id 99"):
             remote.compute(99, {})
         assert remote.compute(gid, {"x": np.ones(2, np.float32)})[0].tolist() == [2.0, 2.0]
+
+
+def test_the_remote_backend_takes_its_config_from_its_caller(host, monkeypatch):
+    """RemoteBackend reads no environment: its token and spin time come as parameters,
+    which create_backend (the edge apir.load and the CLI go through) resolves."""
+    from apir.backends import create_backend
+    from apir.backends.remote import AuthError, RemoteBackend
+
+    token = Path(host.token_file).read_text().strip()
+    monkeypatch.setenv("APIR_SPIN_US", "777")
+    monkeypatch.setenv("APIR_TOKEN", token)
+    monkeypatch.delenv("APIR_TOKEN_FILE", raising=False)
+    with RemoteBackend(host.unix) as remote:
+        assert remote.chan.spin_seconds == 0  # a cpu host's default, not $APIR_SPIN_US
+    with RemoteBackend(host.unix, spin_us=1234) as remote:
+        assert remote.chan.spin_seconds == 1234e-6
+    with create_backend("remote", remote=host.tcp) as remote:
+        assert remote.chan.spin_seconds == 777e-6 and remote.device().kind == "cpu"
+    with pytest.raises(AuthError, match="token does not match"):
+        RemoteBackend(host.tcp)
+    with RemoteBackend(host.tcp, token=token) as remote:
+        assert remote.device().kind == "cpu"
 
 
 def test_tcp_without_token_is_refused(host, monkeypatch):

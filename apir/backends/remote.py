@@ -39,7 +39,7 @@ from ..protocol import (
 )
 from ..protocol import messages as m
 from ..protocol.step import LayoutError, StepLayout
-from ..transport import ArenaRing, Connection, ConnectionClosed, connect
+from ..transport import ArenaRing, Connection, ConnectionClosed, connect, spin_seconds
 from .base import Backend, BackendError, BufferPurpose, DeviceInfo, Feed, Pending, QuotaError
 
 CHUNK = 8 << 20  # upload pieces: well under the frame limit, big enough to stream fast
@@ -84,19 +84,6 @@ def _device(d: m.Device) -> DeviceInfo:
                       frozenset(d.capabilities))
 
 
-def read_token(token_file: str | None = None) -> str:
-    """The shared secret for tcp/vsock: --token-file, else $APIR_TOKEN, else empty."""
-    from .. import env
-
-    path = token_file or env.TOKEN_FILE.get()
-    if path:
-        try:
-            return open(path).read().strip()
-        except OSError as e:
-            raise ApirError(f"cannot read token file {path}: {e.strerror}") from None
-    return env.TOKEN.get() or ""
-
-
 def handshake(url: str | None, hello: m.Hello, timeout: float | None, want: type) -> tuple[Connection, object]:
     """Connect, say ``hello``, and return the connection with the host's answer, which
     must be a ``want``; an Error is raised as its exception."""
@@ -111,7 +98,9 @@ def handshake(url: str | None, hello: m.Hello, timeout: float | None, want: type
 
 def host_status(url: str | None = None, token_file: str | None = None) -> m.Status:
     """Ask a daemon for its sessions and their memory (no session is created)."""
-    hello = m.Hello(PROTOCOL_VERSION, op_table_hash(), read_token(token_file), f"apir {__version__}", 0, True)
+    from .. import env  # callers pass the token file: resolved here, for the CLI and doctor
+
+    hello = m.Hello(PROTOCOL_VERSION, op_table_hash(), env.read_token(token_file), f"apir {__version__}", 0, True)
     conn, status = handshake(url, hello, None, m.Status)
     conn.close()
     return status
@@ -120,10 +109,14 @@ def host_status(url: str | None = None, token_file: str | None = None) -> m.Stat
 class RemoteBackend(Backend):
     name = "remote"
 
-    def __init__(self, url: str | None = None, device: str | None = None,
-                 token_file: str | None = None, arena_size: int = DEFAULT_ARENA,
-                 timeout: float | None = None) -> None:
-        hello = m.Hello(PROTOCOL_VERSION, op_table_hash(), read_token(token_file),
+    def __init__(self, url: str | None = None, device: str | None = None, token: str = "",
+                 arena_size: int = DEFAULT_ARENA, timeout: float | None = None,
+                 spin_us: int | None = None) -> None:
+        """Open a session on the host at ``url`` (unix, tcp, vsock, ivshmem; None: the
+        default unix socket). ``token``: the host's secret (tcp, vsock); ``timeout``: how
+        long any wait for the host may last (None: no limit); ``spin_us``: how long to
+        busy-poll for a reply (None: by the host's device, see ``transport.spin_seconds``)."""
+        hello = m.Hello(PROTOCOL_VERSION, op_table_hash(), token,
                         f"apir {__version__} pid {os.getpid()} on {socket.gethostname()}", arena_size)
         self.conn, welcome = handshake(url, hello, timeout, m.Welcome)
         self.chan, self.arena, self.address = self.conn.channel, self.conn.arena, self.conn.address
@@ -141,9 +134,7 @@ class RemoteBackend(Backend):
             self.close()
             raise BackendError(f"the host executes on {self._device.kind}, not {device!r}; "
                                f"start it with `apir host --device {device}`")
-        from .. import env
-
-        self.chan.spin_seconds = env.spin_seconds(self._device.kind)
+        self.chan.spin_seconds = spin_seconds(self._device.kind, spin_us)
         self.ring = ArenaRing(self.arena.size) if self.arena else None
 
     def __repr__(self) -> str:

@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .. import env
 from ..backends.base import Limits
 from ..errors import ApirError
 from ..protocol import PROTOCOL_VERSION, ErrorCode, ProtocolError, op_table_hash
@@ -270,7 +271,7 @@ class Daemon:
         self.selector.unregister(p.sock)
         limits = Limits(self.config.max_memory, self.config.max_handles, self.config.max_graph_nodes)
         cfg = SessionConfig(self.config.device, limits, self.config.max_arena, session, p.peer,
-                            self.config.io_timeout)
+                            self.config.io_timeout, env.spin_us())
         pid = os.fork()
         if pid == 0:  # the worker
             code = 0

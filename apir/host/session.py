@@ -70,6 +70,7 @@ class SessionConfig:
     session: int
     peer: str
     io_timeout: float = 60.0  # a started frame must keep arriving, a reply must drain
+    spin_us: int | None = None  # busy-poll for frames this long (None: by device, see transport.spin_seconds)
 
 
 def device_message(backend: Executor) -> m.Device:

@@ -9,7 +9,7 @@ import time
 
 from ..protocol import PROTOCOL_VERSION
 from ..protocol import messages as m
-from ..transport import Connection, ConnectionClosed, accept
+from ..transport import Connection, ConnectionClosed, accept, spin_seconds
 from .session import Session, SessionConfig, device_message
 
 log = logging.getLogger("apir.host")
@@ -34,9 +34,7 @@ def run_worker(conn: Connection, hello: m.Hello, config: SessionConfig, publish)
                           f"apir-session-{config.session}")
         except ConnectionClosed:
             return  # the guest went away during its handshake
-        from .. import env
-
-        conn.channel.spin_seconds = env.spin_seconds(device.kind)  # the next step is µs away on a GPU
+        conn.channel.spin_seconds = spin_seconds(device.kind, config.spin_us)  # the next step is µs away on a GPU
         Session(conn.channel, backend, conn.arena, config, publish, liveness=conn.liveness).serve()
     finally:
         peak = backend.peak_bytes

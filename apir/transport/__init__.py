@@ -11,7 +11,7 @@ from pathlib import Path
 
 from .address import Address, AddressError, default_socket_path, parse_address
 from .arena import Arena, ArenaError, ArenaRing
-from .channel import Channel, ConnectionClosed, Frame, SocketChannel
+from .channel import Channel, ConnectionClosed, Frame, SocketChannel, spin_seconds
 from .connection import Connection, HostUnreachable, accept, connect
 
 
@@ -59,5 +59,5 @@ def listen(address: Address, group: int | None = None, backlog: int = 64) -> soc
 __all__ = [
     "Address", "AddressError", "Arena", "ArenaError", "ArenaRing", "Channel", "Connection", "ConnectionClosed",
     "Frame", "HostUnreachable", "SocketChannel", "accept", "connect", "default_socket_path", "listen",
-    "parse_address",
+    "parse_address", "spin_seconds",
 ]

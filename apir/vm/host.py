@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+from .. import env
 from ..backends.base import Limits
 from ..protocol import PROTOCOL_VERSION, ErrorCode, ProtocolError, op_table_hash
 from ..protocol import messages as m
@@ -63,7 +64,7 @@ def serve_region(region: Region, device: str | None = None, alive: Callable[[], 
         _refuse(chan, err)
         return False
     chan.max_body, chan.timeout = m.MAX_BODY, None  # idle waits end when the guest or VM does
-    config = SessionConfig(device, limits or Limits(), region.arena_size, 1, "ivshmem:vm", io_timeout)
+    config = SessionConfig(device, limits or Limits(), region.arena_size, 1, "ivshmem:vm", io_timeout, env.spin_us())
     log.info("session 1 start: peer ivshmem:vm, client %r", frame.message.client[:80])
     run_worker(Connection(chan, "ivshmem:vm", region.arena()), frame.message, config, lambda allocated, peak: None)
     return True
