@@ -254,9 +254,6 @@ class RemoteBackend(Backend):
         base = self._arena_slot(total) if total else None
         return [-1 if base is None or o < 0 else base + o for o in offsets]
 
-    def _blob(self, data: bytes | memoryview, offset: int) -> m.Blob:
-        return m.Blob(*self._blob_fields(data, offset))
-
     def _blob_fields(self, data: bytes | memoryview, offset: int) -> tuple[bytes, int, int]:
         """(inline, arena_offset, size) of a blob holding ``data``, at ``offset`` of the
         arena (from ``_place``), or inline for -1."""
@@ -301,7 +298,7 @@ class RemoteBackend(Backend):
         view = memoryview(data).cast("B")
         for start in range(0, max(len(view), 1), CHUNK):
             piece = view[start : start + CHUNK]
-            self._post(m.SetTensor(handle, offset + start, self._blob(piece, self._place([len(piece)])[0])))
+            self._post(m.SetTensor(handle, offset + start, m.Blob(*self._blob_fields(piece, self._place([len(piece)])[0]))))
 
     def get_tensor(self, handle: int, offset: int, size: int) -> bytes:
         reply = self._call(m.GetTensor(handle, offset, size, self._place([size])[0]))

@@ -47,8 +47,6 @@ class Channel(Protocol):
 
     max_body: int  # the largest frame body accepted
     spin_seconds: float  # busy-poll this long for the next frame before sleeping
-    bytes_sent: int
-    bytes_received: int
 
     def send(self, msg: object, request_id: int = 0, flags: int = 0, fds: tuple[int, ...] = ()) -> None: ...
 
@@ -79,8 +77,6 @@ class SocketChannel:
         self.unix = sock.family == socket.AF_UNIX
         if sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # small frames, no batching
-        self.bytes_sent = 0
-        self.bytes_received = 0
         self.spin_seconds = 0.0  # poll this long before sleeping in recv (see _spin)
         # Bytes read from the socket but not consumed yet: [_start, _end) of _buf. Reading
         # into a buffer takes a small frame in one system call instead of two.
@@ -129,7 +125,6 @@ class SocketChannel:
         self.send_frame(encode(msg, request_id, flags), fds)
 
     def send_frame(self, frame: bytes, fds: tuple[int, ...] = ()) -> None:
-        """Send an encoded frame (the hot path builds its frames without message objects)."""
         try:
             if fds:
                 anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())]
@@ -140,7 +135,6 @@ class SocketChannel:
                 self.sock.sendall(frame)
         except (BrokenPipeError, ConnectionResetError) as e:
             raise ConnectionClosed(f"connection lost while sending ({e.strerror})") from None
-        self.bytes_sent += len(frame)
 
     def recv(self) -> Frame:
         """Read one whole frame; raises ConnectionClosed on EOF, ProtocolError on garbage."""
@@ -153,7 +147,6 @@ class SocketChannel:
             raise
 
     def recv_frame(self) -> tuple[FrameHeader, bytearray, tuple[int, ...]]:
-        """One whole frame, its header checked, its body not decoded yet (a private copy)."""
         if self.spin_seconds and not self._arrived and not self.buffered():
             self._spin()
         self._arrived = False
@@ -164,7 +157,6 @@ class SocketChannel:
             self._drop_fds()
             raise
         fds, self._fds = tuple(self._fds), []
-        self.bytes_received += HEADER.size + header.length
         return header, body, fds
 
     def _take(self, n: int, frame_start: bool = False) -> bytearray:

@@ -46,7 +46,7 @@ class Connection:
     arena: Arena | None = None
     liveness: socket.socket | None = None
     # closed after the channel and the arena, in this order (region, doorbell, socket)
-    parts: list[Region | Doorbell | SocketChannel] = field(default_factory=list)
+    parts: list[Region | Doorbell | Channel] = field(default_factory=list)
 
     @classmethod
     def over(cls, sock: socket.socket, address: str, max_body: int = m.MAX_BODY) -> Connection:
@@ -84,8 +84,8 @@ def connect(url: str | None, hello: m.Hello, timeout: float | None = None) -> tu
     try:
         conn.channel.send(hello, 0, WANT_REPLY)
         frame = conn.channel.recv()
-        if frame.fds and isinstance(frame.message, m.Welcome) and len(frame.fds) == 3:
-            _switch_to_region(conn, frame.fds, frame.message.arena_size)
+        if len(frame.fds) == 3 and isinstance(frame.message, m.Welcome) and conn.liveness is not None:
+            _switch_to_region(conn, conn.liveness, frame.fds, frame.message.arena_size)
         else:
             for fd in frame.fds:
                 os.close(fd)
@@ -99,10 +99,10 @@ def connect(url: str | None, hello: m.Hello, timeout: float | None = None) -> tu
     return conn, reply
 
 
-def _switch_to_region(conn: Connection, fds: tuple[int, ...], arena_size: int) -> None:
+def _switch_to_region(conn: Connection, sock: socket.socket, fds: tuple[int, ...], arena_size: int) -> None:
     """A unix session's Welcome brought its region: frames stop travelling on the socket."""
     sock_chan = conn.channel
-    region, doorbell = attach_region(fds, arena_size, conn.liveness)
+    region, doorbell = attach_region((fds[0], fds[1], fds[2]), arena_size, sock)
     conn.channel = RingChannel(region, "guest", doorbell=doorbell)
     conn.arena = region.arena()
     conn.parts = [region, doorbell, sock_chan]
@@ -116,9 +116,8 @@ def accept(conn: Connection, welcome: Callable[[int], m.Welcome], arena_size: in
     the region's rings. ``welcome(granted)`` makes the Welcome for the arena granted.
     Raises ConnectionClosed when the guest went away during its handshake."""
     sock = conn.liveness
-    unix = sock is not None and sock.family == socket.AF_UNIX
     conn.channel.set_timeout(io_timeout)
-    if not (unix and conn.arena is None and arena_size > 0):
+    if sock is None or sock.family != socket.AF_UNIX or conn.arena is not None or arena_size <= 0:
         reply = welcome(conn.arena.size if conn.arena is not None else 0)
         _send_welcome(conn, reply, ())
         return conn

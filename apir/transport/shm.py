@@ -85,7 +85,6 @@ from .doorbell import Doorbell
 MAGIC = b"APIRSHM1"
 LAYOUT_VERSION = 2  # 2: the "asleep" flags
 HEADER_SIZE = 0x1000
-COUNTERS = 0x1000
 DATA = 0x2000
 DEFAULT_RING = 1 << 20
 ARENA_BOUNDARY = 1 << 20  # the arena starts on a MiB boundary, past the rings
@@ -237,7 +236,6 @@ class RingChannel:
         self.doorbell = doorbell
         self.alive = alive or (doorbell.alive if doorbell else (lambda: True))
         self.spin_seconds = 0.0
-        self.bytes_sent = self.bytes_received = 0
         self.R = region.ring_size
         req, rep = DATA, DATA + self.R
         if side == "guest":
@@ -394,13 +392,11 @@ class RingChannel:
         self.send_frame(encode(msg, request_id, flags), fds)
 
     def send_frame(self, frame: bytes, fds: tuple[int, ...] = ()) -> None:
-        """Send an encoded frame (the hot path builds its frames without message objects)."""
         if fds:
             raise RegionError("file descriptors cannot cross a VM boundary")
         if self.closed:
             raise ConnectionClosed("the shared-memory channel is closed")
         self._write(frame)
-        self.bytes_sent += len(frame)
 
     def recv(self) -> Frame:
         """One whole frame: ConnectionClosed when the peer is gone, TimeoutError when
@@ -416,7 +412,6 @@ class RingChannel:
             return True  # recv_frame reports it
 
     def recv_frame(self) -> tuple[FrameHeader, bytearray, tuple[int, ...]]:
-        """One whole frame, its header checked, its body not decoded yet (a private copy)."""
         if self.closed:
             raise ConnectionClosed("the shared-memory channel is closed")
         deadline = None if self.timeout is None else time.monotonic() + self.timeout
@@ -425,7 +420,6 @@ class RingChannel:
         header: FrameHeader = decode_header(raw, self.max_body)
         body = self._read(header.length, time.monotonic() + self.io_timeout,
                           "mid-frame (the peer stalled)") if header.length else bytearray()
-        self.bytes_received += HEADER.size + header.length
         return header, body, ()
 
     def close(self) -> None:
