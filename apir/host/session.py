@@ -160,19 +160,21 @@ class Session:
             if isinstance(msg, m.Goodbye):
                 return
             rid, wanted = header.request_id, header.flags & WANT_REPLY
-            queued = wanted and header.opcode == m.STEP_OPCODE  # a Step the guest waits for: queue it
-            while in_flight and not queued:  # everything else runs after the queued steps, in order
+            if wanted and header.opcode == m.STEP_OPCODE:  # a Step the guest waits for: queue it
+                try:
+                    in_flight.append(self.dispatch(msg, rid))
+                except Exception as e:  # noqa: BLE001 - every failure becomes an Error reply
+                    in_flight.append(InFlight(rid, _DONE, partial(error_for, e)))
+                continue
+            while in_flight:  # everything else runs after the queued steps, in order
                 if not self._reply(in_flight.popleft()):
                     return
             try:
                 reply = self.dispatch(msg, rid)
+                if isinstance(reply, InFlight):  # a Step nobody waits for: run it now
+                    reply = reply.finish()
             except Exception as e:  # noqa: BLE001 - every failure becomes an Error reply
                 reply = error_for(e)
-            if queued:
-                in_flight.append(reply if isinstance(reply, InFlight) else InFlight(rid, _DONE, partial(_same, reply)))
-                continue
-            if isinstance(reply, InFlight):
-                reply = _finish(reply)
             self._publish()
             if wanted:
                 if not self._send_first_failure(reply, rid):
@@ -204,7 +206,11 @@ class Session:
 
     def _reply(self, step: InFlight) -> bool:
         """Send a queued step's reply once its outputs are back; False: end the session."""
-        return self._send_first_failure(_finish(step), step.rid)
+        try:
+            reply = step.finish()
+        except Exception as e:  # noqa: BLE001 - every failure becomes an Error reply
+            reply = error_for(e)
+        return self._send_first_failure(reply, step.rid)
 
     def _send_first_failure(self, reply: object, rid: int) -> bool:
         """Send ``reply``, or the failure of a request nobody waited for, the root cause."""
@@ -265,7 +271,7 @@ class Session:
         the blob fields of a Data, or for a Step the InFlight that will make its Data."""
         b = self.backend
         match msg:
-            case m.ParsedStep():
+            case tuple():  # a Step, as m.parse_step leaves it: its fields
                 return self._start_step(rid, *msg)
             case m.GetDevices():
                 return m.Devices((device_message(b),))
@@ -314,12 +320,12 @@ class Session:
             # Inline bytes that arrive as a view of the frame's body are both already.
             payload = bytearray(payload)
         pending = self.backend.submit(gid, layout.unpack_inputs(payload, n_tokens, fed), feed)
-        return InFlight(rid, pending, lambda: self._outputs(layout, pending.result(), n_tokens, out_offset, capacity),
-                        n_tokens)
 
-    def _outputs(self, layout: StepLayout, outs: list[np.ndarray], n_tokens: int, out_offset: int,
-                 capacity: int) -> tuple[bytes, int, int]:
-        return self._data(outs, layout.output_placement(outs, n_tokens), out_offset, capacity)
+        def finish() -> tuple[bytes, int, int]:
+            outs = pending.result()
+            return self._data(outs, layout.output_placement(outs, n_tokens), out_offset, capacity)
+
+        return InFlight(rid, pending, finish, n_tokens)
 
     def _data(self, arrays: Sequence[np.ndarray], place: Placement, out_offset: int,
               capacity: int) -> tuple[bytes, int, int]:
@@ -351,19 +357,7 @@ class Session:
         return self.arena.read(arena_offset, size)  # a private copy
 
 
-_DONE = Pending(outputs=[])  # the Pending of a reply known at once
-
-
-def _same(value: object) -> object:  # the finish of a reply known at once
-    return value
-
-
-def _finish(step: InFlight) -> object:
-    """A step's reply: its Data's blob fields, or the Error it failed with."""
-    try:
-        return step.finish()
-    except Exception as e:  # noqa: BLE001 - every failure becomes an Error reply
-        return error_for(e)
+_DONE = Pending(outputs=[])  # the Pending of a step that failed before it was queued
 
 
 def _step_feed(gid: int, layout: StepLayout, pairs: list[tuple[int, int]] | tuple[tuple[int, int], ...]

@@ -539,21 +539,11 @@ def _end(body: bytes | memoryview, at: int) -> None:
         raise ProtocolError(f"{len(body) - at} unexpected bytes after the message")
 
 
-class ParsedStep(typing.NamedTuple):
-    """A Step as the host parses it on the hot path: a tuple, no message objects."""
-
-    graph_id: int
-    n_tokens: int
-    out_offset: int
-    out_capacity: int
-    inline: memoryview  # a view of the frame's body
-    arena_offset: int
-    size: int
-    feed: tuple[tuple[int, int], ...]  # (input, output) pairs, not checked against any graph yet
-
-
-def parse_step(body: bytes | memoryview) -> ParsedStep:
-    """A Step body, its fields checked as any decode checks them."""
+def parse_step(body: bytes | memoryview) -> tuple[int, int, int, int, memoryview, int, int, tuple[tuple[int, int], ...]]:
+    """A Step body as the host's hot path takes it, a plain tuple (no message objects):
+    (graph_id, n_tokens, out_offset, out_capacity, inline, arena_offset, size, feed),
+    ``inline`` a view of ``body``, ``feed`` as (input, output) pairs, not checked against
+    any graph yet."""
     (*fields, count), at = _parse_fixed(_STEP_FIELDS, _STEP_TAIL, body)
     if count > MAX_ITEMS:
         raise ProtocolError(f"list of {count} items exceeds the limit of {MAX_ITEMS}")
@@ -562,7 +552,7 @@ def parse_step(body: bytes | memoryview) -> ParsedStep:
         raise ProtocolError(f"truncated message: {count} feeds announced, {len(body) - at} bytes present")
     _end(body, end)
     flat = _array("q", 2 * count).unpack_from(body, at) if count else ()
-    return tuple.__new__(ParsedStep, (*fields, tuple(zip(flat[0::2], flat[1::2]))))
+    return (*fields, tuple(zip(flat[0::2], flat[1::2])))
 
 
 def parse_data(body: bytes | memoryview) -> tuple[memoryview, int, int]:

@@ -213,8 +213,8 @@ class StepLayout:
         place = self.placement(True, n_tokens)
         if len(outputs) != len(self.outputs):
             raise LayoutError(f"the executor returned {len(outputs)} outputs, the graph has {len(self.outputs)}")
-        for slot, a, (_, shape) in zip(self.outputs, outputs, place.places):
-            if a.dtype != slot.dtype or a.size != _count(shape):
+        for slot, a, (_, shape), cut in zip(self.outputs, outputs, place.places, place.cuts):
+            if a.dtype != slot.dtype or (a.shape != shape and a.size != cut[1]):
                 raise LayoutError(f"output {slot.name}: the executor returned {a.dtype} {a.shape}, the "
                                   f"graph's layout takes {slot.dtype} {shape}")
         return place
