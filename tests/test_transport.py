@@ -159,3 +159,30 @@ def test_a_reader_looks_once_more_after_saying_it_sleeps():
     host.close()
     guest.close()
     region.close()
+
+
+def test_connect_gives_each_transport_its_channel_and_arena(host):
+    """A unix session switches to its region's rings and arena after the Welcome; a tcp
+    one keeps its socket and asks for no arena, whatever the Hello said."""
+    from pathlib import Path
+
+    from apir.transport import HostUnreachable, connect
+
+    token = Path(host.token_file).read_text().strip()
+    hello = m.Hello(m.PROTOCOL_VERSION, m.op_table_hash(), token, "test", 1 << 20)
+    conn, welcome = connect(host.unix, hello)
+    try:
+        assert isinstance(welcome, m.Welcome) and isinstance(conn.channel, RingChannel)
+        assert conn.arena is not None and conn.arena.size == welcome.arena_size >= 1 << 20
+        assert conn.liveness is not None and conn.address == host.unix
+        conn.channel.send(m.GetDevices(), 1, m.WANT_REPLY)
+        assert isinstance(conn.channel.recv().message, m.Devices)
+    finally:
+        conn.close()
+    conn, welcome = connect(host.tcp, hello)
+    try:
+        assert isinstance(conn.channel, SocketChannel) and conn.arena is None and welcome.arena_size == 0
+    finally:
+        conn.close()
+    with pytest.raises(HostUnreachable, match="no apir host is listening at unix:///nonexistent/apir.sock"):
+        connect("unix:///nonexistent/apir.sock", hello)
