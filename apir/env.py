@@ -101,14 +101,23 @@ SPIN_US = EnvVar(
 )
 
 
-def spin_seconds(device_kind: str) -> float:
-    """How long to busy-poll for a frame: only worth a core when a GPU does the compute.
-    Long enough to cover a prefill chunk and the gap between a client's requests: a side
-    asleep on its eventfd is woken late (on an H200, 135M pp512 through remote kept 0.90
-    of native with 2 ms on both sides and with 50 ms on the guest alone, 0.965 with 50 ms
-    on both)."""
+def spin_us() -> int | None:
+    """APIR_SPIN_US as a number; None when unset (each side then picks by the host's
+    device: ``apir.transport.spin_seconds``)."""
     value = SPIN_US.get()
-    return (int(value) if value is not None else 50000 if device_kind != "cpu" else 0) / 1e6
+    return None if value is None else int(value)
+
+
+def read_token(token_file: str | None = None) -> str:
+    """The shared secret for tcp/vsock: --token-file, else $APIR_TOKEN_FILE, else
+    $APIR_TOKEN, else empty."""
+    path = token_file or TOKEN_FILE.get()
+    if path:
+        try:
+            return open(path).read().strip()
+        except OSError as e:
+            raise ApirError(f"cannot read token file {path}: {e.strerror}") from None
+    return TOKEN.get() or ""
 
 CONFIG = EnvVar(
     "APIR_CONFIG",

@@ -27,9 +27,10 @@ with atheris.instrument_imports(include=["apir"]):
     from apir.backends.base import Limits
     from apir.backends.local import LocalBackend
     from apir.graph import DType, GraphBuilder, T
-    from apir.host.session import Session, SessionConfig, error_for
+    from apir.host.session import InFlight, Session, SessionConfig, error_for
     from apir.protocol import ProtocolError
     from apir.protocol import messages as m
+    from apir.protocol.step import StepLayout
 
 LIMITS = Limits(max_memory=16 << 20, max_handles=128, max_graph_nodes=512)
 MAX_FRAMES = 32
@@ -53,14 +54,16 @@ def serve(data: bytes) -> None:
                 body = data[pos + m.HEADER.size : pos + m.HEADER.size + header.length]
                 if len(body) < header.length:
                     return  # the host would wait for the rest
-                msg = m.decode_body(header.opcode, body)
+                msg = m.parse_step(body) if header.opcode == m.STEP_OPCODE else m.decode_body(header.opcode, body)
             except ProtocolError:
                 return  # the host answers PROTOCOL and ends the session
             pos += m.HEADER.size + header.length
             if isinstance(msg, m.Goodbye):
                 return
             try:
-                session.dispatch(msg)
+                reply = session.dispatch(msg)
+                if isinstance(reply, InFlight):  # a Step, run to completion
+                    reply.finish()
             except Exception as e:  # noqa: BLE001 - exactly what Session.serve does
                 err = error_for(e)
                 if err.code == m.ErrorCode.INTERNAL:
@@ -87,16 +90,13 @@ def seeds() -> list[bytes]:
     out = g.sample(g.softmax(h), g.input("params", (5,)))
     graph = g.build(out, kv)
 
-    def tensor(name, arr, dtype):
-        raw = arr.tobytes()
-        return m.Tensor(name, int(dtype), arr.shape, m.Blob(raw, -1, len(raw)))
-
-    inputs = (tensor("x", np.ones((2, 32), np.float32), DType.F32),
-              tensor("ids", np.array([1, 3], np.int32), DType.I32),
-              tensor("params", np.array([0.8, 4, 0.9, 0.05, 0.5], np.float32), DType.F32))
+    n, payload = StepLayout.of(graph).pack_inputs({
+        "x": np.ones((2, 32), np.float32), "ids": np.array([1, 3], np.int32),
+        "params": np.array([0.8, 4, 0.9, 0.05, 0.5], np.float32)})
     session = [
         m.AllocBuffer(1, 4096, 0), m.SetTensor(1, 0, m.Blob(bytes(range(256)) * 4, -1, 1024)),
-        m.AllocBuffer(2, 512, 1), m.RegisterGraph(3, graph), m.Compute(3, inputs, -1, 0),
+        m.AllocBuffer(2, 512, 1), m.RegisterGraph(3, graph),
+        m.Step(3, n, -1, 0, m.Blob(payload, -1, len(payload))),
         m.GetTensor(2, 0, 64, -1), m.CopyTensor(1, 0, 2, 32, 32), m.FreeGraph(3), m.FreeBuffer(1),
     ]
     full = b"".join(m.encode(msg, i, m.WANT_REPLY) for i, msg in enumerate(session))

@@ -50,7 +50,7 @@ class RawGuest:
             self.welcome = reply
             if len(fds) == 3:
                 from apir.transport.doorbell import Doorbell
-                from apir.transport.ivshmem import Region, RingChannel
+                from apir.transport.shm import Region, RingChannel
 
                 self.region = Region.open_fd(fds[0])
                 self.ring = RingChannel(self.region, "guest", timeout=timeout,

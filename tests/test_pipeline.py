@@ -6,6 +6,7 @@ the right ``result()``; several requests in flight never share arena bytes."""
 from __future__ import annotations
 
 import signal
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,7 +22,7 @@ VOCAB, DIM = 64, 16
 
 
 def _remote(host, transport: str, **kw) -> RemoteBackend:
-    return RemoteBackend(host.unix if transport == "unix" else host.tcp, token_file=host.token_file, **kw)
+    return RemoteBackend(host.unix if transport == "unix" else host.tcp, token=Path(host.token_file).read_text().strip(), **kw)
 
 
 def _decoder(b) -> tuple[int, int]:
@@ -94,7 +95,7 @@ def test_an_error_surfaces_at_its_own_result_and_a_fed_step_after_it_fails(host,
         with pytest.raises(BackendError, match="no outputs to feed from"):
             fed.result()
         with pytest.raises(BackendError, match="feed names 'nope', which is not an input"):
-            remote.compute(gid, _pos(0), feed={"nope": 0})  # the general Compute: the host says
+            remote.compute(gid, _pos(0), feed={"nope": 0})  # the guest says, as the local backend would
         assert remote.compute(gid, {"tokens": np.array([3], np.int32), **_pos(0)})[0].shape == (1,)
 
 
@@ -108,7 +109,7 @@ def test_many_requests_in_flight_through_a_small_arena(host, transport):
         g = GraphBuilder()
         x = g.input("x", (T, 1024))
         gid = remote.register_graph(g.build(g.scale(x, 2.0), g.scale(x, -1.0)))
-        # T only in a fed input: a general Compute, its feed by name
+        # T only in a fed input: that of the output feeding it, in the previous compute
         g = GraphBuilder()
         named = remote.register_graph(g.build(g.input("tok", (T,), DType.I32), g.scale(g.input("x", (64, 1024)), 3.0)))
         remote.compute(named, {"tok": np.array([4, 2], np.int32), "x": xs[0]})
@@ -170,7 +171,7 @@ class _AheadSession:
         from apir.backends.base import Pending
         from apir.host.session import Session, SessionConfig
         from apir.protocol.step import StepLayout
-        from apir.transport import Channel
+        from apir.transport import SocketChannel
 
         events: list[str] = []
         self.events = events
@@ -198,7 +199,7 @@ class _AheadSession:
         self.gid, _ = _decoder(backend)
         session.layouts[self.gid] = self.layout = StepLayout.of(backend._graphs[self.gid].graph)
         host_end, guest_end = socket.socketpair()
-        session.chan, self.guest = Channel(host_end), Channel(guest_end)
+        session.chan, self.guest = SocketChannel(host_end), SocketChannel(guest_end)
         session.chan.spin_seconds = 0.2  # how long the host waits for the next step before replying
         self.server = threading.Thread(target=session.serve, daemon=True)
         self.server.start()

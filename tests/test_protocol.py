@@ -10,9 +10,9 @@ import pytest
 from rawguest import body_of, frame
 
 from apir.graph import DType, GraphBuilder, Op, T
-from apir.protocol import ProtocolError, graph_codec
+from apir.protocol import ALIGN, ProtocolError, graph_codec
 from apir.protocol import messages as m
-from apir.protocol.step import ALIGN, MAX_TOKENS, StepLayout, pack
+from apir.protocol.step import MAX_TOKENS, LayoutError, StepLayout, pack
 from apir.protocol.wire import MAX_ITEMS, MAX_RANK, MAX_STR, Reader, Writer
 
 
@@ -43,9 +43,6 @@ SAMPLES: dict[type, object] = {
     m.CopyTensor: m.CopyTensor(7, 0, 8, 32, 1024),
     m.RegisterGraph: m.RegisterGraph(9, _graph()),
     m.FreeGraph: m.FreeGraph(9),
-    m.Compute: m.Compute(9, (m.Tensor("x", int(DType.F32), (2, 8), m.Blob(b"", 128, 64)),
-                             m.Tensor("pos", int(DType.I32), (2,), m.Blob(b"\0" * 8, -1, 8))), -1, 0,
-                         (m.NamedFeed("tokens", 0),)),
     m.Step: m.Step(9, 1, 4096, 1 << 16, BLOB, (m.Feed(0, 0), m.Feed(-1, 2**62))),
     m.Synchronize: m.Synchronize(),
     m.Goodbye: m.Goodbye(),
@@ -55,7 +52,6 @@ SAMPLES: dict[type, object] = {
     m.Devices: m.Devices((DEV, m.Device("cuda:0", "cuda", "", 0, 0, ()))),
     m.Flag: m.Flag(False),
     m.Data: m.Data(m.Blob(b"", 0, 1 << 20)),
-    m.Outputs: m.Outputs((m.Tensor("out0", int(DType.I32), (), BLOB),)),
     m.Status: m.Status(1, DEV, (m.SessionInfo(1, 1234, "unix:local", 10, 20),), 16, 0),
 }
 
@@ -63,6 +59,13 @@ SAMPLES: dict[type, object] = {
 def test_every_opcode_has_a_sample():
     assert set(SAMPLES) == set(m.OPCODES.values())
     assert len(set(m.OPCODES.values())) == len(m.OPCODES)  # one opcode per message type
+
+
+@pytest.mark.parametrize("opcode", [42, 142])  # Compute and Outputs, retired in version 4
+def test_retired_opcodes_are_unknown(opcode):
+    assert m.PROTOCOL_VERSION == 4
+    with pytest.raises(ProtocolError, match=f"unknown opcode {opcode}"):
+        m.decode_header(m.HEADER.pack(m.MAGIC, opcode, 0, 1, 0))
 
 
 @pytest.mark.parametrize("cls", list(m.OPCODES.values()), ids=lambda c: c.__name__)
@@ -316,28 +319,53 @@ def test_fed_inputs_take_no_room_in_the_payload():
     assert payload == pack([inputs["h"], inputs["params"]], layout.placement(False, 3, (0,)))
     back = layout.unpack_inputs(bytearray(payload), 3, (0,))
     assert list(back) == ["h", "params"] and all(np.array_equal(back[k], sent[k]) for k in back)
-    assert layout.pack_inputs(inputs, (0,)) is None  # a fed input sent as well
-    assert layout.pack_inputs(sent, ()) is None  # an unfed input missing
-    # T shows only in fed inputs: the general Compute, where the host works it out
-    assert layout.pack_inputs({"params": inputs["params"]}, (0, 1)) is None
+    with pytest.raises(LayoutError, match=r"missing \[\], unexpected \['tokens'\] \(an input is either sent or fed"):
+        layout.pack_inputs(inputs, (0,))  # a fed input sent as well
+    with pytest.raises(LayoutError, match=r"missing \['tokens'\], unexpected \[\]"):
+        layout.pack_inputs(sent, ())  # an unfed input missing
+    # T shows only in fed inputs: that of the output feeding the first of them last time
+    assert layout.pack_inputs({"params": inputs["params"]}, (0, 1), [(1, 1), (0, 0)]) == (3, inputs["params"].tobytes())
     with pytest.raises(ProtocolError, match="step inputs of 16 bytes; the graph's layout takes 52"):
         layout.unpack_inputs(bytearray(payload[:16]), 3, (0,))
 
 
-@pytest.mark.parametrize("change", [
-    lambda d: d.pop("h"),
-    lambda d: d.update(extra=np.zeros(1, np.int32)),
-    lambda d: d.update(h=np.ones((2, 3), np.float32)),  # dtype
-    lambda d: d.update(h=np.ones((3, 3), np.float16)),  # T disagrees with tokens
-    lambda d: d.update(h=np.ones((2, 4), np.float16)),  # fixed dim
-    lambda d: d.update(params=np.zeros((1, 5), np.float32)),  # rank
-    lambda d: d.update(params=[0.0] * 5),  # not an array
-    lambda d: d.update(tokens=np.zeros(0, np.int32), h=np.ones((0, 3), np.float16)),  # T = 0
+@pytest.mark.parametrize("change, reason", [
+    (lambda d: d.pop("h"), r"missing \['h'\], unexpected \[\]"),
+    (lambda d: d.update(extra=np.zeros(1, np.int32)), r"missing \[\], unexpected \['extra'\]"),
+    (lambda d: d.update(h=np.ones((2, 3), np.float32)), "input 'h' must be F16, got numpy float32"),
+    (lambda d: d.update(h=np.ones((3, 3), np.float16)), "input 'h': token dim 3 disagrees with T=2"),
+    (lambda d: d.update(h=np.ones((2, 4), np.float16)), r"input 'h' must have shape \(T, 3\), got \(2, 4\)"),
+    (lambda d: d.update(params=np.zeros((1, 5), np.float32)), r"input 'params' must have shape \(5\), got \(1, 5\)"),
+    (lambda d: d.update(params=[0, 0, 0, 0, 0]), "input 'params' must be F32, got numpy int64"),
+    (lambda d: d.update(tokens=np.zeros(0, np.int32), h=np.ones((0, 3), np.float16)),
+     "input 'tokens': token dim 0 disagrees with T=0"),
 ])
-def test_inputs_off_the_registered_form_take_the_general_path(change):
+def test_inputs_off_the_registered_form_are_refused_with_the_reason(change, reason):
+    """The executor's words for the same mistakes: the guest says them before sending."""
     inputs = _step_inputs(2)
     change(inputs)
-    assert StepLayout.of(_step_graph()).pack_inputs(inputs) is None
+    with pytest.raises(LayoutError, match=reason):
+        StepLayout.of(_step_graph()).pack_inputs(inputs)
+
+
+def test_inputs_that_only_are_not_arrays_yet_pack_as_arrays():
+    """A numpy scalar, or a list of the right dtype, as the local executor takes them."""
+    g = GraphBuilder()
+    layout = StepLayout.of(g.build(g.scale(g.input("s", (), DType.F32), 2.0), g.input("ids", (2,), DType.I32)))
+    want = layout.pack_inputs({"s": np.full((), 3, np.float32), "ids": np.array([1, 2], np.int32)})
+    assert layout.pack_inputs({"s": np.float32(3), "ids": np.array([1, 2], np.int32)}) == want
+    with pytest.raises(LayoutError, match="input 's' must be F32, got numpy float64"):
+        layout.pack_inputs({"s": 3.0, "ids": np.array([1, 2], np.int32)})
+
+
+def test_a_feed_by_name_becomes_index_pairs_or_is_refused():
+    layout = StepLayout.of(_step_graph())
+    assert layout.feed_pairs({"h": 1, "tokens": 0}, 9) == ([(1, 1), (0, 0)], (0, 1))
+    assert layout.feed_pairs({}, 9) == ([], ())
+    with pytest.raises(LayoutError, match="feed names 'nope', which is not an input of graph 9"):
+        layout.feed_pairs({"nope": 0}, 9)
+    with pytest.raises(LayoutError, match="feed of 'h': graph 9 has no output 3"):
+        layout.feed_pairs({"h": 3}, 9)
 
 
 def test_step_payloads_are_checked_before_use():
@@ -358,16 +386,18 @@ def test_step_payloads_are_checked_before_use():
     assert fixed.unpack_inputs(bytearray(32), 0)["x"].shape == (2, 4)
 
 
-def test_executor_outputs_off_the_layout_have_no_placement():
-    """Then the host replies with a general Outputs, which names dtypes and shapes."""
+def test_executor_outputs_off_the_layout_are_refused_with_the_reason():
+    """Only bytes travel: each output needs its slot's dtype and element count."""
     layout = StepLayout.of(_step_graph())
     good = [np.zeros(2, np.int32), np.ones((2, 3), np.float16), np.zeros(5, np.float32)]
-    assert layout.output_placement(good, 2) is not None
-    for outs in (good[:2], [np.zeros(2, np.int64), *good[1:]], [good[0], np.ones((3, 3), np.float16), good[2]],
-                 [np.zeros((1, 2), np.int32), *good[1:]]):
-        assert layout.output_placement(outs, 2) is None
+    assert layout.output_placement(good, 2).size == layout.placement(True, 2).size
+    assert layout.output_placement([np.zeros((1, 2), np.int32), *good[1:]], 2).size == layout.placement(True, 2).size
+    for outs, reason in (
+        (good[:2], "the executor returned 2 outputs, the graph has 3"),
+        ([np.zeros(2, np.int64), *good[1:]], r"output out0: the executor returned int64 \(2,\), the graph's "
+                                             r"layout takes int32 \(2,\)"),
+        ([good[0], np.ones((3, 3), np.float16), good[2]], r"output out1: the executor returned float16 \(3, 3\)"),
+    ):
+        with pytest.raises(LayoutError, match=reason):
+            layout.output_placement(outs, 2)
 
-
-def test_graphs_with_tensors_numpy_cannot_hold_have_no_layout():
-    g = GraphBuilder()
-    assert StepLayout.of(g.build(g.weight(1, 0, (4, 32), DType.Q8_0))) is None

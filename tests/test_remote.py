@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -109,7 +110,8 @@ def test_other_protocol_version_is_refused_with_both_versions_named(host):
     assert "version 99" in reply.message and f"version {m.PROTOCOL_VERSION}" in reply.message
 
 
-@pytest.mark.parametrize("version", [1, 42])  # 1: a guest from before the Step message
+# 1: a guest from before the Step message; 3: one from before Step was the only compute
+@pytest.mark.parametrize("version", [1, 3, 42])
 def test_other_protocol_version_raises_typed_error(host, monkeypatch, version):
     import apir.backends.remote as remote
 
@@ -138,9 +140,9 @@ def _step_graphs(b, w: np.ndarray) -> tuple[int, int]:
 
 @pytest.mark.parametrize("transport", ["unix", "tcp"])
 def test_steps_give_exactly_the_local_outputs(host, transport):
-    """Computes in the registered form travel as fixed-layout Steps (small and large,
-    inline and through the arena); anything else as a general Compute, whose error names
-    what is wrong. Either way the outputs are the local backend's, dtype and shape."""
+    """Computes travel as fixed-layout Steps (small and large, inline and through the
+    arena), with exactly the local backend's outputs, dtype and shape; inputs off the
+    registered form are refused before anything is sent, in the local backend's words."""
     from apir.backends.base import BackendError
     from apir.backends.local import LocalBackend
     from apir.backends.remote import RemoteBackend
@@ -148,7 +150,7 @@ def test_steps_give_exactly_the_local_outputs(host, transport):
     rng = np.random.default_rng(1)
     w = rng.standard_normal((16, 8)).astype(np.float32)
     url = host.unix if transport == "unix" else host.tcp
-    with LocalBackend("cpu") as local, RemoteBackend(url, token_file=host.token_file) as remote:
+    with LocalBackend("cpu") as local, RemoteBackend(url, token=Path(host.token_file).read_text().strip()) as remote:
         sent = []  # the message type of every frame the guest sends
         send = remote.chan.send_frame
         remote.chan.send_frame = lambda frame, *a: (sent.append(m.OPCODES[m.decode_header(frame[:16]).opcode]),
@@ -161,10 +163,54 @@ def test_steps_give_exactly_the_local_outputs(host, transport):
                 got = remote.compute(graphs[1][i], inputs)
                 assert [(a.dtype, a.shape) for a in got] == [(a.dtype, a.shape) for a in want]
                 assert all(np.array_equal(a, b) and a.flags.writeable for a, b in zip(got, want))
-        assert sent.count(m.Step) == 6 and m.Compute not in sent
-        with pytest.raises(BackendError, match="input 'x' must be F16"):
-            remote.compute(graphs[1][0], {"x": np.ones((1, 8), np.float32), "ids": np.zeros(1, np.int32)})
-        assert sent[-1] is m.Compute
+        assert sent.count(m.Step) == 6
+        n_sent = len(sent)
+        bad = {"x": np.ones((1, 8), np.float32), "ids": np.zeros(1, np.int32)}
+        for b, gid in ((local, graphs[0][0]), (remote, graphs[1][0])):
+            with pytest.raises(BackendError, match="input 'x' must be F16, got numpy float32"):
+                b.compute(gid, bad)
+        assert len(sent) == n_sent
+
+
+def test_a_compute_off_the_layout_is_an_error_naming_the_reason(host):
+    """No fallback message exists: inputs or a feed off the registered form fail at their
+    own result with the reason, nothing is sent, and the session goes on."""
+    from apir.backends.base import BackendError
+    from apir.backends.remote import RemoteBackend
+    from apir.graph import GraphBuilder
+
+    with RemoteBackend(host.unix) as remote:
+        g = GraphBuilder()
+        gid = remote.register_graph(g.build(g.scale(g.input("x", (2,)), 2.0)))
+        with pytest.raises(BackendError, match=f"feed names 'nope', which is not an input of graph {gid}"):
+            remote.submit(gid, {"x": np.ones(2, np.float32)}, feed={"nope": 0}).result()
+        with pytest.raises(BackendError, match=r"must have shape \(2\), got \(3,\)"):
+            remote.submit(gid, {"x": np.ones(3, np.float32)}).result()
+        with pytest.raises(BackendError, match="unknown graph id 99"):
+            remote.compute(99, {})
+        assert remote.compute(gid, {"x": np.ones(2, np.float32)})[0].tolist() == [2.0, 2.0]
+
+
+def test_the_remote_backend_takes_its_config_from_its_caller(host, monkeypatch):
+    """RemoteBackend reads no environment: its token and spin time come as parameters,
+    which create_backend (the edge apir.load and the CLI go through) resolves."""
+    from apir.backends import create_backend
+    from apir.backends.remote import AuthError, RemoteBackend
+
+    token = Path(host.token_file).read_text().strip()
+    monkeypatch.setenv("APIR_SPIN_US", "777")
+    monkeypatch.setenv("APIR_TOKEN", token)
+    monkeypatch.delenv("APIR_TOKEN_FILE", raising=False)
+    with RemoteBackend(host.unix) as remote:
+        assert remote.chan.spin_seconds == 0  # a cpu host's default, not $APIR_SPIN_US
+    with RemoteBackend(host.unix, spin_us=1234) as remote:
+        assert remote.chan.spin_seconds == 1234e-6
+    with create_backend("remote", remote=host.tcp) as remote:
+        assert remote.chan.spin_seconds == 777e-6 and remote.device().kind == "cpu"
+    with pytest.raises(AuthError, match="token does not match"):
+        RemoteBackend(host.tcp)
+    with RemoteBackend(host.tcp, token=token) as remote:
+        assert remote.device().kind == "cpu"
 
 
 def test_tcp_without_token_is_refused(host, monkeypatch):

@@ -11,17 +11,17 @@ import time
 import pytest
 
 from apir.protocol import messages as m
-from apir.transport import Channel, ConnectionClosed
+from apir.transport import ConnectionClosed, SocketChannel
 from apir.transport.channel import RECV_BUFFER
 from apir.transport.doorbell import Doorbell
-from apir.transport.ivshmem import Region, RingChannel
+from apir.transport.shm import Region, RingChannel
 
 
 def test_socket_frames_in_any_pieces():
     """Frames read through the channel's buffer: several in one read, one split across
     many, bodies larger than the buffer, and descriptors with the frame they came with."""
     a, b = socket.socketpair()
-    reader = Channel(b)
+    reader = SocketChannel(b)
     frames = [m.encode(m.Synchronize(), 1), m.encode(m.Data(m.Blob(b"x" * 100, -1, 100)), 2),
               m.encode(m.Data(m.Blob(bytes(range(256)) * (RECV_BUFFER // 64), -1, RECV_BUFFER * 4)), 3)]
     a.sendall(b"".join(frames[:2]))  # two frames in one read
@@ -57,7 +57,7 @@ def test_socket_eof_between_frames():
     a, b = socket.socketpair()
     a.close()
     with pytest.raises(ConnectionClosed, match="between messages"):
-        Channel(b).recv()
+        SocketChannel(b).recv()
     b.close()
 
 
@@ -159,3 +159,30 @@ def test_a_reader_looks_once_more_after_saying_it_sleeps():
     host.close()
     guest.close()
     region.close()
+
+
+def test_connect_gives_each_transport_its_channel_and_arena(host):
+    """A unix session switches to its region's rings and arena after the Welcome; a tcp
+    one keeps its socket and asks for no arena, whatever the Hello said."""
+    from pathlib import Path
+
+    from apir.transport import HostUnreachable, connect
+
+    token = Path(host.token_file).read_text().strip()
+    hello = m.Hello(m.PROTOCOL_VERSION, m.op_table_hash(), token, "test", 1 << 20)
+    conn, welcome = connect(host.unix, hello)
+    try:
+        assert isinstance(welcome, m.Welcome) and isinstance(conn.channel, RingChannel)
+        assert conn.arena is not None and conn.arena.size == welcome.arena_size >= 1 << 20
+        assert conn.liveness is not None and conn.address == host.unix
+        conn.channel.send(m.GetDevices(), 1, m.WANT_REPLY)
+        assert isinstance(conn.channel.recv().message, m.Devices)
+    finally:
+        conn.close()
+    conn, welcome = connect(host.tcp, hello)
+    try:
+        assert isinstance(conn.channel, SocketChannel) and conn.arena is None and welcome.arena_size == 0
+    finally:
+        conn.close()
+    with pytest.raises(HostUnreachable, match="no apir host is listening at unix:///nonexistent/apir.sock"):
+        connect("unix:///nonexistent/apir.sock", hello)

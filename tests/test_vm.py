@@ -18,15 +18,15 @@ from apir.engine import SamplingParams
 from apir.protocol import ProtocolError
 from apir.protocol import messages as m
 from apir.transport import ConnectionClosed
-from apir.transport.ivshmem import (
+from apir.transport.ivshmem import find_region
+from apir.transport.shm import (
     _REP_HEAD,
     _REQ_HEAD,
     _REQ_TAIL,
     DATA,
-    IvshmemError,
     Region,
+    RegionError,
     RingChannel,
-    find_region,
 )
 
 
@@ -128,12 +128,12 @@ def test_timeouts_and_closed_peer(region):
 
 
 def test_bad_regions_are_refused(tmp_path):
-    with pytest.raises(IvshmemError, match="power of two"):
+    with pytest.raises(RegionError, match="power of two"):
         Region.create(tmp_path / "r", 3 << 20)
     (tmp_path / "junk").write_bytes(b"\0" * 65536)
-    with pytest.raises(IvshmemError, match="magic"):
+    with pytest.raises(RegionError, match="magic"):
         Region.open(tmp_path / "junk")
-    with pytest.raises(IvshmemError, match="no ivshmem PCI device"):
+    with pytest.raises(RegionError, match="no ivshmem PCI device"):
         find_region(tmp_path)
 
 
@@ -144,7 +144,7 @@ def test_remote_backend_over_a_region_file_in_another_process(tmp_path):
     path = tmp_path / "region"
     host = Region.create(path, 32 << 20)
     code = (
-        "import sys; from apir.transport.ivshmem import Region; from apir.vm.host import serve_region\n"
+        "import sys; from apir.transport.shm import Region; from apir.vm.host import serve_region\n"
         f"sys.exit(0 if serve_region(Region.open({str(path)!r}), 'cpu', handshake_timeout=60) else 3)\n"
     )
     proc = subprocess.Popen([sys.executable, "-c", code])

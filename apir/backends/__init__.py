@@ -36,9 +36,10 @@ def create_backend(name: str = "local", device: str | None = None, remote: str |
             ) from None
         return LocalBackend(device, config=config)
     if name == "remote":
+        from .. import env
         from .remote import RemoteBackend
 
-        return RemoteBackend(remote, device=device, token_file=token_file)
+        return RemoteBackend(remote, device=device, token=env.read_token(token_file), spin_us=env.spin_us())
     raise BackendError(f"unknown backend {name!r}: choose one of {', '.join(BACKENDS)}")
 
 

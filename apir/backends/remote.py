@@ -24,9 +24,10 @@ import numpy as np
 
 from .. import __version__
 from ..errors import ApirError
-from ..graph import DType, Graph, GraphError, Op, T
-from ..graph.dtypes import NUMPY_DTYPES, from_numpy
+from ..graph import DType, Graph, GraphError, Op
 from ..protocol import (
+    ARENA_ALIGN,
+    INLINE_MAX,
     PROTOCOL_VERSION,
     WANT_REPLY,
     ErrorCode,
@@ -37,15 +38,11 @@ from ..protocol import (
     op_table_hash,
 )
 from ..protocol import messages as m
-from ..protocol.step import StepLayout
-from ..transport import Arena, ArenaRing, Channel, ConnectionClosed, Frame, connect, parse_address
-from ..transport.arena import ARENA_ALIGN, check_sealed
-from ..transport.doorbell import Doorbell
-from ..transport.ivshmem import Region, RingChannel
+from ..protocol.step import LayoutError, StepLayout
+from ..transport import ArenaRing, Connection, ConnectionClosed, connect, spin_seconds
 from .base import Backend, BackendError, BufferPurpose, DeviceInfo, Feed, Pending, QuotaError
 
 CHUNK = 8 << 20  # upload pieces: well under the frame limit, big enough to stream fast
-INLINE_MAX = 4096  # inputs up to this size go inline even when an arena exists
 # Bytes sent while replies are awaited before the guest first takes them (see _send):
 # well under what a socket's buffers or a ring hold, so the host can always read them.
 PIPELINE_BYTES = 64 << 10
@@ -87,127 +84,61 @@ def _device(d: m.Device) -> DeviceInfo:
                       frozenset(d.capabilities))
 
 
-def read_token(token_file: str | None = None) -> str:
-    """The shared secret for tcp/vsock: --token-file, else $APIR_TOKEN, else empty."""
-    from .. import env
-
-    path = token_file or env.TOKEN_FILE.get()
-    if path:
-        try:
-            return open(path).read().strip()
-        except OSError as e:
-            raise ApirError(f"cannot read token file {path}: {e.strerror}") from None
-    return env.TOKEN.get() or ""
-
-
-def handshake(chan: Channel, hello: m.Hello) -> Frame:
-    chan.send(hello, 0, WANT_REPLY)
-    frame = chan.recv()
-    if isinstance(frame.message, m.Error):
-        raise_error(frame.message)
-    return frame
+def handshake(url: str | None, hello: m.Hello, timeout: float | None, want: type) -> tuple[Connection, object]:
+    """Connect, say ``hello``, and return the connection with the host's answer, which
+    must be a ``want``; an Error is raised as its exception."""
+    conn, reply = connect(url, hello, timeout)
+    if not isinstance(reply, want):
+        conn.close()
+        if isinstance(reply, m.Error):
+            raise_error(reply)
+        raise ProtocolError(f"expected {want.__name__}, got {type(reply).__name__}")
+    return conn, reply
 
 
 def host_status(url: str | None = None, token_file: str | None = None) -> m.Status:
     """Ask a daemon for its sessions and their memory (no session is created)."""
-    addr = parse_address(url)
-    chan = connect(addr)
-    try:
-        hello = m.Hello(PROTOCOL_VERSION, op_table_hash(), read_token(token_file), f"apir {__version__}", 0, True)
-        frame = handshake(chan, hello)
-        if not isinstance(frame.message, m.Status):
-            raise ProtocolError(f"expected Status, got {type(frame.message).__name__}")
-        return frame.message
-    finally:
-        chan.close()
+    from .. import env  # callers pass the token file: resolved here, for the CLI and doctor
+
+    hello = m.Hello(PROTOCOL_VERSION, op_table_hash(), env.read_token(token_file), f"apir {__version__}", 0, True)
+    conn, status = handshake(url, hello, None, m.Status)
+    conn.close()
+    return status
 
 
 class RemoteBackend(Backend):
     name = "remote"
 
-    def __init__(self, url: str | None = None, device: str | None = None,
-                 token_file: str | None = None, arena_size: int = DEFAULT_ARENA,
-                 timeout: float | None = None) -> None:
-        injected = None
-        if url is not None and url.split("://", 1)[0] == "ivshmem":  # a VM's shared memory
-            from ..transport.ivshmem import guest_connect
-
-            injected = guest_connect(url, timeout)  # (channel, arena, region)
-            self.address = url
-            self.chan = injected[0]
-        else:
-            self.address = parse_address(url)
-            self.chan = connect(self.address)
-            self.chan.sock.settimeout(timeout)
+    def __init__(self, url: str | None = None, device: str | None = None, token: str = "",
+                 arena_size: int = DEFAULT_ARENA, timeout: float | None = None,
+                 spin_us: int | None = None) -> None:
+        """Open a session on the host at ``url`` (unix, tcp, vsock, ivshmem; None: the
+        default unix socket). ``token``: the host's secret (tcp, vsock); ``timeout``: how
+        long any wait for the host may last (None: no limit); ``spin_us``: how long to
+        busy-poll for a reply (None: by the host's device, see ``transport.spin_seconds``)."""
+        hello = m.Hello(PROTOCOL_VERSION, op_table_hash(), token,
+                        f"apir {__version__} pid {os.getpid()} on {socket.gethostname()}", arena_size)
+        self.conn, welcome = handshake(url, hello, timeout, m.Welcome)
+        self.chan, self.arena, self.address = self.conn.channel, self.conn.arena, self.conn.address
         self._ids = itertools.count(1)
         self._rids = itertools.count(1)
-        self._graphs: dict[int, Graph] = {}
-        self._layouts: dict[int, StepLayout | None] = {}  # graph id -> its Step layout
+        self._layouts: dict[int, StepLayout] = {}  # graph id -> its Step layout
         self._awaited: collections.deque[Awaited] = collections.deque()  # sent, reply not read yet
         self._unread = 0  # bytes sent while replies were awaited (see _send)
         self._posted = False  # a request without a reply sent since the last one with (see synchronize)
         self.closed = False
         self.round_trip_seconds = 0.0  # of the last request that waited for the host
-        want_arena = arena_size if injected or self.address.scheme == "unix" else 0
-        hello = m.Hello(PROTOCOL_VERSION, op_table_hash(), read_token(token_file),
-                        f"apir {__version__} pid {os.getpid()} on {socket.gethostname()}", want_arena)
-        try:
-            frame = handshake(self.chan, hello)
-        except (ConnectionClosed, ApirError):
-            self.chan.close()
-            raise
-        welcome = frame.message
-        if not isinstance(welcome, m.Welcome):
-            self.chan.close()
-            raise ProtocolError(f"expected Welcome, got {type(welcome).__name__}")
         self.session = welcome.session
         self._device = _device(welcome.device)
         if device not in (None, self._device.kind):
             self.close()
             raise BackendError(f"the host executes on {self._device.kind}, not {device!r}; "
                                f"start it with `apir host --device {device}`")
-        self.arena = None
-        if len(frame.fds) == 3:  # a Unix session: ring region + doorbells (see host/worker.py)
-            self.arena = self._attach_region(frame.fds, welcome.arena_size)
-        else:
-            for fd in frame.fds:
-                os.close(fd)
-        if injected is not None:
-            self.arena, self._region = injected[1], injected[2]
-            if welcome.arena_size != self.arena.size:
-                self.close()
-                raise ProtocolError(f"the host granted a {welcome.arena_size}-byte arena, the "
-                                    f"shared region holds {self.arena.size}")
-        from .. import env
-
-        self.chan.spin_seconds = env.spin_seconds(self._device.kind)
+        self.chan.spin_seconds = spin_seconds(self._device.kind, spin_us)
         self.ring = ArenaRing(self.arena.size) if self.arena else None
 
     def __repr__(self) -> str:
         return f"RemoteBackend({self.address}, session {self.session})"
-
-    def _attach_region(self, fds: tuple[int, ...], arena_size: int) -> Arena:
-        """Switch to the session's shared rings; frames stop travelling on the socket."""
-        region_fd, to_host, to_guest = fds
-        try:
-            try:
-                check_sealed(region_fd)
-            except ApirError:
-                os.close(region_fd)
-                raise
-            self._region = Region.open_fd(region_fd, "the host's shared region")  # owns the fd
-        except ApirError:
-            for fd in (to_host, to_guest):
-                os.close(fd)
-            self.chan.close()
-            raise
-        if self._region.arena_size != arena_size:
-            raise ProtocolError(f"the host granted a {arena_size}-byte arena, the region holds "
-                                f"{self._region.arena_size}")
-        self._doorbell = Doorbell(notify_fd=to_host, wait_fd=to_guest, sock=self.chan.sock)
-        self._socket_chan = self.chan
-        self.chan = RingChannel(self._region, "guest", doorbell=self._doorbell)
-        return self._region.arena()
 
     # ------------------------------------------------------------ plumbing
     def _send(self, frame: bytes, what: str) -> None:
@@ -323,9 +254,6 @@ class RemoteBackend(Backend):
         base = self._arena_slot(total) if total else None
         return [-1 if base is None or o < 0 else base + o for o in offsets]
 
-    def _blob(self, data: bytes | memoryview, offset: int) -> m.Blob:
-        return m.Blob(*self._blob_fields(data, offset))
-
     def _blob_fields(self, data: bytes | memoryview, offset: int) -> tuple[bytes, int, int]:
         """(inline, arena_offset, size) of a blob holding ``data``, at ``offset`` of the
         arena (from ``_place``), or inline for -1."""
@@ -336,12 +264,7 @@ class RemoteBackend(Backend):
 
     def _read_blob(self, blob: m.Blob) -> bytes:
         """A private copy of the blob's bytes."""
-        data = self._blob_view(blob)
-        return data if isinstance(data, bytes) else bytes(data)
-
-    def _blob_view(self, blob: m.Blob) -> bytes | memoryview:
-        """The blob's bytes; in place when they lie in the arena (copy before keeping)."""
-        return blob.inline if blob.arena_offset < 0 else self._arena_window(blob.arena_offset, blob.size)
+        return blob.inline if blob.arena_offset < 0 else bytes(self._arena_window(blob.arena_offset, blob.size))
 
     def _arena_window(self, offset: int, size: int) -> memoryview:
         if self.arena is None:
@@ -375,7 +298,7 @@ class RemoteBackend(Backend):
         view = memoryview(data).cast("B")
         for start in range(0, max(len(view), 1), CHUNK):
             piece = view[start : start + CHUNK]
-            self._post(m.SetTensor(handle, offset + start, self._blob(piece, self._place([len(piece)])[0])))
+            self._post(m.SetTensor(handle, offset + start, m.Blob(*self._blob_fields(piece, self._place([len(piece)])[0]))))
 
     def get_tensor(self, handle: int, offset: int, size: int) -> bytes:
         reply = self._call(m.GetTensor(handle, offset, size, self._place([size])[0]))
@@ -388,12 +311,10 @@ class RemoteBackend(Backend):
         graph.validate()  # catch our own mistakes before the round trip
         gid = next(self._ids)
         self._call(m.RegisterGraph(gid, graph))  # waits: graph errors belong here
-        self._graphs[gid] = graph
         self._layouts[gid] = StepLayout.of(graph)
         return gid
 
     def free_graph(self, gid: int) -> None:
-        self._graphs.pop(gid, None)
         self._layouts.pop(gid, None)
         self._post(m.FreeGraph(gid))
 
@@ -411,14 +332,13 @@ class RemoteBackend(Backend):
 
     def _submit(self, gid: int, inputs: Mapping[str, np.ndarray], feed: Feed) -> Awaited:
         layout = self._layouts.get(gid)
-        packed = None
-        if layout is not None and all(name in layout.names for name in feed):
-            pairs = [(layout.names.index(name), k) for name, k in feed.items()]
-            fed = tuple(sorted(i for i, _ in pairs))
-            packed = layout.pack_inputs(inputs, fed)
-        if packed is None:  # not the registered form: the host says exactly what is wrong
-            return self._submit_named(gid, inputs, feed)
-        n_tokens, payload = packed
+        if layout is None:
+            raise BackendError(f"unknown graph id {gid!r}")
+        try:
+            pairs, fed = layout.feed_pairs(feed, gid)
+            n_tokens, payload = layout.pack_inputs(inputs, fed, pairs)
+        except LayoutError as e:
+            raise BackendError(str(e)) from None
         out_size = layout.placement(True, n_tokens).size
         in_at, out_at = self._place([len(payload), out_size])
         rid = next(self._rids)
@@ -429,45 +349,15 @@ class RemoteBackend(Backend):
     def _step_reply(self, layout: StepLayout, n_tokens: int, header: FrameHeader, body: bytearray,
                     rid: int) -> list[np.ndarray]:
         """The outputs a Step's reply holds."""
-        if header.opcode != m.DATA_OPCODE:  # an Error, or Outputs unlike the graph's
+        if header.opcode != m.DATA_OPCODE:  # an Error
             reply = self._reply(header, body, rid)
-            if not isinstance(reply, m.Outputs):
-                raise ProtocolError(f"expected Data for a Step, got {type(reply).__name__}")
-            return self._arrays(reply)
+            raise ProtocolError(f"expected Data for a Step, got {type(reply).__name__}")
         if header.request_id != rid:
             raise ProtocolError(f"reply to request {header.request_id}, expected {rid}")
         inline, arena_offset, size = m.parse_data(body)
         if arena_offset < 0:  # a view of the reply's body: already private and writeable
             return layout.unpack_outputs(inline, n_tokens)
         return layout.unpack_outputs(bytearray(self._arena_window(arena_offset, size)), n_tokens)  # one copy
-
-    def _submit_named(self, gid: int, inputs: Mapping[str, np.ndarray], feed: Feed) -> Awaited:
-        """The general compute: every input with its name, dtype and shape."""
-        arrays, n_tokens = {}, None
-        for name, arr in inputs.items():
-            arr = np.ascontiguousarray(arr)
-            try:
-                arrays[name] = arr, DType.BF16 if arr.dtype == np.uint16 else from_numpy(arr.dtype)
-            except ValueError as e:
-                raise BackendError(f"input {name!r}: {e}") from None
-            n_tokens = n_tokens or (arr.shape[0] if arr.ndim else None)
-        graph = self._graphs.get(gid)
-        out_need = 0 if graph is None else sum(_nbytes(graph.nodes[o], n_tokens) + 64 for o in graph.outputs)
-        *at, out_at = self._place([a.nbytes for a, _ in arrays.values()] + [out_need])
-        tensors = tuple(m.Tensor(name, int(dtype), tuple(arr.shape), self._blob(memoryview(arr).cast("B"), off))
-                        for (name, (arr, dtype)), off in zip(arrays.items(), at))
-        msg = m.Compute(gid, tensors, out_at, out_need if out_at >= 0 else 0,
-                        tuple(m.NamedFeed(name, k) for name, k in feed.items()))
-        rid = next(self._rids)
-        return self._request(encode(msg, rid, WANT_REPLY), rid, "Compute",
-                             lambda header, body, rid: self._arrays(self._reply(header, body, rid)))
-
-    def _arrays(self, reply: m.Outputs) -> list[np.ndarray]:
-        outs = []
-        for t in reply.outputs:
-            dtype = DType.parse(t.dtype)
-            outs.append(np.frombuffer(self._blob_view(t.data), NUMPY_DTYPES[dtype]).reshape(t.shape).copy())
-        return outs
 
     def ping(self) -> float:
         """Seconds of one round trip to the host (a Synchronize, sent even with nothing
@@ -491,24 +381,16 @@ class RemoteBackend(Backend):
                 raise last._error
 
     def close(self) -> None:
-        if self.closed:
-            return
-        try:
-            self.chan.send(m.Goodbye(), next(self._rids))
-        except (ConnectionClosed, OSError):
-            pass
-        self.closed = True
-        while self._awaited:
-            self._awaited.popleft().fail(BackendError("the remote backend was closed before this reply came"))
-        self.chan.close()
-        if self.arena is not None:
-            self.arena.close()
-            self.arena = None
-        if getattr(self, "_region", None) is not None:
-            self._region.close()
-        if getattr(self, "_doorbell", None) is not None:
-            self._doorbell.close()
-            self._socket_chan.close()
+        if not self.closed:
+            try:
+                self.chan.send(m.Goodbye(), next(self._rids))
+            except (ConnectionClosed, OSError):
+                pass
+            self.closed = True
+            while self._awaited:
+                self._awaited.popleft().fail(BackendError("the remote backend was closed before this reply came"))
+        self.conn.close()  # also after the host went away: the arena and region go too
+        self.arena = None
 
 
 Decoder = Callable[[FrameHeader, bytearray, int], object]  # (header, body, request id) -> value
@@ -536,6 +418,3 @@ class Awaited(Pending):
         return super().result()
 
 
-def _nbytes(node, n_tokens: int | None) -> int:
-    shape = tuple((n_tokens or 1) if d == T else d for d in node.shape)
-    return node.dtype.nbytes(shape)

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from .. import env
 from ..backends.base import Backend, BufferPurpose
 from ..errors import ApirError
 from ..graph import DType, GraphBuilder, T
@@ -159,7 +160,7 @@ def measure(urls: list[str], token_file: str | None, calls: int, upload_mb: int,
     remotes: dict[str, Backend] = {}
     try:
         for url in urls:
-            remotes[_label(url)] = RemoteBackend(url, token_file=token_file)
+            remotes[_label(url)] = RemoteBackend(url, token=env.read_token(token_file), spin_us=env.spin_us())
         null = {name: _null_calls(b, calls) for name, b in remotes.items()}
         backends = dict(remotes)
         if native_device is not None:

@@ -8,6 +8,7 @@ import json
 import re
 
 from .. import env
+from ..backends.base import ExecutorConfig
 from ..errors import ApirError
 from ..transport import default_socket_path, parse_address
 
@@ -51,7 +52,8 @@ def cmd_host(args: argparse.Namespace) -> int:
     config = HostConfig(
         listen=tuple(parse_address(u) for u in listen), device=args.device, token=token,
         max_memory=parse_size(args.max_memory) if args.max_memory else 0,
-        max_sessions=args.max_sessions, group=group,
+        max_sessions=args.max_sessions, group=group, spin_us=env.spin_us(),
+        executor=ExecutorConfig.from_env(),
         **{k: v for k, v in limits.items() if v is not None},
     )
     run(config)

@@ -20,12 +20,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..backends.base import Limits
+from ..backends.base import DEFAULT_EXECUTOR, ExecutorConfig, Limits
 from ..errors import ApirError
 from ..protocol import PROTOCOL_VERSION, ErrorCode, ProtocolError
 from ..protocol import messages as m
 from ..protocol.messages import HEADER, MAX_BODY, decode_body, decode_header, encode
-from ..transport import Address, Channel, listen
+from ..transport import Address, Connection, listen
 from .handshake import HANDSHAKE_MAX, MAX_PENDING, Gate, RateLimitedLog, check_hello, peer_key
 from .session import SessionConfig
 from .worker import run_worker
@@ -51,6 +51,8 @@ class HostConfig:
     io_timeout: float = 60.0  # a started frame must complete, a reply must drain (seconds)
     group: int | None = None
     handshake_timeout: float = 5.0
+    spin_us: int | None = None  # sessions busy-poll this long for frames (None: by device)
+    executor: ExecutorConfig = DEFAULT_EXECUTOR  # how sessions run graphs
 
     def __post_init__(self) -> None:
         if not self.listen:
@@ -278,7 +280,7 @@ class Daemon:
         self.selector.unregister(p.sock)
         limits = Limits(self.config.max_memory, self.config.max_handles, self.config.max_graph_nodes)
         cfg = SessionConfig(self.config.device, limits, self.config.max_arena, session, p.peer,
-                            self.config.io_timeout)
+                            self.config.io_timeout, self.config.spin_us, self.config.executor)
         pid = os.fork()
         if pid == 0:  # the worker
             code = 0
@@ -292,7 +294,7 @@ class Daemon:
                 def publish(allocated: int, peak: int) -> None:
                     self.stats[2 * slot], self.stats[2 * slot + 1] = allocated, peak
 
-                run_worker(Channel(p.sock, self.config.max_message), hello, cfg, publish)
+                run_worker(Connection.over(p.sock, p.peer, self.config.max_message), hello, cfg, publish)
             except BaseException:  # noqa: BLE001 - a worker must never return into the parent's loop
                 log.exception("session %d worker failed", session)
                 code = 1

@@ -16,26 +16,31 @@ import socket
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import NamedTuple
 
 import numpy as np
 
-from ..backends.base import BackendError, BufferPurpose, Limits, Pending, QuotaError
+from ..backends.base import DEFAULT_EXECUTOR, BackendError, BufferPurpose, ExecutorConfig, Limits, Pending, QuotaError
 from ..backends.executor import Executor
 from ..errors import ApirError
 from ..graph import DType, GraphError, Op
-from ..graph.dtypes import NUMPY_DTYPES, from_numpy
-from ..protocol import WANT_REPLY, ErrorCode, ProtocolError, decode_body, encode
+from ..protocol import (
+    INLINE_MAX,
+    WANT_REPLY,
+    ErrorCode,
+    ProtocolError,
+    decode_body,
+    encode,
+)
 from ..protocol import messages as m
-from ..protocol.step import StepLayout, pack
+from ..protocol.step import Placement, StepLayout, pack
 from ..transport import Arena, ArenaError, Channel, ConnectionClosed
 
 log = logging.getLogger("apir.host")
 
-INLINE_MAX = 4096  # outputs up to this size travel inline even when an arena exists
 MAX_IN_FLIGHT = 2  # Steps queued on the device before the oldest one's reply must go out
 # Polling for the guest's next frame while a step runs (to queue it before replying) is
 # for decode-sized steps, where the next one comes while this one runs. A prefill chunk's
@@ -66,6 +71,8 @@ class SessionConfig:
     session: int
     peer: str
     io_timeout: float = 60.0  # a started frame must keep arriving, a reply must drain
+    spin_us: int | None = None  # busy-poll for frames this long (None: by device, see transport.spin_seconds)
+    executor: ExecutorConfig = DEFAULT_EXECUTOR  # how the session's graphs run
 
 
 def device_message(backend: Executor) -> m.Device:
@@ -106,11 +113,11 @@ class Session:
                  publish=None, liveness: socket.socket | None = None) -> None:
         self.chan, self.backend, self.arena, self.config = chan, backend, arena, config
         # the guest's socket, watched for a hang-up (with rings, frames no longer use it)
-        self.liveness = liveness if liveness is not None else getattr(chan, "sock", None)
+        self.liveness = liveness
         self.deferred: m.Error | None = None  # first failure of a request nobody waited for
         self.publish = publish or (lambda allocated, peak: None)
         self.busy = False  # a request is being served (see _watch_hangup)
-        self.layouts: dict[int, StepLayout | None] = {}  # graph id -> its Step layout
+        self.layouts: dict[int, StepLayout] = {}  # graph id -> its Step layout
         self._published: tuple[int, int] | None = None  # the memory figures last published
 
     # ------------------------------------------------------------ loop
@@ -119,10 +126,7 @@ class Session:
         # Idle between requests is fine (a chat waits on its user); once a frame has
         # started, every read must make progress within io_timeout, and every reply must
         # drain within it, so a stalled or non-reading guest ends its own session.
-        # A channel without a socket (ivshmem) waits and times out inside recv itself.
-        sock = getattr(self.chan, "sock", None)
-        if sock is not None:
-            sock.settimeout(self.config.io_timeout)
+        self.chan.set_timeout(self.config.io_timeout)
         if self.liveness is not None:
             threading.Thread(target=self._watch_hangup, args=(self.liveness,), name="hangup",
                              daemon=True).start()
@@ -135,7 +139,7 @@ class Session:
                 continue
             try:
                 self.busy = bool(in_flight)
-                if sock is not None and not in_flight:  # a socket Channel: wait with no timeout between frames
+                if not in_flight:  # wait with no timeout between frames
                     self.chan.wait_idle()
                 header, body, fds = self.chan.recv_frame()
                 self.busy = True
@@ -157,22 +161,24 @@ class Session:
                 return
             if isinstance(msg, m.Goodbye):
                 return
-            rid = header.request_id
-            if header.opcode == m.STEP_OPCODE and header.flags & WANT_REPLY:
+            rid, wanted = header.request_id, header.flags & WANT_REPLY
+            if wanted and header.opcode == m.STEP_OPCODE:  # a Step the guest waits for: queue it
                 try:
-                    in_flight.append(self._start_step(rid, *msg))
+                    in_flight.append(self.dispatch(msg, rid))
                 except Exception as e:  # noqa: BLE001 - every failure becomes an Error reply
-                    in_flight.append(InFlight(rid, Pending(), partial(error_for, e)))
+                    in_flight.append(InFlight(rid, _DONE, partial(error_for, e)))
                 continue
             while in_flight:  # everything else runs after the queued steps, in order
                 if not self._reply(in_flight.popleft()):
                     return
             try:
-                reply = self._step(*msg) if header.opcode == m.STEP_OPCODE else self.dispatch(msg)
+                reply = self.dispatch(msg, rid)
+                if isinstance(reply, InFlight):  # a Step nobody waits for: run it now
+                    reply = reply.finish()
             except Exception as e:  # noqa: BLE001 - every failure becomes an Error reply
                 reply = error_for(e)
             self._publish()
-            if header.flags & WANT_REPLY:
+            if wanted:
                 if not self._send_first_failure(reply, rid):
                     return
             elif isinstance(reply, m.Error) and self.deferred is None:
@@ -241,8 +247,8 @@ class Session:
             os._exit(0)
 
     def _send(self, msg: object, rid: int) -> bool:
-        """Send a reply (a message, or the blob fields of a Step's Data reply, which is
-        encoded without message objects); False when the guest is gone or stopped reading
+        """Send a reply (a message, or the blob fields of a Data reply, which is encoded
+        without message objects); False when the guest is gone or stopped reading
         (end the session)."""
         try:
             try:
@@ -262,14 +268,13 @@ class Session:
         return True
 
     # ------------------------------------------------------------ dispatch
-    def dispatch(self, msg: object) -> object:
-        """The one place a request becomes a backend call."""
+    def dispatch(self, msg: object, rid: int = 0) -> object:
+        """The one place a request becomes a backend call. Returns the reply: a message,
+        the blob fields of a Data, or for a Step the InFlight that will make its Data."""
         b = self.backend
         match msg:
-            case m.Step(graph_id=gid, n_tokens=n, out_offset=off, out_capacity=cap, inputs=blob, feed=feed):
-                reply = self._step(gid, n, off, cap, blob.inline, blob.arena_offset, blob.size,
-                                   [(f.input, f.output) for f in feed])
-                return reply if isinstance(reply, m.Outputs) else m.Data(m.Blob(*reply))
+            case tuple():  # a Step, as m.parse_step leaves it: its fields
+                return self._start_step(rid, *msg)
             case m.GetDevices():
                 return m.Devices((device_message(b),))
             case m.Supports(op=op, dtypes=dtypes):
@@ -281,9 +286,10 @@ class Session:
             case m.ClearBuffer(handle=h, value=v):
                 b.clear_buffer(h, v)
             case m.SetTensor(handle=h, offset=off, data=blob):
-                b.set_tensor(h, off, self._blob_bytes(blob, in_place=True))
+                b.set_tensor(h, off, self._blob_range(blob.inline, blob.arena_offset, blob.size, in_place=True))
             case m.GetTensor(handle=h, offset=off, size=size, arena_offset=dest):
-                return m.Data(self._out_blob(b.get_tensor(h, off, size), dest))
+                data = np.frombuffer(b.get_tensor(h, off, size), np.uint8)
+                return self._data((data,), Placement(((0, data.shape),), data.size, ()), dest, size)
             case m.CopyTensor(src=s, src_offset=so, dst=d, dst_offset=do, size=n):
                 b.copy_tensor(s, so, d, do, n)
             case m.RegisterGraph(graph_id=gid, graph=graph):
@@ -292,8 +298,6 @@ class Session:
             case m.FreeGraph(graph_id=gid):
                 b.free_graph(gid)
                 self.layouts.pop(gid, None)
-            case m.Compute(graph_id=gid, inputs=inputs, out_offset=off, out_capacity=cap, feed=feed):
-                return self._compute(gid, inputs, off, cap, feed)
             case m.Synchronize():
                 b.synchronize()
             case m.Hello():
@@ -302,57 +306,15 @@ class Session:
                 raise ProtocolError(f"{type(msg).__name__} is not a request")
         return m.Ok()
 
-    def _compute(self, gid: int, inputs: tuple[m.Tensor, ...], out_offset: int, capacity: int,
-                 fed: tuple[m.NamedFeed, ...]) -> m.Outputs:
-        feed: dict[str, int] = {}
-        for f in fed:  # names and output indices: the executor checks them against the graph
-            if f.name in feed:
-                raise BackendError(f"input {f.name!r} is fed twice")
-            feed[f.name] = f.output
-        arrays = {}
-        for t in inputs:
-            if t.name in feed:
-                raise BackendError(f"input {t.name!r} is both sent and fed")
-            dtype = _dtype(t.dtype)
-            if dtype not in NUMPY_DTYPES or len(t.shape) > 8 or any(d < 0 for d in t.shape):
-                raise BackendError(f"input {t.name!r}: bad dtype or shape")
-            raw = self._blob_bytes(t.data)
-            if len(raw) != dtype.nbytes(t.shape):
-                raise BackendError(f"input {t.name!r}: {len(raw)} bytes for shape {t.shape} {dtype.name}")
-            arrays[t.name] = np.frombuffer(raw, NUMPY_DTYPES[dtype]).reshape(t.shape)
-        return self._outputs(self.backend.compute(gid, arrays, feed or None), out_offset, capacity)
-
-    def _outputs(self, outs: list[np.ndarray], out_offset: int, capacity: int) -> m.Outputs:
-        """Outputs with their dtypes and shapes; big ones in the arena range when given."""
-        place = out_offset if self.arena is not None and out_offset >= 0 else -1
-        result = []
-        for i, arr in enumerate(outs):
-            raw = np.ascontiguousarray(arr).tobytes()
-            try:
-                dtype = DType.BF16 if arr.dtype == np.uint16 else from_numpy(arr.dtype)
-            except ValueError:
-                raise BackendError(f"output dtype {arr.dtype} cannot be sent") from None
-            if place >= 0 and len(raw) > INLINE_MAX and place + len(raw) <= out_offset + capacity:
-                self.arena.write(place, raw)
-                blob = m.Blob(b"", place, len(raw))
-                place += -(-len(raw) // 64) * 64
-            else:
-                blob = m.Blob(raw, -1, len(raw))
-            result.append(m.Tensor(f"out{i}", int(dtype), tuple(arr.shape), blob))
-        return m.Outputs(tuple(result))
-
     def _start_step(self, rid: int, gid: int, n_tokens: int, out_offset: int, capacity: int,
                     inline: bytes | memoryview, arena_offset: int, size: int,
-                    pairs: list[tuple[int, int]] | tuple[tuple[int, int], ...]) -> InFlight:
-        """A compute in its graph's fixed layout (the fields of a Step, ``pairs`` its feed):
-        bind the inputs' bytes in place and queue the run. Its ``finish`` places the outputs
-        the same way and returns the reply's blob fields (inline, arena_offset, size), or
-        Outputs when the executor's outputs are not the graph's (a 0-d one comes back 1-d):
-        those say what they are."""
+                    pairs: tuple[tuple[int, int], ...]) -> InFlight:
+        """A Step (its fields, ``pairs`` its feed): bind the inputs' bytes in place and
+        queue the run. Its ``finish`` places the outputs in the graph's layout and returns
+        the Data reply's blob fields (inline, arena_offset, size)."""
         layout = self.layouts.get(gid)
         if layout is None:
-            raise BackendError(f"unknown graph id {gid}" if gid not in self.layouts
-                               else f"graph {gid} has tensors a Step cannot carry: use Compute")
+            raise BackendError(f"unknown graph id {gid}")
         feed, fed = _step_feed(gid, layout, pairs)
         payload = self._blob_range(inline, arena_offset, size, in_place=True)
         if arena_offset >= 0 or not isinstance(payload, memoryview):
@@ -360,27 +322,25 @@ class Session:
             # Inline bytes that arrive as a view of the frame's body are both already.
             payload = bytearray(payload)
         pending = self.backend.submit(gid, layout.unpack_inputs(payload, n_tokens, fed), feed)
-        return InFlight(rid, pending, lambda: self._place(layout, pending.result(), n_tokens, out_offset, capacity),
-                        n_tokens)
 
-    def _step(self, *fields) -> m.Outputs | tuple[bytes, int, int]:
-        """A Step run to completion: see ``_start_step``."""
-        return self._start_step(0, *fields).finish()
+        def finish() -> tuple[bytes, int, int]:
+            outs = pending.result()
+            return self._data(outs, layout.output_placement(outs, n_tokens), out_offset, capacity)
 
-    def _place(self, layout: StepLayout, outs: list[np.ndarray], n_tokens: int, out_offset: int,
-               capacity: int) -> m.Outputs | tuple[bytes, int, int]:
-        place = layout.output_placement(outs, n_tokens)
-        if place is None:
-            return self._outputs(outs, out_offset, capacity)
-        if self.arena is not None and out_offset >= 0 and INLINE_MAX < place.size <= capacity:
-            self.arena.check(out_offset, place.size)
-            for arr, (offset, _) in zip(outs, place.places):
+        return InFlight(rid, pending, finish, n_tokens)
+
+    def _data(self, arrays: Sequence[np.ndarray], place: Placement, out_offset: int,
+              capacity: int) -> tuple[bytes, int, int]:
+        """The one output encoder: a Data reply's blob fields for ``arrays`` placed as
+        ``place`` says, in the arena range the guest gave (``out_offset``, ``capacity``)
+        when there is one and the payload is over INLINE_MAX and fits, else inline."""
+        size = place.size
+        if self.arena is not None and out_offset >= 0 and INLINE_MAX < size <= capacity:
+            self.arena.check(out_offset, size)
+            for arr, (offset, _) in zip(arrays, place.places):
                 self.arena.write(out_offset + offset, memoryview(np.ascontiguousarray(arr)).cast("B"))
-            return b"", out_offset, place.size
-        return pack(outs, place), -1, place.size
-
-    def _blob_bytes(self, blob: m.Blob, in_place: bool = False) -> bytes | memoryview:
-        return self._blob_range(blob.inline, blob.arena_offset, blob.size, in_place)
+            return b"", out_offset, size
+        return pack(arrays, place), -1, size
 
     def _blob_range(self, inline: bytes | memoryview, arena_offset: int, size: int,
                     in_place: bool = False) -> bytes | memoryview:
@@ -398,11 +358,8 @@ class Session:
             return self.arena.window(arena_offset, size)
         return self.arena.read(arena_offset, size)  # a private copy
 
-    def _out_blob(self, data: bytes, dest: int) -> m.Blob:
-        if dest >= 0 and self.arena is not None and len(data) > INLINE_MAX:
-            self.arena.write(dest, data)
-            return m.Blob(b"", dest, len(data))
-        return m.Blob(data, -1, len(data))
+
+_DONE = Pending(outputs=[])  # the Pending of a step that failed before it was queued
 
 
 def _step_feed(gid: int, layout: StepLayout, pairs: list[tuple[int, int]] | tuple[tuple[int, int], ...]

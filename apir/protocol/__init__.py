@@ -1,6 +1,9 @@
 """The wire protocol: messages, opcodes, encoding and validation. No I/O here."""
 
 from .messages import (
+    ALIGN,
+    ARENA_ALIGN,
+    INLINE_MAX,
     MAGIC,
     MAX_BODY,
     PROTOCOL_VERSION,
@@ -15,6 +18,6 @@ from .messages import (
 from .wire import ProtocolError
 
 __all__ = [
-    "MAGIC", "MAX_BODY", "PROTOCOL_VERSION", "WANT_REPLY", "ErrorCode", "FrameHeader",
+    "ALIGN", "ARENA_ALIGN", "INLINE_MAX", "MAGIC", "MAX_BODY", "PROTOCOL_VERSION", "WANT_REPLY", "ErrorCode", "FrameHeader",
     "ProtocolError", "decode_body", "decode_header", "encode", "op_table_hash",
 ]

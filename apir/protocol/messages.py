@@ -38,10 +38,16 @@ from .wire import MAX_ITEMS, ProtocolError, Reader, Writer
 MAGIC = b"APIR"
 # 2: Step (the fixed-layout compute of a decode step) and its Data reply
 # 3: Step and Compute carry ``feed`` (inputs bound on the host to the previous outputs)
-PROTOCOL_VERSION = 3
+# 4: Step is the one compute (Compute and its Outputs reply retired): inputs off the
+#    registered layout are an error, not a slower message
+PROTOCOL_VERSION = 4
 HEADER = struct.Struct("<4sHHII")
 MAX_BODY = 64 << 20  # one frame; bulk uploads are chunked below this
 WANT_REPLY = 1
+# What guest and host must agree on about where bytes lie:
+INLINE_MAX = 4096  # blobs up to this size travel inline even when an arena exists
+ALIGN = 16  # each tensor of a Step's or Data's payload starts at a multiple of this
+ARENA_ALIGN = 64  # each arena range a request names starts at a multiple of this
 
 
 def op_table_hash() -> bytes:
@@ -65,14 +71,6 @@ class Blob:
 
 
 @dataclass(frozen=True)
-class Tensor:
-    name: str
-    dtype: int
-    shape: tuple[int, ...]
-    data: Blob
-
-
-@dataclass(frozen=True)
 class Feed:
     """An input the host binds itself, to an output of the graph's previous compute (kept
     on the device, never crossing the boundary): a decode step's sampled token feeds the
@@ -81,14 +79,6 @@ class Feed:
 
     input: int
     output: int  # index in the graph's outputs
-
-
-@dataclass(frozen=True)
-class NamedFeed:
-    """A ``Feed`` as a general ``Compute`` carries it: the input by name, as its inputs."""
-
-    name: str
-    output: int
 
 
 @dataclass(frozen=True)
@@ -188,20 +178,11 @@ class FreeGraph:
 
 
 @dataclass(frozen=True)
-class Compute:
-    graph_id: int
-    inputs: tuple[Tensor, ...]
-    out_offset: int  # arena range for the outputs; -1: inline
-    out_capacity: int
-    feed: tuple[NamedFeed, ...] = ()  # inputs bound on the host (absent from ``inputs``)
-
-
-@dataclass(frozen=True)
 class Step:
-    """A compute in the fixed layout its graph's registration implies (see
+    """A compute of a registered graph, in the fixed layout its registration implies (see
     ``apir.protocol.step``): the inputs' bytes back to back, no names, dtypes or shapes.
-    The hot path of decoding; the reply is a ``Data`` holding the outputs the same way.
-    Fed inputs send no bytes: the payload holds the others, in the same order."""
+    The reply is a ``Data`` holding the outputs the same way. Fed inputs send no bytes:
+    the payload holds the others, in the same order."""
 
     graph_id: int
     n_tokens: int  # T (0 for a graph without a token axis)
@@ -260,11 +241,6 @@ class Data:
 
 
 @dataclass(frozen=True)
-class Outputs:
-    outputs: tuple[Tensor, ...]
-
-
-@dataclass(frozen=True)
 class Status:
     version: int
     device: Device
@@ -273,7 +249,7 @@ class Status:
     max_memory: int
 
 
-# Pinned opcodes. Never renumber: add new messages with new values.
+# Pinned opcodes. Never renumber or reuse: add new messages with new values.
 OPCODES: dict[int, type] = {
     1: Hello,
     10: GetDevices,
@@ -286,7 +262,7 @@ OPCODES: dict[int, type] = {
     32: CopyTensor,
     40: RegisterGraph,
     41: FreeGraph,
-    42: Compute,
+    # 42: Compute, retired in version 4
     43: Step,
     50: Synchronize,
     99: Goodbye,
@@ -296,7 +272,7 @@ OPCODES: dict[int, type] = {
     110: Devices,
     111: Flag,
     131: Data,
-    142: Outputs,
+    # 142: Outputs, retired in version 4
     160: Status,
 }
 OPCODE_OF: dict[type, int] = {cls: code for code, cls in OPCODES.items()}
@@ -564,8 +540,10 @@ def _end(body: bytes | memoryview, at: int) -> None:
 
 
 def parse_step(body: bytes | memoryview) -> tuple[int, int, int, int, memoryview, int, int, tuple[tuple[int, int], ...]]:
-    """A Step body: (graph_id, n_tokens, out_offset, out_capacity, inline, arena_offset,
-    size, feed), ``feed`` as (input, output) pairs, not checked against any graph yet."""
+    """A Step body as the host's hot path takes it, a plain tuple (no message objects):
+    (graph_id, n_tokens, out_offset, out_capacity, inline, arena_offset, size, feed),
+    ``inline`` a view of ``body``, ``feed`` as (input, output) pairs, not checked against
+    any graph yet."""
     (*fields, count), at = _parse_fixed(_STEP_FIELDS, _STEP_TAIL, body)
     if count > MAX_ITEMS:
         raise ProtocolError(f"list of {count} items exceeds the limit of {MAX_ITEMS}")

@@ -12,7 +12,8 @@ order; each tensor is C-contiguous with the shape the graph gives it (T substitu
 starts at a multiple of ``ALIGN`` bytes, so every view of the payload is aligned for its
 dtype. Both ends derive the layout from the same registered Graph. The
 receiver checks the payload's size against the layout before slicing it; the host's
-executor then checks the inputs as for any compute.
+executor then checks the inputs as for any compute. Inputs or outputs off the layout are
+refused with a ``LayoutError`` that says how (there is no other way to compute).
 """
 
 from __future__ import annotations
@@ -23,13 +24,20 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ..graph import Graph, T
+from ..errors import ApirError
+from ..graph import DType, Graph, T
 from ..graph.dtypes import NUMPY_DTYPES
+from ..graph.ops import fmt_shape
+from .messages import ALIGN
 from .wire import ProtocolError
 
-ALIGN = 16
 MAX_TOKENS = 1 << 31  # T beyond this is refused before any size is worked out
 _CACHED = 16  # placements remembered per layout (decode uses one T, prefill one or two)
+
+
+class LayoutError(ApirError):
+    """A compute that is not the form its graph was registered with (inputs, feed, or the
+    executor's outputs); the message says what differs."""
 
 
 @dataclass(frozen=True)
@@ -37,6 +45,7 @@ class Slot:
     name: str
     dtype: np.dtype
     shape: tuple[int, ...]  # may hold T
+    kind: DType  # what ``dtype`` holds (BF16 travels as uint16)
 
 
 class Sent(NamedTuple):
@@ -68,19 +77,20 @@ class StepLayout:
         self.inputs, self.outputs = inputs, outputs
         self.names = [slot.name for slot in inputs]
         self.has_tokens = any(T in s.shape for s in inputs)
+        self.last_tokens = 0  # T of the last inputs packed (a feed may carry it on; guest)
         self._placements: dict[tuple[bool, int, tuple[int, ...]], Placement] = {}
         self._sent: dict[tuple[int, ...], Sent] = {}
 
     @classmethod
-    def of(cls, graph: Graph) -> StepLayout | None:
-        """The layout of a (validated) graph; None when a tensor has no numpy dtype
-        (such a graph computes through the general ``Compute`` message)."""
+    def of(cls, graph: Graph) -> StepLayout:
+        """The layout of a validated graph (whose inputs and outputs all have numpy dtypes)."""
         inputs = tuple((name, node) for name, node in graph.inputs().items())
         outputs = tuple((f"out{i}", graph.nodes[o]) for i, o in enumerate(graph.outputs))
-        if any(node.dtype not in NUMPY_DTYPES for _, node in inputs + outputs):
-            return None
-        return cls(*(tuple(Slot(name, NUMPY_DTYPES[node.dtype], node.shape) for name, node in side)
-                     for side in (inputs, outputs)))
+        # A 0-d output comes back (1,): the host's executor returns it so, and remote
+        # outputs are the local ones, shape included.
+        return cls(tuple(Slot(name, NUMPY_DTYPES[node.dtype], node.shape, node.dtype) for name, node in inputs),
+                   tuple(Slot(name, NUMPY_DTYPES[node.dtype], node.shape or (1,), node.dtype)
+                         for name, node in outputs))
 
     def sent(self, fed: tuple[int, ...] = ()) -> Sent:
         """The inputs a Step carries when those at ``fed`` are fed."""
@@ -110,26 +120,80 @@ class StepLayout:
             raise ProtocolError(f"step with T={n_tokens}: T must be {want}")
 
     # ------------------------------------------------------------ guest
-    def pack_inputs(self, inputs: Mapping[str, np.ndarray], fed: tuple[int, ...] = ()) -> tuple[int, bytes] | None:
-        """(T, payload) for ``inputs``; None when they are not exactly the graph's unfed
-        inputs with their registered dtypes and shapes, or when T shows only in fed ones
-        (the general ``Compute`` then reports what is wrong, or works T out on the host)."""
+    def feed_pairs(self, feed: Mapping[str, int], gid: int) -> tuple[list[tuple[int, int]], tuple[int, ...]]:
+        """A feed by name as a Step carries it: ((input index, output index) pairs, the fed
+        inputs' indices, sorted)."""
+        if not feed:
+            return [], ()
+        names = self.names
+        for name, k in feed.items():
+            if name not in names:
+                raise LayoutError(f"feed names {name!r}, which is not an input of graph {gid}")
+            if not (isinstance(k, int) and 0 <= k < len(self.outputs)):
+                raise LayoutError(f"feed of {name!r}: graph {gid} has no output {k!r}")
+        pairs = [(names.index(name), k) for name, k in feed.items()]
+        return pairs, tuple(sorted(i for i, _ in pairs))
+
+    def pack_inputs(self, inputs: Mapping[str, np.ndarray], fed: tuple[int, ...] = (),
+                    pairs: Sequence[tuple[int, int]] = ()) -> tuple[int, bytes]:
+        """(T, payload) for ``inputs``, the graph's unfed inputs with their registered
+        dtypes and shapes (``pairs``: the feed, from ``feed_pairs``); a LayoutError says
+        what differs."""
         sent = self.sent(fed)
-        if len(inputs) != len(sent.names) or (sent.token_at is None and self.has_tokens):
-            return None
+        if len(inputs) != len(sent.names):
+            return self._repack(inputs, fed, pairs)
         arrays = [inputs.get(name) for name in sent.names]
-        n_tokens = 0
         if sent.token_at is not None:  # T is what the first input with a token axis says
             i, axis = sent.token_at
             a = arrays[i]
             if not isinstance(a, np.ndarray) or a.ndim <= axis or a.shape[axis] == 0:
-                return None
+                return self._repack(inputs, fed, pairs)
             n_tokens = a.shape[axis]
+        else:
+            n_tokens = self._fed_tokens(pairs) if self.has_tokens else 0
         place = self.placement(False, n_tokens, fed)
         for a, slot, (_, shape) in zip(arrays, sent.slots, place.places):
             if not isinstance(a, np.ndarray) or a.dtype != slot.dtype or a.shape != shape:
-                return None
+                return self._repack(inputs, fed, pairs)
+        self.last_tokens = n_tokens
         return n_tokens, pack(arrays, place)
+
+    def _fed_tokens(self, pairs: Sequence[tuple[int, int]]) -> int:
+        """T when it shows only in fed inputs: that of the output feeding the first of them
+        in the previous compute (the last T packed, or a fixed length); 1 before any."""
+        i, k = next((i, k) for i, k in sorted(pairs) if T in self.inputs[i].shape)
+        axis, out = self.inputs[i].shape.index(T), self.outputs[k].shape
+        n = out[axis] if axis < len(out) else T
+        return max(self.last_tokens, 1) if n == T else n
+
+    def _repack(self, inputs: Mapping[str, object], fed: tuple[int, ...],
+                pairs: Sequence[tuple[int, int]]) -> tuple[int, bytes]:
+        """Inputs off the layout: those that only are not numpy arrays yet (lists, scalars)
+        pack as arrays, as the local executor takes them; otherwise a LayoutError says
+        what differs, in the local executor's words for the same mistake."""
+        sent = self.sent(fed)
+        missing, extra = sorted(set(sent.names) - set(inputs)), sorted(set(inputs) - set(sent.names))
+        if missing or extra:
+            raise LayoutError(f"graph inputs are {sorted(self.names)}; missing {missing}, unexpected "
+                              f"{extra} (an input is either sent or fed, not both)")
+        if not all(isinstance(a, np.ndarray) for a in inputs.values()):
+            return self.pack_inputs({name: np.asarray(a) for name, a in inputs.items()}, fed, pairs)
+        n_tokens = None
+        for slot in sent.slots:
+            a = inputs[slot.name]
+            if a.dtype != slot.dtype:
+                raise LayoutError(f"input {slot.name!r} must be {slot.kind.name}, got numpy {a.dtype}")
+            if a.ndim != len(slot.shape):
+                raise LayoutError(f"input {slot.name!r} must have shape {fmt_shape(slot.shape)}, got {a.shape}")
+            for want, got in zip(slot.shape, a.shape):
+                if want == T:
+                    n_tokens = got if n_tokens is None else n_tokens
+                    if got != n_tokens or got <= 0:
+                        raise LayoutError(f"input {slot.name!r}: token dim {got} disagrees with T={n_tokens}")
+                elif want != got:
+                    raise LayoutError(f"input {slot.name!r} must have shape {fmt_shape(slot.shape)}, "
+                                      f"got {a.shape}")
+        raise LayoutError(f"inputs off graph layout {[s.name for s in sent.slots]}")
 
     def unpack_outputs(self, payload: bytearray | memoryview, n_tokens: int) -> list[np.ndarray]:
         """The outputs of a ``Data`` reply, as views of ``payload`` (which the caller owns:
@@ -143,15 +207,16 @@ class StepLayout:
         self.check_tokens(n_tokens)
         return dict(zip(self.sent(fed).names, _views(self.placement(False, n_tokens, fed), payload, "inputs")))
 
-    def output_placement(self, outputs: Sequence[np.ndarray], n_tokens: int) -> Placement | None:
-        """Where ``outputs`` go in a Data reply; None when they are not exactly the graph's
-        dtypes and shapes (then the reply must be an ``Outputs``, which names them)."""
+    def output_placement(self, outputs: Sequence[np.ndarray], n_tokens: int) -> Placement:
+        """Where ``outputs`` go in a Data reply. Only their bytes travel, so each must have
+        its slot's dtype and element count; a LayoutError names the first that does not."""
         place = self.placement(True, n_tokens)
         if len(outputs) != len(self.outputs):
-            return None
-        for slot, a, (_, shape) in zip(self.outputs, outputs, place.places):
-            if a.dtype != slot.dtype or a.shape != shape:
-                return None
+            raise LayoutError(f"the executor returned {len(outputs)} outputs, the graph has {len(self.outputs)}")
+        for slot, a, (_, shape), cut in zip(self.outputs, outputs, place.places, place.cuts):
+            if a.dtype != slot.dtype or (a.shape != shape and a.size != cut[1]):
+                raise LayoutError(f"output {slot.name}: the executor returned {a.dtype} {a.shape}, the "
+                                  f"graph's layout takes {slot.dtype} {shape}")
         return place
 
 

@@ -1,4 +1,5 @@
-"""Moving protocol frames between guest and host: sockets, the shared arena, addresses."""
+"""Moving protocol frames between guest and host: connections (channel, arena, liveness)
+over unix, tcp, vsock and ivshmem; listening sockets; addresses."""
 
 from __future__ import annotations
 
@@ -8,34 +9,10 @@ import socket
 import stat
 from pathlib import Path
 
-from ..errors import ApirError
 from .address import Address, AddressError, default_socket_path, parse_address
 from .arena import Arena, ArenaError, ArenaRing
-from .channel import Channel, ConnectionClosed, Frame
-
-
-class HostUnreachable(ApirError):
-    """Nobody answers at the address the guest was given."""
-
-
-def connect(address: Address, timeout: float = 10.0) -> Channel:
-    """Connect to a host daemon; failures name the address and what to do."""
-    sock = socket.socket(address.family, socket.SOCK_STREAM)
-    sock.settimeout(timeout)
-    try:
-        sock.connect(address.sockaddr)
-    except (FileNotFoundError, ConnectionRefusedError) as e:
-        sock.close()
-        hint = "start one with `apir host`" + (
-            f" --listen {address}" if address.scheme != "unix" or Path(address.path) != default_socket_path() else ""
-        )
-        what = "no socket there" if isinstance(e, FileNotFoundError) else "connection refused"
-        raise HostUnreachable(f"no apir host is listening at {address} ({what}): {hint}") from None
-    except (TimeoutError, OSError) as e:
-        sock.close()
-        raise HostUnreachable(f"cannot reach an apir host at {address}: {e.strerror or e}") from None
-    sock.settimeout(None)
-    return Channel(sock)
+from .channel import Channel, ConnectionClosed, Frame, SocketChannel, spin_seconds
+from .connection import Connection, HostUnreachable, accept, connect
 
 
 def listen(address: Address, group: int | None = None, backlog: int = 64) -> socket.socket:
@@ -80,6 +57,7 @@ def listen(address: Address, group: int | None = None, backlog: int = 64) -> soc
 
 
 __all__ = [
-    "Address", "AddressError", "Arena", "ArenaError", "ArenaRing", "Channel", "ConnectionClosed",
-    "Frame", "HostUnreachable", "connect", "default_socket_path", "listen", "parse_address",
+    "Address", "AddressError", "Arena", "ArenaError", "ArenaRing", "Channel", "Connection", "ConnectionClosed",
+    "Frame", "HostUnreachable", "SocketChannel", "accept", "connect", "default_socket_path", "listen",
+    "parse_address", "spin_seconds",
 ]

@@ -2,7 +2,7 @@
 
 The host creates the region (a sealed memfd for Unix guests, so the guest can never
 shrink it under the host's feet — a truncated mapping would SIGBUS the worker — or an
-ivshmem file for VMs; see ``apir.transport.ivshmem``). Bulk bytes (weight uploads, large
+ivshmem file for VMs; see ``apir.transport.shm``). Bulk bytes (weight uploads, large
 inputs and outputs) are written into the arena once, and messages carry (offset, size).
 
 The guest allocates from it as a ring (``ArenaRing``). A region is reusable once the host
@@ -16,9 +16,9 @@ from __future__ import annotations
 import fcntl
 
 from ..errors import ApirError
+from ..protocol import ARENA_ALIGN
 
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
-ARENA_ALIGN = 64
 
 
 class ArenaError(ApirError):

@@ -5,7 +5,7 @@ nothing to read (after its short spin) sleeps in select() on its own eventfd *an
 session's Unix socket. After the handshake nothing travels on that socket any more, so
 it becoming readable means the peer closed it or died — that is how either side notices
 the other is gone without a timeout. (A VM guest has neither eventfd nor the socket; its
-ring polls instead, see ``apir.transport.ivshmem``.)
+ring polls instead, see ``apir.transport.shm``.)
 
 Lost wake-ups cannot happen: an eventfd is a counter, so a ring between the sleeper's
 last check and its select() leaves the counter non-zero and select() returns at once.

@@ -1,7 +1,7 @@
 """The guest VM's init (PID 1): mount, find the two ivshmem devices, run apir, power off.
 
 The host (``apir vm``) gives the guest two ivshmem-plain PCI devices:
-  - the session region (magic ``APIRSHM1``, see ``apir.transport.ivshmem``): the channel
+  - the session region (magic ``APIRSHM1``, see ``apir.transport.shm``): the channel
     and arena to the host daemon, and where this init reports the exit status;
   - the boot payload (magic ``APIRVMBT``), a private copy the guest cannot write back:
 
@@ -96,7 +96,8 @@ def main() -> None:
         os.dup2(err_fd, 2)
         sys.stderr = open(2, "w", buffering=1, closefd=False)
         sys.path.insert(0, SITE)
-        from apir.transport.ivshmem import GUEST_EXIT, MAGIC, Region, find_devices
+        from apir.transport.ivshmem import find_devices
+        from apir.transport.shm import MAGIC, Region
 
         config = None
         for bar in find_devices():
@@ -125,7 +126,8 @@ def main() -> None:
             pass
     finally:
         try:
-            from apir.transport.ivshmem import GUEST_EXIT, Region, find_region
+            from apir.transport.ivshmem import find_region
+            from apir.transport.shm import GUEST_EXIT, Region
 
             region = Region.open(find_region())
             region.store(GUEST_EXIT, (code & 0xFF) + 1)

@@ -13,12 +13,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+from .. import env
 from ..backends.base import Limits
 from ..host.handshake import HANDSHAKE_MAX, check_hello
 from ..protocol import ErrorCode, ProtocolError
 from ..protocol import messages as m
-from ..transport import ConnectionClosed
-from ..transport.ivshmem import Region, RingChannel
+from ..transport import Connection, ConnectionClosed
+from ..transport.shm import Region, RingChannel
 
 log = logging.getLogger("apir.host")
 
@@ -49,9 +50,9 @@ def serve_region(region: Region, device: str | None = None, alive: Callable[[], 
         _refuse(chan, err)
         return False
     chan.max_body, chan.timeout = m.MAX_BODY, None  # idle waits end when the guest or VM does
-    config = SessionConfig(device, limits or Limits(), region.arena_size, 1, "ivshmem:vm", io_timeout)
+    config = SessionConfig(device, limits or Limits(), region.arena_size, 1, "ivshmem:vm", io_timeout, env.spin_us())
     log.info("session 1 start: peer ivshmem:vm, client %r", frame.message.client[:80])
-    run_worker(chan, frame.message, config, lambda allocated, peak: None, arena=region.arena())
+    run_worker(Connection(chan, "ivshmem:vm", region.arena()), frame.message, config, lambda allocated, peak: None)
     return True
 
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import ApirError
-from ..transport.ivshmem import GUEST_EXIT, Region
+from ..transport.shm import GUEST_EXIT, Region
 from .guest import MODEL_PATH, PAYLOAD_CONFIG, PAYLOAD_HEADER, PAYLOAD_MAGIC
 from .image import Image
 
