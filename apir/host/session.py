@@ -23,7 +23,15 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ..backends.base import DEFAULT_EXECUTOR, BackendError, BufferPurpose, ExecutorConfig, Limits, Pending, QuotaError
+from ..backends.base import (
+    DEFAULT_EXECUTOR,
+    BackendError,
+    BufferPurpose,
+    ExecutorConfig,
+    Limits,
+    Pending,
+    QuotaError,
+)
 from ..backends.executor import Executor
 from ..errors import ApirError
 from ..graph import DType, GraphError, Op
