@@ -8,4 +8,5 @@ bash scripts/setup.sh --test
 # a 2-core CI machine: one OpenMP thread each stops them spinning against each other.
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 ruff check apir tests fuzz
+mypy  # strict on the wire (protocol, transport, graph): [tool.mypy] in pyproject.toml
 python -m pytest -q "$@"

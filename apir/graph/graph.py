@@ -11,14 +11,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .dtypes import COMPUTE_DTYPES, DType
-from .ops import LEAVES, OPS, Alias, GraphError, Op, fmt_shape, infer, leaf_spec_check
+from .ops import LEAVES, OPS, Alias, Attrs, GraphError, Op, fmt_shape, infer, leaf_spec_check
 
 
 @dataclass(frozen=True)
 class Node:
     op: Op
     inputs: tuple[int, ...]
-    attrs: tuple
+    attrs: Attrs
     shape: tuple[int, ...]
     dtype: DType
     label: str = ""  # for error messages, e.g. "blk.3.attn_q"
@@ -110,7 +110,7 @@ class GraphBuilder:
     ) -> Value:
         return self._leaf(Op.STATE, (buffer, offset), shape, dtype, label)
 
-    def _leaf(self, op: Op, attrs: tuple, shape: Sequence[int], dtype: DType, label: str) -> Value:
+    def _leaf(self, op: Op, attrs: Attrs, shape: Sequence[int], dtype: DType, label: str) -> Value:
         shape = tuple(int(d) for d in shape)
         try:
             leaf_spec_check(op, shape, DType(dtype))
@@ -119,7 +119,7 @@ class GraphBuilder:
         return self._push(Node(op, (), attrs, shape, DType(dtype), label))
 
     # -- ops
-    def op(self, op: Op, *inputs: Value, attrs: tuple = (), label: str = "") -> Value:
+    def op(self, op: Op, *inputs: Value, attrs: Attrs = (), label: str = "") -> Value:
         try:
             shape, dtype = infer(op, [(v.shape, v.dtype) for v in inputs], attrs)
         except GraphError as e:

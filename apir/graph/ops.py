@@ -57,6 +57,7 @@ import enum
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from .dtypes import COMPUTE_DTYPES, DType
 from .sampling import PARAMS_SIZE
@@ -109,9 +110,11 @@ class Op(enum.IntEnum):
 INT, FLOAT, INTS, STR = "int", "float", "ints", "str"
 
 Spec = tuple[tuple[int, ...], DType]  # (shape, dtype) of a value
-ShapeRule = Callable[[Sequence[Spec], tuple], Spec]
+Attrs = tuple[Any, ...]  # a node's attribute values, of the kinds its OpSpec.attrs names
+ShapeRule = Callable[[Sequence[Spec], Attrs], Spec]
 # input shapes -> what the op needs besides its result while it runs: (shape, bytes per element)
-ScratchRule = Callable[[Sequence[tuple[int, ...]]], tuple[tuple[tuple[int, ...], int], ...]]
+Scratch = tuple[tuple[tuple[int, ...], int], ...]
+ScratchRule = Callable[[Sequence[tuple[int, ...]]], Scratch]
 
 
 class Alias(enum.Enum):
@@ -196,18 +199,18 @@ def broadcast(a: Sequence[int], b: Sequence[int]) -> tuple[int, ...]:
 # ---------------------------------------------------------------- shape rules
 
 
-def _leaf(ins, attrs):  # leaves carry their own spec; the builder fills it in
+def _leaf(ins: Sequence[Spec], attrs: Attrs) -> Spec:  # leaves carry their own spec; the builder fills it in
     raise GraphError("leaves (INPUT, WEIGHT, STATE) have no inputs to infer from")  # never an assert
 
 
-def _get_rows(ins, attrs):
+def _get_rows(ins: Sequence[Spec], attrs: Attrs) -> Spec:
     (ts, tt), ids = ins
     _rank((ts, tt), 2, "GET_ROWS table")
     _i32(ids, "GET_ROWS ids")
     return (*ids[0], ts[1]), DType.F32
 
 
-def _set_rows(ins, attrs):
+def _set_rows(ins: Sequence[Spec], attrs: Attrs) -> Spec:
     dst, src, ids = ins
     _float(src, "SET_ROWS src")
     _i32(ids, "SET_ROWS ids")
@@ -223,7 +226,7 @@ def _set_rows(ins, attrs):
     return dst
 
 
-def _matmul(ins, attrs):
+def _matmul(ins: Sequence[Spec], attrs: Attrs) -> Spec:
     x, w = ins
     _float(x, "MATMUL input")
     _rank(w, 2, "MATMUL weight")
@@ -234,19 +237,19 @@ def _matmul(ins, attrs):
     return (*x[0][:-1], w[0][0]), DType.F32
 
 
-def _binary(ins, attrs):
+def _binary(ins: Sequence[Spec], attrs: Attrs) -> Spec:
     a, b = ins
     _float(a, "left operand")
     _float(b, "right operand")
     return broadcast(a[0], b[0]), DType.F32
 
 
-def _unary(ins, attrs):
+def _unary(ins: Sequence[Spec], attrs: Attrs) -> Spec:
     _float(ins[0], "input")
     return ins[0][0], DType.F32
 
 
-def _gated(ins, attrs):
+def _gated(ins: Sequence[Spec], attrs: Attrs) -> Spec:
     gate, up = ins
     _float(gate, "gate")
     _float(up, "up")
@@ -255,14 +258,14 @@ def _gated(ins, attrs):
     return gate[0], DType.F32
 
 
-def _rms_norm(ins, attrs):
+def _rms_norm(ins: Sequence[Spec], attrs: Attrs) -> Spec:
     (eps,) = attrs
     if not eps > 0:
         raise GraphError(f"eps must be positive, got {eps}")
     return _unary(ins, attrs)
 
 
-def _rope(ins, attrs):
+def _rope(ins: Sequence[Spec], attrs: Attrs) -> Spec:
     x, pos = ins
     n_dims, base, neox, freq_scale = attrs
     _float(x, "ROPE input")
@@ -278,7 +281,7 @@ def _rope(ins, attrs):
     return x[0], DType.F32
 
 
-def _attention(ins, attrs):
+def _attention(ins: Sequence[Spec], attrs: Attrs) -> Spec:
     q, k, v, pos = ins
     scale, window, softcap = attrs
     for spec, what in ((q, "query"), (k, "key"), (v, "value")):
@@ -300,7 +303,7 @@ def _attention(ins, attrs):
     return (tq, hq, dv), DType.F32
 
 
-def _reshape(ins, attrs):
+def _reshape(ins: Sequence[Spec], attrs: Attrs) -> Spec:
     (shape,) = attrs
     if any(d < T or d == 0 for d in shape):
         raise GraphError(f"RESHAPE target {fmt_shape(shape)} has a bad dim")
@@ -309,7 +312,7 @@ def _reshape(ins, attrs):
     return tuple(shape), ins[0][1]
 
 
-def _permute(ins, attrs):
+def _permute(ins: Sequence[Spec], attrs: Attrs) -> Spec:
     (axes,) = attrs
     shape = ins[0][0]
     if sorted(axes) != list(range(len(shape))):
@@ -317,14 +320,14 @@ def _permute(ins, attrs):
     return tuple(shape[a] for a in axes), ins[0][1]
 
 
-def _transpose(ins, attrs):
+def _transpose(ins: Sequence[Spec], attrs: Attrs) -> Spec:
     shape = list(ins[0][0])
     a, b = (_axis(x, len(shape)) for x in attrs)
     shape[a], shape[b] = shape[b], shape[a]
     return tuple(shape), ins[0][1]
 
 
-def _view(ins, attrs):
+def _view(ins: Sequence[Spec], attrs: Attrs) -> Spec:
     axis, start, length = attrs
     shape = list(ins[0][0])
     axis = _axis(axis, len(shape))
@@ -341,11 +344,11 @@ def _view(ins, attrs):
     return tuple(shape), ins[0][1]
 
 
-def _contiguous(ins, attrs):
+def _contiguous(ins: Sequence[Spec], attrs: Attrs) -> Spec:
     return ins[0]
 
 
-def _concat(ins, attrs):
+def _concat(ins: Sequence[Spec], attrs: Attrs) -> Spec:
     (axis,) = attrs
     (a, ta), (b, tb) = ins
     if len(a) != len(b) or ta != tb:
@@ -358,12 +361,12 @@ def _concat(ins, attrs):
     return tuple(a[:axis]) + (a[axis] + b[axis],) + tuple(a[axis + 1 :]), ta
 
 
-def _argmax(ins, attrs):
+def _argmax(ins: Sequence[Spec], attrs: Attrs) -> Spec:
     _float(ins[0], "ARGMAX input")
     return ins[0][0][:-1], DType.I32
 
 
-def _sample(ins, attrs):
+def _sample(ins: Sequence[Spec], attrs: Attrs) -> Spec:
     logits, params = ins
     _float(logits, "SAMPLE logits")
     if params[1] is not DType.F32 or tuple(params[0]) != (PARAMS_SIZE,):
@@ -371,13 +374,13 @@ def _sample(ins, attrs):
     return logits[0][:-1], DType.I32
 
 
-def _attention_scratch(shapes):
+def _attention_scratch(shapes: Sequence[tuple[int, ...]]) -> Scratch:
     (tq, hq, d), (s, _, _), (_, _, dv) = shapes[:3]
     # scores and probabilities (Hq, Tq, S), keys and values repeated to Hq heads
     return ((hq, tq, s), 8), ((s, hq, max(d, dv)), 8)
 
 
-def _sample_scratch(shapes):
+def _sample_scratch(shapes: Sequence[tuple[int, ...]]) -> Scratch:
     return ((shapes[0], 32),)  # sort, softmax, cumsums of the logits
 
 
@@ -418,7 +421,7 @@ OPS: dict[Op, OpSpec] = {
 LEAVES = (Op.INPUT, Op.WEIGHT, Op.STATE)
 
 
-def infer(op: Op, inputs: Sequence[Spec], attrs: tuple) -> Spec:
+def infer(op: Op, inputs: Sequence[Spec], attrs: Attrs) -> Spec:
     """Run ``op``'s shape rule; every failure is a GraphError naming the op."""
     spec = OPS[op]
     if len(inputs) != spec.arity:

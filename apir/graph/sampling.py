@@ -15,6 +15,7 @@ The engine packs it, the executors unpack it (see Op.SAMPLE in ``apir.graph.ops`
 from __future__ import annotations
 
 from dataclasses import astuple, dataclass, fields
+from typing import Any
 
 import numpy as np
 
@@ -32,7 +33,7 @@ class SampleArgs:
         return np.array(astuple(self), np.float32)
 
     @classmethod
-    def unpack(cls, params) -> SampleArgs:
+    def unpack(cls, params: Any) -> SampleArgs:  # an ndarray, or a torch tensor on the host
         """The fields of a packed vector: floats from a numpy array, 0-d tensors from a
         device tensor (so a kernel reads them without a host sync)."""
         return cls(*(params[i] for i in range(PARAMS_SIZE)))

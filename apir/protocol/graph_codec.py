@@ -54,7 +54,7 @@ def read_graph(r: Reader) -> Graph:
         except ValueError:
             raise ProtocolError(f"node {nid}: unknown op {code}") from None
         inputs = tuple(r.u32() for _ in range(r.count(MAX_INPUTS)))
-        attrs = []
+        attrs: list[int | float | tuple[int, ...] | str] = []
         for _, kind in OPS[op].attrs:
             if kind == INT:
                 attrs.append(r.i64())

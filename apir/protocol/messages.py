@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 from ..graph import OPS, Graph
 from . import graph_codec
-from .wire import MAX_ITEMS, ProtocolError, Reader, Writer
+from .wire import MAX_ITEMS, BytesLike, ProtocolError, Reader, Writer
 
 MAGIC = b"APIR"
 # 2: Step (the fixed-layout compute of a decode step) and its Data reply
@@ -311,12 +311,12 @@ def _fields(cls: type) -> list[tuple[str, object]]:
 # so type dispatch happens here, not per field per message. Consecutive fixed-size fields
 # (int, float, bool) are packed and unpacked by one struct call, and so are tuples of ints
 # or floats: the bytes are exactly those of encoding the fields one by one.
-_WRITERS: dict[object, typing.Callable] = {}
-_READERS: dict[object, typing.Callable] = {}
+_WRITERS: dict[object, typing.Callable[[Writer, typing.Any], None]] = {}
+_READERS: dict[object, typing.Callable[[Reader], typing.Any]] = {}
 
 # struct codes of the fixed-size types: (pack, unpack). A bool packs from any truth value
 # but must read back as exactly 0 or 1.
-_FIXED = {int: ("q", "q"), float: ("d", "d"), bool: ("?", "B")}
+_FIXED: dict[object, tuple[str, str]] = {int: ("q", "q"), float: ("d", "d"), bool: ("?", "B")}
 
 
 def _bool(r: Reader) -> bool:
@@ -343,18 +343,18 @@ def _groups(tp: type) -> list[list[tuple[str, object]]]:
     return groups
 
 
-def _run_writer(run: list[tuple[str, object]]) -> typing.Callable[[Writer, tuple], None]:
+def _run_writer(run: list[tuple[str, object]]) -> typing.Callable[[Writer, tuple[object, ...]], None]:
     st = struct.Struct("<" + "".join(_FIXED[t][0] for _, t in run))
     return lambda w, values: w.parts.append(st.pack(*values))
 
 
-def _run_reader(run: list[tuple[str, object]]) -> typing.Callable[[Reader], tuple]:
+def _run_reader(run: list[tuple[str, object]]) -> typing.Callable[[Reader], tuple[typing.Any, ...]]:
     st = struct.Struct("<" + "".join(_FIXED[t][1] for _, t in run))
     bools = [i for i, (_, t) in enumerate(run) if t is bool]
     if not bools:
         return lambda r: r.unpack(st)
 
-    def read(r: Reader) -> tuple:
+    def read(r: Reader) -> tuple[typing.Any, ...]:
         values = list(r.unpack(st))
         for i in bools:
             if values[i] > 1:
@@ -365,30 +365,32 @@ def _run_reader(run: list[tuple[str, object]]) -> typing.Callable[[Reader], tupl
     return read
 
 
-def _writer(tp: object) -> typing.Callable[[Writer, object], None]:
+def _writer(tp: object) -> typing.Callable[[Writer, typing.Any], None]:
     if tp in _WRITERS:
         return _WRITERS[tp]
-    simple = {int: Writer.i64, float: Writer.f64, str: Writer.str, bytes: Writer.bytes,
-              bool: lambda w, v: w.u8(1 if v else 0), Graph: graph_codec.write_graph}
+    simple: dict[object, typing.Callable[[Writer, typing.Any], None]] = {
+        int: Writer.i64, float: Writer.f64, str: Writer.str, bytes: Writer.bytes,
+        bool: lambda w, v: w.u8(1 if v else 0), Graph: graph_codec.write_graph}
     if tp in simple:
         fn = simple[tp]
     elif typing.get_origin(tp) is tuple and typing.get_args(tp)[0] in (int, float):
         code = _FIXED[typing.get_args(tp)[0]][0]
 
-        def fn(w: Writer, value: tuple) -> None:
+        def fn(w: Writer, value: tuple[float, ...]) -> None:
             w.u32(len(value))
             w.parts.append(_array(code, len(value)).pack(*value))
     elif typing.get_origin(tp) is tuple:
         item = _writer(typing.get_args(tp)[0])
 
-        def fn(w: Writer, value: object) -> None:
+        def fn(w: Writer, value: tuple[object, ...]) -> None:
             w.u32(len(value))
             for v in value:
                 item(w, v)
     else:
         # (getter, writer): a run's getter returns a tuple of its fields' values
+        groups = _groups(typing.cast(type, tp))  # a message dataclass
         steps = [(operator.attrgetter(*[n for n, _ in g]), _run_writer(g)) if len(g) > 1
-                 else (operator.attrgetter(g[0][0]), _writer(g[0][1])) for g in _groups(tp)]
+                 else (operator.attrgetter(g[0][0]), _writer(g[0][1])) for g in groups]
 
         def fn(w: Writer, value: object) -> None:
             for get, write in steps:
@@ -400,8 +402,9 @@ def _writer(tp: object) -> typing.Callable[[Writer, object], None]:
 def _reader(tp: object) -> typing.Callable[[Reader], object]:
     if tp in _READERS:
         return _READERS[tp]
-    simple = {int: Reader.i64, float: Reader.f64, str: Reader.str, bytes: Reader.bytes,
-              bool: _bool, Graph: graph_codec.read_graph}
+    simple: dict[object, typing.Callable[[Reader], typing.Any]] = {
+        int: Reader.i64, float: Reader.f64, str: Reader.str, bytes: Reader.bytes,
+        bool: _bool, Graph: graph_codec.read_graph}
     if tp in simple:
         fn = simple[tp]
     elif typing.get_origin(tp) is tuple and typing.get_args(tp)[0] in (int, float):
@@ -416,16 +419,18 @@ def _reader(tp: object) -> typing.Callable[[Reader], object]:
             return tuple([item(r) for _ in range(r.count(MAX_ITEMS))])
     else:
         # (True, reader of a run: a tuple of values) or (False, reader of one value)
-        steps = [(True, _run_reader(g)) if len(g) > 1 else (False, _reader(g[0][1])) for g in _groups(tp)]
+        cls = typing.cast(type, tp)  # a message dataclass
+        steps: list[tuple[bool, typing.Callable[[Reader], typing.Any]]] = [
+            (True, _run_reader(g)) if len(g) > 1 else (False, _reader(g[0][1])) for g in _groups(cls)]
 
         def fn(r: Reader) -> object:
-            values: list = []
+            values: list[object] = []
             for many, read in steps:
                 if many:
                     values.extend(read(r))
                 else:
                     values.append(read(r))
-            return tp(*values)
+            return cls(*values)
     _READERS[tp] = fn
     return fn
 
@@ -449,7 +454,7 @@ class FrameHeader(typing.NamedTuple):  # a tuple: made once per frame, on the ho
     length: int
 
 
-def decode_header(raw: bytes, max_body: int = MAX_BODY) -> FrameHeader:
+def decode_header(raw: BytesLike, max_body: int = MAX_BODY) -> FrameHeader:
     if len(raw) != HEADER.size:
         raise ProtocolError(f"truncated frame header ({len(raw)} of {HEADER.size} bytes)")
     magic, opcode, flags, rid, length = HEADER.unpack(raw)
@@ -464,7 +469,7 @@ def decode_header(raw: bytes, max_body: int = MAX_BODY) -> FrameHeader:
     return FrameHeader(opcode, flags, rid, length)
 
 
-def decode_body(opcode: int, body: bytes | memoryview) -> object:
+def decode_body(opcode: int, body: BytesLike) -> object:
     if opcode in _FIXED_DECODERS:
         return _FIXED_DECODERS[opcode](body)
     r = Reader(body)
@@ -517,7 +522,7 @@ def data_frame(request_id: int, flags: int, inline: bytes, arena_offset: int, si
     return b"".join((head, inline, _BLOB_TAIL.pack(arena_offset, size)))
 
 
-def _parse_fixed(fields: struct.Struct, tail: struct.Struct, body: bytes | memoryview) -> tuple[tuple, int]:
+def _parse_fixed(fields: struct.Struct, tail: struct.Struct, body: BytesLike) -> tuple[tuple[typing.Any, ...], int]:
     """A body of ``fields`` ending in a blob's inline length, then the blob, then ``tail``:
     ((*fields, inline, *tail), where the tail ends), ``inline`` a view of ``body``.
     Checked like any decode."""
@@ -534,12 +539,12 @@ def _parse_fixed(fields: struct.Struct, tail: struct.Struct, body: bytes | memor
     return (*values[:-1], memoryview(body)[fixed:end], *tail.unpack_from(body, end)), end + tail.size
 
 
-def _end(body: bytes | memoryview, at: int) -> None:
+def _end(body: BytesLike, at: int) -> None:
     if at < len(body):
         raise ProtocolError(f"{len(body) - at} unexpected bytes after the message")
 
 
-def parse_step(body: bytes | memoryview) -> tuple[int, int, int, int, memoryview, int, int, tuple[tuple[int, int], ...]]:
+def parse_step(body: BytesLike) -> tuple[int, int, int, int, memoryview, int, int, tuple[tuple[int, int], ...]]:
     """A Step body as the host's hot path takes it, a plain tuple (no message objects):
     (graph_id, n_tokens, out_offset, out_capacity, inline, arena_offset, size, feed),
     ``inline`` a view of ``body``, ``feed`` as (input, output) pairs, not checked against
@@ -555,20 +560,20 @@ def parse_step(body: bytes | memoryview) -> tuple[int, int, int, int, memoryview
     return (*fields, tuple(zip(flat[0::2], flat[1::2])))
 
 
-def parse_data(body: bytes | memoryview) -> tuple[memoryview, int, int]:
+def parse_data(body: BytesLike) -> tuple[memoryview, int, int]:
     """A Data body: (inline, arena_offset, size)."""
     fields, end = _parse_fixed(_DATA_FIELDS, _BLOB_TAIL, body)
     _end(body, end)
     return fields
 
 
-def _decode_step(body: bytes | memoryview) -> Step:
+def _decode_step(body: BytesLike) -> Step:
     gid, n_tokens, out_offset, capacity, inline, arena_offset, size, feed = parse_step(body)
     return Step(gid, n_tokens, out_offset, capacity, Blob(bytes(inline), arena_offset, size),
                 tuple(Feed(i, k) for i, k in feed))
 
 
-def _decode_data(body: bytes | memoryview) -> Data:
+def _decode_data(body: BytesLike) -> Data:
     inline, arena_offset, size = parse_data(body)
     return Data(Blob(bytes(inline), arena_offset, size))
 
@@ -579,7 +584,7 @@ _FIXED_ENCODERS: dict[type, typing.Callable[[typing.Any, int, int], bytes]] = {
                                            [(f.input, f.output) for f in s.feed]),
     Data: lambda d, rid, flags: data_frame(rid, flags, d.data.inline, d.data.arena_offset, d.data.size),
 }
-_FIXED_DECODERS: dict[int, typing.Callable[[bytes | memoryview], object]] = {
+_FIXED_DECODERS: dict[int, typing.Callable[[BytesLike], object]] = {
     STEP_OPCODE: _decode_step,
     DATA_OPCODE: _decode_data,
 }

@@ -20,9 +20,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from ..errors import ApirError
 from ..graph import DType, Graph, T
@@ -134,7 +135,7 @@ class StepLayout:
         pairs = [(names.index(name), k) for name, k in feed.items()]
         return pairs, tuple(sorted(i for i, _ in pairs))
 
-    def pack_inputs(self, inputs: Mapping[str, np.ndarray], fed: tuple[int, ...] = (),
+    def pack_inputs(self, inputs: Mapping[str, ArrayLike], fed: tuple[int, ...] = (),
                     pairs: Sequence[tuple[int, int]] = ()) -> tuple[int, bytes]:
         """(T, payload) for ``inputs``, the graph's unfed inputs with their registered
         dtypes and shapes (``pairs``: the feed, from ``feed_pairs``); a LayoutError says
@@ -156,7 +157,7 @@ class StepLayout:
             if not isinstance(a, np.ndarray) or a.dtype != slot.dtype or a.shape != shape:
                 return self._repack(inputs, fed, pairs)
         self.last_tokens = n_tokens
-        return n_tokens, pack(arrays, place)
+        return n_tokens, pack(cast("list[np.ndarray]", arrays), place)  # each checked above
 
     def _fed_tokens(self, pairs: Sequence[tuple[int, int]]) -> int:
         """T when it shows only in fed inputs: that of the output feeding the first of them
@@ -166,7 +167,7 @@ class StepLayout:
         n = out[axis] if axis < len(out) else T
         return max(self.last_tokens, 1) if n == T else n
 
-    def _repack(self, inputs: Mapping[str, object], fed: tuple[int, ...],
+    def _repack(self, inputs: Mapping[str, ArrayLike], fed: tuple[int, ...],
                 pairs: Sequence[tuple[int, int]]) -> tuple[int, bytes]:
         """Inputs off the layout: those that only are not numpy arrays yet (lists, scalars)
         pack as arrays, as the local executor takes them; otherwise a LayoutError says
@@ -176,11 +177,12 @@ class StepLayout:
         if missing or extra:
             raise LayoutError(f"graph inputs are {sorted(self.names)}; missing {missing}, unexpected "
                               f"{extra} (an input is either sent or fed, not both)")
-        if not all(isinstance(a, np.ndarray) for a in inputs.values()):
+        arrays = {name: a for name, a in inputs.items() if isinstance(a, np.ndarray)}
+        if len(arrays) < len(inputs):
             return self.pack_inputs({name: np.asarray(a) for name, a in inputs.items()}, fed, pairs)
         n_tokens = None
         for slot in sent.slots:
-            a = inputs[slot.name]
+            a = arrays[slot.name]
             if a.dtype != slot.dtype:
                 raise LayoutError(f"input {slot.name!r} must be {slot.kind.name}, got numpy {a.dtype}")
             if a.ndim != len(slot.shape):

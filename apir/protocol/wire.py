@@ -6,7 +6,9 @@ the frame and against a cap before anything is allocated.
 
 from __future__ import annotations
 
+import builtins
 import struct
+from typing import Any
 
 from ..errors import ApirError
 
@@ -19,6 +21,9 @@ _U64 = struct.Struct("<Q")
 _U32 = struct.Struct("<I")
 _U16 = struct.Struct("<H")
 _F64 = struct.Struct("<d")
+
+# What a frame body may be: the transports read into bytearrays, the arena hands out views.
+BytesLike = bytes | bytearray | memoryview
 
 
 class ProtocolError(ApirError):
@@ -56,12 +61,12 @@ class Writer:
         self.u64(len(v))
         self.parts.append(bytes(v))
 
-    def getvalue(self) -> bytes:
+    def getvalue(self) -> builtins.bytes:
         return b"".join(self.parts)
 
 
 class Reader:
-    def __init__(self, data: bytes | memoryview) -> None:
+    def __init__(self, data: BytesLike) -> None:
         self.data = memoryview(data)
         self.pos = 0
 
@@ -72,7 +77,7 @@ class Reader:
         self.pos += n
         return out
 
-    def unpack(self, st: struct.Struct) -> tuple:
+    def unpack(self, st: struct.Struct) -> tuple[Any, ...]:
         """Several fixed-size fields at once, bounds-checked like every other read."""
         pos = self.pos
         if pos + st.size > len(self.data):
@@ -84,19 +89,24 @@ class Reader:
         return self._take(1)[0]
 
     def u16(self) -> int:
-        return _U16.unpack(self._take(2))[0]
+        v: int = _U16.unpack(self._take(2))[0]
+        return v
 
     def u32(self) -> int:
-        return _U32.unpack(self._take(4))[0]
+        v: int = _U32.unpack(self._take(4))[0]
+        return v
 
     def u64(self) -> int:
-        return _U64.unpack(self._take(8))[0]
+        v: int = _U64.unpack(self._take(8))[0]
+        return v
 
     def i64(self) -> int:
-        return _I64.unpack(self._take(8))[0]
+        v: int = _I64.unpack(self._take(8))[0]
+        return v
 
     def f64(self) -> float:
-        return _F64.unpack(self._take(8))[0]
+        v: float = _F64.unpack(self._take(8))[0]
+        return v
 
     def count(self, cap: int = MAX_ITEMS) -> int:
         n = self.u32()

@@ -49,7 +49,7 @@ class Address:
         return socket.AF_INET6 if ":" in self.host else socket.AF_INET
 
     @property
-    def sockaddr(self) -> object:
+    def sockaddr(self) -> str | tuple[str, int] | tuple[int, int]:
         if self.scheme == "unix":
             return self.path
         if self.scheme == "vsock":

@@ -39,7 +39,8 @@ class Doorbell:
         """Sleep until rung, until the socket speaks (the peer went away), or ``timeout``."""
         if self._gone:
             return
-        ready, _, _ = select.select([self.wait_fd, self.sock], [], [], timeout)
+        watch: list[int | socket.socket] = [self.wait_fd, self.sock]
+        ready, _, _ = select.select(watch, [], [], timeout)
         if self.wait_fd in ready:
             try:
                 os.eventfd_read(self.wait_fd)  # reset the counter

@@ -74,6 +74,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import cast
 
 from ..errors import ApirError
 from ..protocol import FrameHeader, ProtocolError, decode_body, decode_header, encode
@@ -226,7 +227,7 @@ class RingChannel:
 
     def __init__(self, region: Region, side: str, max_body: int = MAX_BODY, timeout: float | None = None,
                  io_timeout: float = 60.0, alive: Callable[[], bool] | None = None,
-                 doorbell=None) -> None:
+                 doorbell: Doorbell | None = None) -> None:
         if side not in ("guest", "host"):
             raise ValueError(f"side must be guest or host, not {side!r}")
         self.region, self.side, self.max_body = region, side, max_body
@@ -304,14 +305,14 @@ class RingChannel:
         self._asleep.value = 1
         _fence(self._fence_lock)  # the flag is visible before the ring is checked again
         if not ready():
-            self.doorbell.wait(MAX_DOORBELL_WAIT)  # rung, or the socket said something
+            cast("Doorbell", self.doorbell).wait(MAX_DOORBELL_WAIT)  # rung, or the socket spoke
         self._asleep.value = 0
 
     def _ring(self) -> None:
         """Wake the peer if it may be asleep (after a store that it must see)."""
         _fence(self._fence_lock)  # the store is visible before the flag is read
         if self._peer_asleep.value:
-            self.doorbell.ring()
+            cast("Doorbell", self.doorbell).ring()
 
     def _spin(self, ready: Callable[[], int]) -> int:
         """Busy-poll ``ready`` for up to ``spin_seconds``: a side asleep on its eventfd (or
@@ -424,14 +425,16 @@ class RingChannel:
 
     def close(self) -> None:
         """Tell the peer we are gone (the region itself belongs to whoever opened it)."""
-        if not self.closed and not self.region.map.closed:
+        if self.closed:
+            return
+        if not self.region.map.closed:
             self._mine.value = 1
             if self.doorbell is not None:
                 self.doorbell.ring()
         self.closed = True
         # the counter words pin the mapping: drop them so that the region can be closed
-        self._out_head = self._out_tail = self._in_head = self._in_tail = self._mine = self._peer = None
-        self._asleep = self._peer_asleep = None
+        del self._out_head, self._out_tail, self._in_head, self._in_tail, self._mine, self._peer
+        del self._asleep, self._peer_asleep
 
 
 # ---------------------------------------------------------------- Unix guests: memfd + eventfds
