@@ -1,4 +1,4 @@
-"""The backend interface (DESIGN.md, "The backend API"): what every backend is and
+"""The backend interface (docs/design.md, "The backend API"): what every backend is and
 shares, whether it executes graphs itself (``apir.backends.executor``) or forwards them
 (``apir.backends.remote``).
 
