@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import ModuleType
 
+from . import env
 from .errors import ApirError
 from .flags import RunConfig, add_backend, add_model, model_path, run_config
 
@@ -114,7 +115,7 @@ def check_daemon(address: str, token_file: str | None) -> Check:
     from .transport import HostUnreachable
 
     try:
-        st = host_status(address, token_file)
+        st = host_status(address, env.read_token(token_file))
     except HostUnreachable:
         return Check("missing", "daemon", f"no apir host answers at {address}", HOST_FIX)
     except ApirError as e:

@@ -49,7 +49,7 @@ def _answers(address: str, token_file: str | None = None) -> bool:
     from .backends.remote import host_status
 
     try:
-        host_status(address, token_file)
+        host_status(address, Path(token_file).read_text().strip() if token_file else "")
     except HostUnreachable:
         return False
     return True

@@ -96,11 +96,10 @@ def handshake(url: str | None, hello: m.Hello, timeout: float | None, want: type
     return conn, reply
 
 
-def host_status(url: str | None = None, token_file: str | None = None) -> m.Status:
-    """Ask a daemon for its sessions and their memory (no session is created)."""
-    from .. import env  # callers pass the token file: resolved here, for the CLI and doctor
-
-    hello = m.Hello(PROTOCOL_VERSION, op_table_hash(), env.read_token(token_file), f"apir {__version__}", 0, True)
+def host_status(url: str | None = None, token: str = "") -> m.Status:
+    """Ask a daemon for its sessions and their memory (no session is created); ``token``:
+    the host's secret (tcp, vsock)."""
+    hello = m.Hello(PROTOCOL_VERSION, op_table_hash(), token, f"apir {__version__}", 0, True)
     conn, status = handshake(url, hello, None, m.Status)
     conn.close()
     return status

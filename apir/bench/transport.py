@@ -21,12 +21,7 @@ next frame); by default a CPU host sleeps on its eventfd and pays the scheduler'
 
 from __future__ import annotations
 
-import os
-import secrets
-import socket
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -38,7 +33,6 @@ import numpy as np
 
 from .. import env
 from ..backends.base import Backend, BufferPurpose
-from ..errors import ApirError
 from ..graph import DType, GraphBuilder, T
 
 if TYPE_CHECKING:
@@ -195,37 +189,14 @@ def run(remotes: list[str] | None, token_file: str | None, calls: int = 2000,
     against the same step run natively on ``device``."""
     if remotes:
         return measure(remotes, token_file, calls, upload_mb)
-    from ..backends.remote import host_status
-    from ..transport import HostUnreachable
+    from ..spawn import free_port, start_host, write_token
 
-    tmp = Path(tempfile.mkdtemp(prefix="apir-bench-"))
-    token = tmp / "token"
-    token.write_text(secrets.token_hex(16))
-    os.chmod(token, 0o600)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    urls = [f"unix://{tmp}/apir.sock", f"tcp://127.0.0.1:{port}"]
-    cmd = [sys.executable, "-m", "apir.cli", "host", "--token-file", str(token)]
-    for u in urls:
-        cmd += ["--listen", u]
-    if device:
-        cmd += ["--device", device]
-    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                host_status(urls[0])
-                break
-            except HostUnreachable:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise ApirError("the benchmark's host daemon did not start") from None
-                time.sleep(0.1)
-        return measure(urls, str(token), calls, upload_mb, native_device=device or "cpu")
-    finally:
-        proc.terminate()
-        proc.wait(10)
+    with tempfile.TemporaryDirectory(prefix="apir-bench-") as d:
+        tmp = Path(d)
+        urls = [f"unix://{tmp}/apir.sock", f"tcp://127.0.0.1:{free_port()}"]
+        token = write_token(tmp / "token")
+        with start_host(urls, tmp / "host.log", device=device, token_file=token):
+            return measure(urls, token, calls, upload_mb, native_device=device or "cpu")
 
 
 def _cell(value: float | None, fmt: str = ".1f") -> str:

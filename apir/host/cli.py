@@ -64,7 +64,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     from ..backends.remote import host_status
 
     url = (args.listen or [None])[0]
-    st = host_status(url, args.token_file)
+    st = host_status(url, env.read_token(args.token_file))
     sessions = [
         {"session": s.session, "pid": s.pid, "peer": s.peer, "allocated": s.allocated, "peak": s.peak}
         for s in st.sessions
