@@ -63,6 +63,11 @@ MODEL = EnvVar("APIR_MODEL", None, "default model name or .gguf path for -m")
 BACKEND = EnvVar("APIR_BACKEND", "local", "default backend: local (PyTorch) or numpy")
 DEVICE = EnvVar("APIR_DEVICE", None, "default device for the local backend: cpu, cuda or mps")
 CTX_SIZE = EnvVar("APIR_CTX_SIZE", None, "context window in tokens (default: min(4096, the model's))")
+THREADS = EnvVar(
+    "APIR_THREADS", None,
+    "CPU threads torch computes with, in apir run/serve (local backend) and apir host "
+    "(default: the physical cores but one, at most 8; at least 1)",
+)
 API_KEY = EnvVar(
     "APIR_API_KEY", None,
     "apir serve: require 'Authorization: Bearer KEY' on /v1/* (default: no key needed)",
@@ -110,6 +115,26 @@ def spin_seconds(device_kind: str) -> float:
     value = SPIN_US.get()
     return (int(value) if value is not None else 50000 if device_kind != "cpu" else 0) / 1e6
 
+
+
+def default_threads() -> int:
+    """The physical cores this process may run on, but one, at most 8 (at least 1).
+
+    torch's default (every core) collapses when anything else wants a core: its OpenMP
+    threads spin at a barrier after every op waiting for one that is descheduled. On 2 cores
+    with one competing process a 32-token run took 47 s with 2 threads, 5.7 s with 1.
+    Leaving a core free keeps the guest, the server or a neighbour off the compute threads;
+    past ~8 threads decode is bound by memory bandwidth, not cores."""
+    cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
+    cores = set()
+    for cpu in cpus:  # hyperthreads of one core share its (package, core) ids
+        topology = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
+        try:
+            cores.add(((topology / "physical_package_id").read_text(), (topology / "core_id").read_text()))
+        except OSError:  # no sysfs (macOS): count logical CPUs
+            cores.add(cpu)
+    return max(1, min(len(cores) - 1, 8))
+
 CONFIG = EnvVar(
     "APIR_CONFIG",
     str(Path(os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config") / "apir" / "config.toml"),
@@ -117,7 +142,7 @@ CONFIG = EnvVar(
 )
 
 ALL = (
-    CONFIG, MODEL, BACKEND, DEVICE, CTX_SIZE, REMOTE, TOKEN, TOKEN_FILE, HOST_LISTEN, API_KEY,
+    CONFIG, MODEL, BACKEND, DEVICE, CTX_SIZE, THREADS, REMOTE, TOKEN, TOKEN_FILE, HOST_LISTEN, API_KEY,
     CACHE_DIR, HF_ENDPOINT, HF_TOKEN, BENCH_HISTORY, CUDA_GRAPHS, COMPILE, SPIN_US,
 )
 
