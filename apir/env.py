@@ -63,8 +63,29 @@ MODEL = EnvVar("APIR_MODEL", None, "default model name or .gguf path for -m")
 BACKEND = EnvVar("APIR_BACKEND", "local", "default backend: local (PyTorch) or numpy")
 DEVICE = EnvVar("APIR_DEVICE", None, "default device for the local backend: cpu, cuda or mps")
 CTX_SIZE = EnvVar("APIR_CTX_SIZE", None, "context window in tokens (default: min(4096, the model's))")
+
+
+def default_threads() -> int:
+    """The physical cores this process may run on, but one, at most 8 (at least 1).
+
+    torch's default (every core) collapses when anything else wants a core: its OpenMP
+    threads wait at a barrier after every op for one that is descheduled. On 2 cores with
+    `yes >/dev/null` running, SmolLM2-135M decoded 2.5-2.9 t/s with 2 threads, 7.1-9.5 t/s
+    with 1 (idle: 21-23 t/s either way). A free core keeps the guest, the server or a
+    neighbour off the compute threads; past ~8 threads decode is bound by memory bandwidth."""
+    cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
+    cores = set()
+    for cpu in cpus:  # hyperthreads of one core share its (package, core) ids
+        topology = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
+        try:
+            cores.add(((topology / "physical_package_id").read_text(), (topology / "core_id").read_text()))
+        except OSError:  # no sysfs (macOS): count logical CPUs
+            cores.add(cpu)
+    return max(1, min(len(cores) - 1, 8))
+
+
 THREADS = EnvVar(
-    "APIR_THREADS", None,
+    "APIR_THREADS", str(default_threads()),
     "CPU threads torch computes with, in apir run/serve (local backend) and apir host "
     "(default: the physical cores but one, at most 8; at least 1)",
 )
@@ -116,24 +137,6 @@ def spin_seconds(device_kind: str) -> float:
     return (int(value) if value is not None else 50000 if device_kind != "cpu" else 0) / 1e6
 
 
-
-def default_threads() -> int:
-    """The physical cores this process may run on, but one, at most 8 (at least 1).
-
-    torch's default (every core) collapses when anything else wants a core: its OpenMP
-    threads spin at a barrier after every op waiting for one that is descheduled. On 2 cores
-    with one competing process a 32-token run took 47 s with 2 threads, 5.7 s with 1.
-    Leaving a core free keeps the guest, the server or a neighbour off the compute threads;
-    past ~8 threads decode is bound by memory bandwidth, not cores."""
-    cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
-    cores = set()
-    for cpu in cpus:  # hyperthreads of one core share its (package, core) ids
-        topology = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
-        try:
-            cores.add(((topology / "physical_package_id").read_text(), (topology / "core_id").read_text()))
-        except OSError:  # no sysfs (macOS): count logical CPUs
-            cores.add(cpu)
-    return max(1, min(len(cores) - 1, 8))
 
 CONFIG = EnvVar(
     "APIR_CONFIG",

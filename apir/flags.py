@@ -60,10 +60,9 @@ def _count(text: str) -> int:
 def add_threads(p: argparse.ArgumentParser, what: str) -> None:
     """-t/--threads, like llama.cpp's; its default (a string: argparse checks it like a
     flag's value) comes from APIR_THREADS, the config file or the CPU's cores."""
-    default = env.default_threads()
-    p.add_argument("-t", "--threads", type=_count, default=env.THREADS.get() or str(default), metavar="N",
-                   help=f"CPU threads {what} (default: {default} here, the physical cores but one, "
-                        f"at most 8; env APIR_THREADS)")
+    p.add_argument("-t", "--threads", type=_count, default=env.THREADS.get(), metavar="N",
+                   help=f"CPU threads {what} (default: {env.THREADS.default} here, the physical "
+                        f"cores but one, at most 8; env APIR_THREADS)")
 
 
 @dataclass(frozen=True)

@@ -79,11 +79,13 @@ def _listen(host: str, port: int) -> socket.socket:
         raise ApirError(f"--port must be in 0..65535, got {port}")
     try:
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
-        return socket.create_server((host, port), family=family)
+        sock = socket.create_server((host, port), family=family)
     except OSError as e:
         # create_server puts the address in strerror; getaddrinfo errors have negative numbers
         why = os.strerror(e.errno) if (e.errno or 0) > 0 else e.strerror or str(e)
         raise ApirError(f"apir serve cannot listen on {where}: {why}") from None
+    eprint(f"apir serve: listening on http://{where.rpartition(':')[0]}:{sock.getsockname()[1]}")
+    return sock
 
 
 def serve_model(config: RunConfig) -> Model:
