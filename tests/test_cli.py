@@ -257,19 +257,30 @@ def test_threads_flag_env_and_default_reach_torch(tiny):
     assert out.returncode == 2 and "argument -t/--threads: must be >= 1, got 0" in out.stderr
 
 
-def test_the_host_daemon_sets_the_threads_its_forked_workers_compute_with(tmp_path):
-    """The daemon sets them once; each session's worker is forked from it and keeps them."""
-    code = ("import os, torch; from apir.flags import set_threads; set_threads(3); pid = os.fork()\n"
-            "if pid == 0: print(torch.get_num_threads(), flush=True); os._exit(0)\nos.waitpid(pid, 0)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.stdout == "3\n", out.stderr
-    host = subprocess.Popen([sys.executable, "-m", "apir.cli", "host", "-t", "3", "--listen",
-                             f"unix://{tmp_path / 'h.sock'}"], stderr=subprocess.PIPE, text=True)
-    try:
-        assert host.stderr.readline() == "apir host: sessions compute with 3 CPU threads (-t)\n"
-    finally:
-        host.terminate()
-        host.wait(timeout=30)
+def test_each_session_worker_computes_with_the_hosts_threads(tmp_path):
+    """The daemon sets -t once; every session's worker, forked from it, computes with them:
+    a worker of ``-t 2`` runs more threads (OpenMP's) than one of ``-t 1``."""
+    import os
+
+    from hosts import start_host
+
+    import apir as api
+
+    # big enough for torch to parallelise its matmuls at all
+    model_file = write_tiny_gguf(tmp_path / "wide.gguf", TinyConfig(n_embd=256, n_ff=1024, head_dim=64))
+    tasks = {}
+    for n in (1, 2):
+        (tmp_path / str(n)).mkdir()
+        host = start_host(tmp_path / str(n), "-t", str(n))
+        try:
+            assert f"apir host: sessions compute with {n} CPU thread" in host.log.read_text()
+            with api.load(str(model_file), backend="remote", remote=host.unix) as model:
+                model.generate("Hello world " * 8, temperature=0, max_tokens=4)
+                worker = host.status().sessions[0].pid
+                tasks[n] = len(os.listdir(f"/proc/{worker}/task"))
+        finally:
+            host.stop()
+    assert tasks[2] > tasks[1], tasks
 
 
 def test_host_device_cuda_without_cuda_refuses_to_start(tmp_path):

@@ -61,7 +61,7 @@ def cmd_host(args: argparse.Namespace) -> int:
         raise ApirError(f"apir host --device {config.device}: {why}; use --device cpu, or leave "
                         f"--device out to take the best device there is")
     set_threads(args.threads)  # in the daemon: each session's worker is forked from it
-    eprint(f"apir host: sessions compute with {args.threads} CPU threads (-t)")
+    eprint(f"apir host: sessions compute with {args.threads} CPU thread{'s' if args.threads > 1 else ''} (-t)")
     run(config)
     return 0
 
