@@ -88,11 +88,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     from . import sandbox
 
     params = _sampling(args)
+    prompt = _prompt(args)  # read up front: a missing -f FILE is an error before any loading
     config = flags.run_config(args)
     if args.sandbox and not sandbox.inside():
         return _run_sandboxed(args, dataclasses.replace(config, remote=config.remote or "auto"))
     with flags.remote_ready(config) as config:
-        return _run(args, flags.load(config, flags.progress_bar("uploading weights")), params)
+        model = flags.load(config, flags.progress_bar("uploading weights"))
+        return _run(model, params, prompt, args.chat)
 
 
 def _config_files() -> tuple[str, ...]:
@@ -114,7 +116,8 @@ def _run_sandboxed(args: argparse.Namespace, config: flags.RunConfig) -> int:
             raise ApirError(f"--sandbox reaches the host through a unix socket, not {address}")
         model = str(flags.model_path(config).resolve())  # /tmp is private in there: bind it
         argv = sandbox.guest_argv([*args.argv, "--remote", str(address)])
-        cmd = sandbox.sandbox_command(address.path, argv, read_only=(model, *_config_files()))
+        prompt = (str(Path(args.file).resolve()),) if args.file else ()  # -f FILE, read in there
+        cmd = sandbox.sandbox_command(address.path, argv, read_only=(model, *prompt, *_config_files()))
         flags.eprint(f"sandbox: guest in bubblewrap (no network, no GPU devices, read-only root) -> {address}")
         return subprocess.run(cmd).returncode
 
@@ -129,11 +132,10 @@ def _prompt(args: argparse.Namespace) -> str | None:
         raise ApirError(f"cannot read the prompt file {args.file}: {getattr(e, 'strerror', None) or e}") from None
 
 
-def _run(args: argparse.Namespace, model, params) -> int:
+def _run(model, params, prompt: str | None, chat: bool) -> int:
     with model:
-        prompt = _prompt(args)
         if prompt is not None:
-            if args.chat:
+            if chat:
                 ids = model.chat_ids([{"role": "user", "content": prompt}])
             else:
                 ids = model.tokenize(prompt)
