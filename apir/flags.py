@@ -40,8 +40,8 @@ def add_backend(p: argparse.ArgumentParser) -> None:
                    help="the shared secret for tcp/vsock hosts (or set APIR_TOKEN)")
     p.add_argument("--device", default=env.DEVICE.get(), choices=("cpu", "cuda", "mps"),
                    help="device for the local backend (default: best available)")
-    ctx = env.CTX_SIZE.get()
-    p.add_argument("-c", "--ctx-size", type=int, default=int(ctx) if ctx else None,
+    # string defaults from the environment or config file are checked as flag values are
+    p.add_argument("-c", "--ctx-size", type=int, default=env.CTX_SIZE.get(),
                    help="context window in tokens (default: min(4096, the model's))")
     add_threads(p, "the local backend computes with")
 
@@ -58,8 +58,8 @@ def _count(text: str) -> int:
 
 
 def add_threads(p: argparse.ArgumentParser, what: str) -> None:
-    """-t/--threads, like llama.cpp's; its default (a string: argparse checks it like a
-    flag's value) comes from APIR_THREADS, the config file or the CPU's cores."""
+    """-t/--threads, like llama.cpp's; its default comes from APIR_THREADS, the config file
+    or the CPU's cores."""
     p.add_argument("-t", "--threads", type=_count, default=env.THREADS.get(), metavar="N",
                    help=f"CPU threads {what} (default: {env.THREADS.default} here, the physical "
                         f"cores but one, at most 8; env APIR_THREADS)")

@@ -203,6 +203,11 @@ def test_ctx_size_beyond_the_model_or_zero_is_an_error_before_loading(tiny):
     assert "loaded" not in over.stderr
     assert one_error_line(apir("run", "-m", str(tiny), "-p", "hi", "-c", "0")) == \
         "error: --ctx-size must be >= 1, got 0"
+    import os
+
+    bad = apir("run", "-m", str(tiny), "-p", "hi", env={**os.environ, "APIR_CTX_SIZE": "lots"})
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    assert bad.stderr.endswith("error: argument -c/--ctx-size: invalid int value: 'lots'\n")
 
 
 def test_the_overflow_message_advises_raising_only_what_can_be_raised(tiny):
