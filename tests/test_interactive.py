@@ -80,3 +80,13 @@ def test_ctrl_c_stops_the_reply_and_a_second_at_the_prompt_quits(tiny):
     generated = int(stats[0].split("generated ")[1].split()[0])
     assert 0 < generated < 2000
     assert "Traceback" not in err.decode() and "interrupted" not in err.decode()
+
+
+def test_a_message_past_the_context_is_reported_and_the_chat_goes_on(tiny):
+    out = subprocess.run(chat(tiny, "-n", "4", "-c", "64"), input="x" * 200 + "\nHi\n",
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    errors = [ln for ln in out.stderr.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and errors[0].endswith(
+        "but the context holds 64; shorten it or raise --ctx-size (up to 2048); or /clear to start a new conversation")
+    assert out.stdout == f"> > {first_reply(tiny, 'Hi', 4)}\n> "  # the overlong message left no trace
