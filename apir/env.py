@@ -70,7 +70,7 @@ def default_threads() -> int:
 
     torch's default (every core) collapses when anything else wants a core: its OpenMP
     threads wait at a barrier after every op for one that is descheduled. On 2 cores with
-    `yes >/dev/null` running, SmolLM2-135M decoded 2.5-2.9 t/s with 2 threads, 7.1-9.5 t/s
+    `yes >/dev/null` running, SmolLM2-135M decoded 2.5-3.7 t/s with 2 threads, 7.1-14 t/s
     with 1 (idle: 21-23 t/s either way). A free core keeps the guest, the server or a
     neighbour off the compute threads; past ~8 threads decode is bound by memory bandwidth."""
     cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
