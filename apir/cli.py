@@ -7,12 +7,15 @@ stdout carries only results (generated text, JSON); logs and progress go to stde
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
+import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 from . import env, flags
 from .errors import ApirError
@@ -21,24 +24,54 @@ from .errors import ApirError
 def _sampling(args: argparse.Namespace):
     from .engine import SamplingParams
 
+    if args.n_predict < -1:
+        raise ValueError(f"-n must be -1 (until the context is full) or >= 0, got {args.n_predict}")
+    # -1: no count of ours stops it; generation ends when the context is full
+    n = sys.maxsize if args.n_predict == -1 else args.n_predict
     return SamplingParams(temperature=args.temp, top_k=args.top_k, top_p=args.top_p,
-                          min_p=args.min_p, seed=args.seed, max_tokens=args.n_predict)
+                          min_p=args.min_p, seed=args.seed, max_tokens=n)
 
 
-def _generate(model, ids: list[int], params) -> tuple[str, int]:
-    """Stream a completion to stdout; returns (text, generated token count)."""
+@contextlib.contextmanager
+def _ctrl_c_stops() -> Iterator[list[bool]]:
+    """While a chat reply streams, Ctrl-C asks it to stop: the flag yielded is read after
+    each token, so no step is cut off halfway (a remote host's stream stays whole). A
+    second Ctrl-C before the reply stops interrupts at once."""
+    pressed: list[bool] = []
+
+    def handler(signum: int, frame: object) -> None:
+        if pressed:
+            raise KeyboardInterrupt
+        pressed.append(True)
+
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+        yield pressed
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _generate(model, ids: list[int], params, stop: Sequence[bool] = ()) -> tuple[str, int]:
+    """Stream a completion to stdout until it ends or ``stop`` turns true; returns (text,
+    generated token count)."""
     t0 = time.perf_counter()
     first = None
     pieces, count = [], 0
     decoder = model.tokenizer.stream()
-    for tid in model.generate_ids(ids, params):
-        if first is None:
-            first = time.perf_counter()
-        count += 1
-        piece = decoder.feed(tid)
-        pieces.append(piece)
-        sys.stdout.write(piece)
-        sys.stdout.flush()
+    tokens = model.generate_ids(ids, params)
+    try:
+        for tid in tokens:
+            if first is None:
+                first = time.perf_counter()
+            count += 1
+            piece = decoder.feed(tid)
+            pieces.append(piece)
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+            if stop:
+                break
+    finally:
+        tokens.close()  # waits for the step computed ahead
     tail = decoder.flush()
     sys.stdout.write(tail)
     sys.stdout.flush()
@@ -46,8 +79,8 @@ def _generate(model, ids: list[int], params) -> tuple[str, int]:
     first = first or end
     gen_rate = (count - 1) / (end - first) if count > 1 else 0.0
     flags.eprint(f"\nprompt {len(ids)} tokens, {len(ids) / max(first - t0, 1e-9):,.1f} t/s; "
-            f"generated {count} tokens, {gen_rate:,.1f} t/s; backend {model.backend.name} "
-            f"({model.backend.device().name})")
+            f"generated {count} tokens{' (stopped)' if stop else ''}, {gen_rate:,.1f} t/s; "
+            f"backend {model.backend.name} ({model.backend.device().name})")
     return "".join(pieces) + tail, count
 
 
@@ -55,11 +88,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     from . import sandbox
 
     params = _sampling(args)
+    prompt = _prompt(args)  # read up front: a missing -f FILE is an error before any loading
     config = flags.run_config(args)
     if args.sandbox and not sandbox.inside():
         return _run_sandboxed(args, dataclasses.replace(config, remote=config.remote or "auto"))
     with flags.remote_ready(config) as config:
-        return _run(args, flags.load(config, flags.progress_bar("uploading weights")), params)
+        model = flags.load(config, flags.progress_bar("uploading weights"))
+        return _run(model, params, prompt, args.chat)
 
 
 def _config_files() -> tuple[str, ...]:
@@ -81,38 +116,71 @@ def _run_sandboxed(args: argparse.Namespace, config: flags.RunConfig) -> int:
             raise ApirError(f"--sandbox reaches the host through a unix socket, not {address}")
         model = str(flags.model_path(config).resolve())  # /tmp is private in there: bind it
         argv = sandbox.guest_argv([*args.argv, "--remote", str(address)])
-        cmd = sandbox.sandbox_command(address.path, argv, read_only=(model, *_config_files()))
+        prompt = (str(Path(args.file).resolve()),) if args.file else ()  # -f FILE, read in there
+        cmd = sandbox.sandbox_command(address.path, argv, read_only=(model, *prompt, *_config_files()))
         flags.eprint(f"sandbox: guest in bubblewrap (no network, no GPU devices, read-only root) -> {address}")
         return subprocess.run(cmd).returncode
 
 
-def _run(args: argparse.Namespace, model, params) -> int:
+def _prompt(args: argparse.Namespace) -> str | None:
+    """-p, or the contents of -f FILE (less one trailing newline, as llama.cpp reads it)."""
+    if args.file is None:
+        return args.prompt
+    try:
+        return Path(args.file).read_text(encoding="utf-8").removesuffix("\n")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ApirError(f"cannot read the prompt file {args.file}: {getattr(e, 'strerror', None) or e}") from None
+
+
+def _run(model, params, prompt: str | None, chat: bool) -> int:
     with model:
-        if args.prompt is not None:
-            if args.chat:
-                ids = model.chat_ids([{"role": "user", "content": args.prompt}])
+        if prompt is not None:
+            if chat:
+                ids = model.chat_ids([{"role": "user", "content": prompt}])
             else:
-                ids = model.tokenize(args.prompt)
+                ids = model.tokenize(prompt)
             _generate(model, ids, params)
             sys.stdout.write("\n")
             return 0
         return _chat_loop(model, params)
 
 
+CHAT_HELP = """commands:
+  /help         this list
+  /clear        forget the conversation and start a new one
+  /bye, exit    quit (so does Ctrl-D, or Ctrl-C at the prompt)
+Ctrl-C while a reply streams stops it and returns to the prompt."""
+
+
 def _chat_loop(model, params) -> int:
-    flags.eprint("interactive chat: type a message, an empty line or Ctrl-D to quit")
+    from .engine import ContextOverflowError
+
+    flags.eprint("interactive chat: /help for commands, /bye or Ctrl-D to quit, Ctrl-C stops a reply")
     messages: list[dict] = []
     while True:
         try:
             line = input("> ")
-        except EOFError:
+        except (EOFError, KeyboardInterrupt):  # Ctrl-D, or Ctrl-C at the prompt
             flags.eprint()
             return 0
-        if not line.strip():
+        command = line.strip()
+        if command in ("/bye", "exit"):
             return 0
+        if command in ("/clear", "/help"):
+            if command == "/clear":
+                messages.clear()
+            flags.eprint(CHAT_HELP if command == "/help" else "(conversation cleared)")
+            continue
+        if not command:
+            continue
         messages.append({"role": "user", "content": line})
-        ids = model.chat_ids(messages)
-        reply, _ = _generate(model, ids, params)
+        try:
+            with _ctrl_c_stops() as stop:
+                reply, _ = _generate(model, model.chat_ids(messages), params, stop)
+        except ContextOverflowError as e:
+            messages.pop()
+            flags.eprint(f"error: {e}; or /clear to start a new conversation")
+            continue
         sys.stdout.write("\n")
         messages.append({"role": "assistant", "content": reply})
 
@@ -144,6 +212,7 @@ def _flags_given(args: argparse.Namespace, options_of: dict[str, tuple[str, ...]
 RUN_FLAGS = {  # config key (= dest) -> its flags, for `apir info --config`
     "model": ("-m", "--model"), "backend": ("--backend",), "remote": ("--remote",),
     "token_file": ("--token-file",), "device": ("--device",), "ctx_size": ("-c", "--ctx-size"),
+    "threads": ("-t", "--threads"),
 }
 
 
@@ -200,17 +269,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"apir {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
-    run = sub.add_parser("run", help="generate text (one-shot with -p, interactive chat without)")
+    run = sub.add_parser("run", help="generate text (one-shot with -p or -f, interactive chat "
+                         "without: /help lists its commands)")
     flags.add_model(run)
     flags.add_backend(run)
-    run.add_argument("-p", "--prompt", help="the prompt, used exactly as given (special tokens parsed)")
-    run.add_argument("-n", "--n-predict", type=int, default=256, help="max tokens to generate")
+    given = run.add_mutually_exclusive_group()
+    given.add_argument("-p", "--prompt", help="the prompt, used exactly as given (special tokens parsed)")
+    given.add_argument("-f", "--file", metavar="FILE", help="read the prompt from FILE (one trailing "
+                       "newline dropped)")
+    run.add_argument("-n", "--n-predict", type=int, default=256, metavar="N",
+                     help="max tokens to generate (default: %(default)s; -1: until the context is full)")
     run.add_argument("--temp", type=float, default=0.8, help="temperature (0 = greedy)")
     run.add_argument("--top-k", type=int, default=40)
     run.add_argument("--top-p", type=float, default=0.95)
     run.add_argument("--min-p", type=float, default=0.05)
     run.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
-    run.add_argument("--chat", action="store_true", help="wrap -p in the model's chat template")
+    run.add_argument("--chat", action="store_true", help="wrap the prompt of -p or -f in the model's chat template")
     run.add_argument("--sandbox", action="store_true",
                      help="run the guest inside a bubblewrap sandbox (no network, no GPU devices, "
                           "read-only root) with compute on the host daemon (implies --remote auto)")

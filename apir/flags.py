@@ -41,9 +41,29 @@ def add_backend(p: argparse.ArgumentParser) -> None:
                    help="the shared secret for tcp/vsock hosts (or set APIR_TOKEN)")
     p.add_argument("--device", default=env.DEVICE.get(), choices=("cpu", "cuda", "mps"),
                    help="device for the local backend (default: best available)")
-    ctx = env.CTX_SIZE.get()
-    p.add_argument("-c", "--ctx-size", type=int, default=int(ctx) if ctx else None,
+    # string defaults from the environment or config file are checked as flag values are
+    p.add_argument("-c", "--ctx-size", type=int, default=env.CTX_SIZE.get(),
                    help="context window in tokens (default: min(4096, the model's))")
+    add_threads(p, "the local backend computes with")
+
+
+def _count(text: str) -> int:
+    """An argparse type: an integer >= 1."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
+    return n
+
+
+def add_threads(p: argparse.ArgumentParser, what: str) -> None:
+    """-t/--threads, like llama.cpp's; its default comes from APIR_THREADS, the config file
+    or the CPU's cores."""
+    p.add_argument("-t", "--threads", type=_count, default=env.THREADS.get(), metavar="N",
+                   help=f"CPU threads {what} (default: {env.THREADS.default} here, the physical "
+                        f"cores but one, at most 8; env APIR_THREADS)")
 
 
 @dataclass(frozen=True)
@@ -58,10 +78,13 @@ class RunConfig:
     token_file: str | None = None
     cache_dir: Path = DEFAULT_CACHE_DIR
     executor: ExecutorConfig = DEFAULT_EXECUTOR  # how a local backend runs graphs
+    threads: int | None = None  # CPU threads of a local torch backend; None: torch's choice
 
     def __post_init__(self) -> None:
         if self.ctx_size is not None and self.ctx_size < 1:
-            raise ValueError(f"ctx size must be >= 1, got {self.ctx_size}")
+            raise ValueError(f"--ctx-size must be >= 1, got {self.ctx_size}")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {self.threads}")
 
     @property
     def target(self) -> str:
@@ -72,7 +95,7 @@ class RunConfig:
 def run_config(args: argparse.Namespace) -> RunConfig:
     """The ``RunConfig`` of parsed ``add_model`` and ``add_backend`` flags (either or both)."""
     given = {f: getattr(args, f) for f in ("model", "backend", "device", "ctx_size", "remote",
-                                           "token_file") if hasattr(args, f)}
+                                           "token_file", "threads") if hasattr(args, f)}
     return RunConfig(**given, cache_dir=env.cache_dir(), executor=ExecutorConfig.from_env())
 
 
@@ -105,17 +128,34 @@ def load(config: RunConfig, progress=None, say: Callable[[str], None] = eprint):
     if config.target == "remote" and not config.remote:
         raise ApirError("--backend remote needs --remote URL (or APIR_REMOTE)")
     t0 = time.perf_counter()
+    if config.target == "local" and config.threads:
+        set_threads(config.threads)
     model = load_model(model_path(config), backend=config.target, device=config.device,
                        n_ctx=config.ctx_size, progress=progress, remote=config.remote,
                        token_file=config.token_file, executor=config.executor)
     dev = model.backend.device()
     where = f"{model.backend.name}:{dev.name}" + (f" via {config.remote}" if config.remote else "")
+    if config.target == "local" and dev.kind == "cpu":
+        import torch
+
+        n = torch.get_num_threads()
+        where += f" ({n} CPU thread{'s' if n > 1 else ''})"
     say(f"loaded {model.file.path.name} ({model.arch_name}, {model.file.quantization()}) "
            f"on {where} in {time.perf_counter() - t0:.1f}s")
     note = cpu_fallback_note(config.target, config.device, dev.kind, config.remote)
     if note:
         say(note)
     return model
+
+
+def set_threads(n: int) -> None:
+    """Make torch compute with ``n`` CPU threads in this process and in processes it forks
+    from now on (the host's session workers). Nothing to do without torch."""
+    try:
+        import torch
+    except ImportError:
+        return
+    torch.set_num_threads(n)
 
 
 def cpu_fallback_note(backend: str, requested: str | None, kind: str,

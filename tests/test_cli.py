@@ -13,9 +13,9 @@ from tiny_models import TinyConfig, write_tiny_gguf
 from apir.models.resolve import resolve_model
 
 
-def apir(*args: str, **kw) -> subprocess.CompletedProcess:
+def apir(*args: str, timeout: float = 300, **kw) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "apir.cli", *args], capture_output=True, text=True,
-                          timeout=300, **kw)
+                          timeout=timeout, **kw)
 
 
 def one_error_line(out: subprocess.CompletedProcess) -> str:
@@ -194,3 +194,116 @@ def test_a_daemon_that_cannot_start_is_one_error_naming_why(tmp_path):
         start_host([f"unix://{tmp_path / 'apir.sock'}"], tmp_path / "host.log", options=("--max-sessions", "many"))
     assert str(e.value).startswith("the apir host exited with status 2 before it answered: ")
     assert "invalid int value: 'many'" in str(e.value)
+
+
+def test_ctx_size_beyond_the_model_or_zero_is_an_error_before_loading(tiny):
+    over = apir("run", "-m", str(tiny), "-p", "hi", "-c", "65", "--backend", "numpy")
+    line = one_error_line(over)
+    assert line == "error: a context of 65 tokens was asked for (--ctx-size); this model's holds 1 to 64"
+    assert "loaded" not in over.stderr
+    assert one_error_line(apir("run", "-m", str(tiny), "-p", "hi", "-c", "0")) == \
+        "error: --ctx-size must be >= 1, got 0"
+    import os
+
+    bad = apir("run", "-m", str(tiny), "-p", "hi", env={**os.environ, "APIR_CTX_SIZE": "lots"})
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    assert bad.stderr.endswith("error: argument -c/--ctx-size: invalid int value: 'lots'\n")
+
+
+def test_the_overflow_message_advises_raising_only_what_can_be_raised(tiny):
+    whole = one_error_line(apir("run", "-m", str(tiny), "-p", "x" * 200, "-c", "64", "--backend", "numpy"))
+    assert whole.endswith("but the context holds 64; the model's whole context: shorten it")
+    part = one_error_line(apir("run", "-m", str(tiny), "-p", "x" * 40, "-c", "32", "--backend", "numpy"))
+    assert part.endswith("but the context holds 32; shorten it or raise --ctx-size (up to 64)")
+
+
+def test_n_minus_one_generates_until_the_context_is_full(tiny):
+    import apir as api
+    from apir.engine import SamplingParams
+
+    out = apir("run", "-m", str(tiny), "-p", "Hello", "-n", "-1", "--temp", "0", "--backend", "numpy")
+    assert out.returncode == 0, out.stderr
+    with api.load(str(tiny), backend="numpy") as model:
+        room = 64 - len(model.tokenize("Hello"))
+        ids = list(model.generate_ids(model.tokenize("Hello"), SamplingParams(temperature=0, max_tokens=room)))
+        assert out.stdout == model.detokenize(ids) + "\n"
+    assert f"generated {len(ids)} tokens" in out.stderr
+    assert one_error_line(apir("run", "-m", str(tiny), "-p", "hi", "-n", "-2")) == \
+        "error: -n must be -1 (until the context is full) or >= 0, got -2"
+
+
+def test_help_shows_the_defaults_of_n_and_threads():
+    from apir import env
+
+    out = apir("run", "--help")
+    assert "(default: 256; -1: until the context is full)" in " ".join(out.stdout.split())
+    assert f"(default: {env.default_threads()} here," in " ".join(out.stdout.split())
+
+
+def test_a_prompt_from_a_file_is_the_prompt_of_p(tiny, tmp_path):
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("Hello\n")  # one trailing newline dropped, as llama.cpp's -f does
+    by_file = apir("run", "-m", str(tiny), "-f", str(prompt), "-n", "6", "--temp", "0", "--backend", "numpy")
+    by_flag = apir("run", "-m", str(tiny), "-p", "Hello", "-n", "6", "--temp", "0", "--backend", "numpy")
+    assert by_file.returncode == 0, by_file.stderr
+    assert by_file.stdout == by_flag.stdout and "prompt 6 tokens" in by_file.stderr  # BOS + 5 bytes
+    assert one_error_line(apir("run", "-m", str(tiny), "-f", str(tmp_path / "none.txt"))) == \
+        f"error: cannot read the prompt file {tmp_path / 'none.txt'}: No such file or directory"
+
+
+def test_threads_flag_env_and_default_reach_torch(tiny):
+    import os
+
+    base = ("run", "-m", str(tiny), "-p", "Hello", "-n", "2", "--backend", "local", "--device", "cpu")
+    env = {k: v for k, v in os.environ.items() if k not in ("APIR_THREADS", "OMP_NUM_THREADS")}
+    assert "on local:cpu (1 CPU thread)" in apir(*base, "-t", "1", env={**env, "APIR_THREADS": "2"}).stderr
+    assert "on local:cpu (2 CPU threads)" in apir(*base, env={**env, "APIR_THREADS": "2"}).stderr
+    out = apir(*base, "--threads", "0")
+    assert out.returncode == 2 and "argument -t/--threads: must be >= 1, got 0" in out.stderr
+
+
+def test_each_session_worker_computes_with_the_hosts_threads(tmp_path):
+    """The daemon sets -t once; every session's worker, forked from it, computes with them:
+    a worker of ``-t 2`` runs more threads (OpenMP's) than one of ``-t 1``."""
+    import os
+
+    from hosts import start_host
+
+    import apir as api
+
+    # big enough for torch to parallelise its matmuls at all
+    model_file = write_tiny_gguf(tmp_path / "wide.gguf", TinyConfig(n_embd=256, n_ff=1024, head_dim=64))
+    tasks = {}
+    for n in (1, 2):
+        (tmp_path / str(n)).mkdir()
+        host = start_host(tmp_path / str(n), "-t", str(n))
+        try:
+            assert f"apir host: sessions compute with {n} CPU thread" in host.log.read_text()
+            with api.load(str(model_file), backend="remote", remote=host.unix) as model:
+                model.generate("Hello world " * 8, temperature=0, max_tokens=4)
+                worker = host.status().sessions[0].pid
+                tasks[n] = len(os.listdir(f"/proc/{worker}/task"))
+        finally:
+            host.stop()
+    assert tasks[2] > tasks[1], tasks
+
+
+def test_host_device_cuda_without_cuda_refuses_to_start(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    out = apir("host", "--device", "cuda", "--listen", f"unix://{tmp_path / 'h.sock'}", timeout=60)
+    line = one_error_line(out)
+    assert line.startswith("error: apir host --device cuda: torch ") and "use --device cpu" in line
+    assert not (tmp_path / "h.sock").exists()
+
+
+def test_serve_on_a_port_in_use_is_one_line_before_loading(tiny):
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        out = apir("serve", "-m", str(tiny), "--backend", "numpy", "--port", str(port), timeout=60)
+    assert out.returncode == 1
+    assert out.stderr == f"error: apir serve cannot listen on 127.0.0.1:{port}: Address already in use\n"

@@ -160,3 +160,17 @@ def test_info_on_a_model_still_works(config, capsys, tmp_path):
     assert json.loads(capsys.readouterr().out)["path"] == str(tiny)
     assert main(["info", "-m", str(tiny)]) == 0
     assert "architecture    llama" in capsys.readouterr().out
+
+
+def test_threads_flag_beats_env_beats_config_beats_the_cores(config, monkeypatch):
+    from apir.flags import run_config
+
+    assert build_parser().parse_args(["run"]).threads == env.default_threads()
+    assert build_parser().parse_args(["host"]).threads == env.default_threads()
+    config("threads = 3\n")
+    assert run_config(build_parser().parse_args(["serve"])).threads == 3
+    monkeypatch.setenv("APIR_THREADS", "5")
+    assert build_parser().parse_args(["host"]).threads == 5
+    assert run_config(build_parser().parse_args(["run", "-t", "2"])).threads == 2
+    assert env.describe({"threads": 2})[[v.key for v in env.ALL].index("threads")]["source"] == "flag"
+

@@ -77,6 +77,9 @@ class Model:
         # a source without a GGUF reader (bench's synthetic weights) has no tokenizer: ids only
         reader = getattr(gguf, "reader", None)
         self.tokenizer = Tokenizer.from_gguf(reader) if reader is not None else None
+        if n_ctx is not None and not 0 < n_ctx <= self.args.context_length:  # before any upload
+            raise ContextOverflowError(f"a context of {n_ctx} tokens was asked for (--ctx-size); "
+                                       f"this model's holds 1 to {self.args.context_length}")
         self.n_ctx = min(n_ctx or DEFAULT_CTX, self.args.context_length)
         self.weights = self._upload_weights(progress)
         heads = self.arch.kv_heads(self.args)
@@ -147,9 +150,10 @@ class Model:
         if n == 0:
             raise ApirError(f"the {what} is empty: nothing to run")
         if n > self.n_ctx:
-            raise ContextOverflowError(
-                f"the {what} has {n} tokens but the context holds {self.n_ctx}; shorten it or raise --ctx-size"
-            )
+            whole = self.args.context_length  # advise raising --ctx-size only while it can go up
+            raise ContextOverflowError(f"the {what} has {n} tokens but the context holds {self.n_ctx}; " + (
+                f"shorten it or raise --ctx-size (up to {whole})" if self.n_ctx < whole
+                else "the model's whole context: shorten it"))
 
     # ------------------------------------------------------------ compute
     def _step(self, graph: int, ids: Sequence[int], start: int, params=None) -> np.ndarray:

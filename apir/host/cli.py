@@ -5,11 +5,13 @@ from __future__ import annotations
 import argparse
 import grp
 import json
+import os
 import re
 
 from .. import env
 from ..backends.base import ExecutorConfig
 from ..errors import ApirError
+from ..flags import add_threads, eprint, set_threads
 from ..transport import default_socket_path, parse_address
 
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
@@ -56,8 +58,35 @@ def cmd_host(args: argparse.Namespace) -> int:
         executor=ExecutorConfig.from_env(),
         **{k: v for k, v in limits.items() if v is not None},
     )
+    why = _device_missing(config.device) if config.device in ("cuda", "mps") else None
+    if why:
+        raise ApirError(f"apir host --device {config.device}: {why}; use --device cpu, or leave "
+                        f"--device out to take the best device there is")
+    set_threads(args.threads)  # in the daemon: each session's worker is forked from it
+    eprint(f"apir host: sessions compute with {args.threads} CPU thread{'s' if args.threads > 1 else ''} (-t)")
     run(config)
     return 0
+
+
+def _device_missing(device: str) -> str | None:
+    """Why torch cannot compute on ``device`` (cuda, mps) here, or None. Asked in a forked
+    child: a daemon that initialised CUDA could not use it in the workers it forks."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            from ..doctor import _torch, check_cuda, check_mps
+
+            torch = _torch()  # None without torch: run() says what to install
+            check = torch and (check_cuda if device == "cuda" else check_mps)(torch)
+            os.write(write, (check.detail if check and check.status == "missing" else "").encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as f:
+        why = f.read().decode()
+    os.waitpid(pid, 0)
+    return why or None
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -101,4 +130,5 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--handshake-timeout", type=float, metavar="S",
                    help="seconds a new connection has to complete its handshake (default 5)")
     p.add_argument("--group", help="make the unix socket usable by this group (mode 0660)")
+    add_threads(p, "each session's worker computes with")
     p.set_defaults(func=cmd_host)

@@ -73,8 +73,6 @@ class ServeConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
-        if self.ctx_size is not None and self.ctx_size < 1:
-            raise ValueError(f"ctx size must be >= 1, got {self.ctx_size}")
 
     @property
     def model_id(self) -> str:

@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import os
 import signal
+import socket
 import sys
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
@@ -41,7 +43,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     run = run_config(args)
     if run.target == "remote" and not run.remote:
         raise ApirError("--backend remote needs --remote URL (or APIR_REMOTE)")
-    with remote_ready(run) as run:
+    sock = _listen(args.bind, args.port)  # a port in use is one line now, before any loading
+    with sock, remote_ready(run) as run:
         config = ServeConfig(
             model=run.model, backend=run.target, device=run.device,
             ctx_size=run.ctx_size, remote=run.remote, token_file=run.token_file,
@@ -64,8 +67,25 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if config.api_key is None and config.host not in ("127.0.0.1", "localhost", "::1"):
             print(f"apir serve: warning: listening on {config.host} without --api-key", file=sys.stderr)
         with _exit_on_sigterm():
-            server.run()
+            server.run(sockets=[sock])
     return 1 if failed else 0
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """The server's listening socket, bound as uvicorn binds it (SO_REUSEADDR), or one line
+    saying why it cannot be."""
+    where = f"{host}:{port}" if ":" not in host else f"[{host}]:{port}"
+    if not 0 <= port <= 65535:
+        raise ApirError(f"--port must be in 0..65535, got {port}")
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        sock = socket.create_server((host, port), family=family)
+    except OSError as e:
+        # create_server puts the address in strerror; getaddrinfo errors have negative numbers
+        why = os.strerror(e.errno) if (e.errno or 0) > 0 else e.strerror or str(e)
+        raise ApirError(f"apir serve cannot listen on {where}: {why}") from None
+    eprint(f"apir serve: listening on http://{where.rpartition(':')[0]}:{sock.getsockname()[1]}")
+    return sock
 
 
 def serve_model(config: RunConfig) -> Model:
