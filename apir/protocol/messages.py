@@ -247,6 +247,10 @@ class Status:
     sessions: tuple[SessionInfo, ...]
     max_sessions: int
     max_memory: int
+    warm_workers: int = 0  # idle workers the daemon keeps started (--warm-workers)
+    idle_ready: int = 0  # of those, ready now (device initialised)
+    served_warm: int = 0  # sessions started on a ready idle worker
+    served_cold: int = 0  # sessions that waited for their worker to start
 
 
 # Pinned opcodes. Never renumber or reuse: add new messages with new values.
