@@ -10,6 +10,7 @@ Only the daemon holds the other end; the guest never writes to it.
 
 from __future__ import annotations
 
+import functools
 import logging
 import socket
 import struct
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 from ..errors import ApirError
 from ..protocol import PROTOCOL_VERSION, ProtocolError
 from ..protocol import messages as m
-from ..transport import Connection, ConnectionClosed, accept, spin_seconds
+from ..transport import Channel, Connection, ConnectionClosed, accept, spin_seconds
 from .session import Session, SessionConfig, device_message
 
 log = logging.getLogger("apir.host")
@@ -93,6 +94,14 @@ def wait_for_bind(pool: socket.socket) -> tuple[Bind, socket.socket] | None:
     return Bind.decode(data), socks[0]
 
 
+def _notify(chan: Channel, text: str) -> None:
+    """Tell the guest, whose reply is about to wait on ``text`` (see ``m.Notice``)."""
+    try:
+        chan.send(m.Notice(text))
+    except (ConnectionClosed, TimeoutError, OSError, ProtocolError):
+        pass  # the guest is gone or not reading: the reply's send finds out and ends the session
+
+
 def run_worker(conn: Connection, hello: m.Hello, config: SessionConfig, publish) -> None:
     """Entry point of a session's worker process (after fork): build, welcome, serve.
     ``conn``: the guest's connection as the handshake left it (a socket, or a VM's rings
@@ -113,6 +122,7 @@ def run_worker(conn: Connection, hello: m.Hello, config: SessionConfig, publish)
         except ConnectionClosed:
             return  # the guest went away during its handshake
         conn.channel.spin_seconds = spin_seconds(device.kind, config.spin_us)  # the next step is µs away on a GPU
+        backend.on_compile = functools.partial(_notify, conn.channel)
         Session(conn.channel, backend, conn.arena, config, publish, liveness=conn.liveness).serve()
     finally:
         peak = backend.peak_bytes

@@ -241,6 +241,15 @@ class Data:
 
 
 @dataclass(frozen=True)
+class Notice:
+    """Host to guest, unasked, with request id 0: a line for the guest's user, sent where a
+    reply will be long in coming (a graph being compiled). It answers no request; the
+    reply it precedes follows."""
+
+    message: str
+
+
+@dataclass(frozen=True)
 class Status:
     version: int
     device: Device
@@ -275,6 +284,7 @@ OPCODES: dict[int, type] = {
     103: Error,
     110: Devices,
     111: Flag,
+    120: Notice,
     131: Data,
     # 142: Outputs, retired in version 4
     160: Status,
