@@ -57,8 +57,7 @@ def compiling(monkeypatch):
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("tiny") / "tiny.gguf"
-    return str(write_tiny_gguf(path, TinyConfig(context_length=256), "F16", seed=9))
+    return str(write_tiny_gguf(tmp_path_factory.mktemp("tiny") / "tiny.gguf", TinyConfig(context_length=256), seed=9))
 
 
 def serve_one(path: str) -> int:

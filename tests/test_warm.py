@@ -36,8 +36,7 @@ def host(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("tiny") / "tiny.gguf"
-    return str(write_tiny_gguf(path, TinyConfig(context_length=256), "F16", seed=5))
+    return str(write_tiny_gguf(tmp_path_factory.mktemp("tiny") / "tiny.gguf", TinyConfig(context_length=256), seed=5))
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +114,7 @@ def test_bind_round_trips_and_refuses_malformed_input():
     assert Bind.decode(bind.encode()) == bind
     raw = bind.encode()
     for bad, why in [(raw[:10], "truncated"), (raw[:-1], ""), (raw + b"x", ""),
-                     (Bind(7, -1, "p", hello).encode(), "bad Bind"),
+                     (Bind(7, -1, "p", hello).encode(), "bad Bind"), (Bind(7, 1024, "p", hello).encode(), "bad Bind"),
                      (Bind(0, 1, "p", hello).encode(), "bad Bind"),
                      (raw[:20] + m.encode(m.Goodbye()), "")]:
         with pytest.raises(ProtocolError, match=why or None):
@@ -130,3 +129,17 @@ def test_warm_workers_flag_is_bounded():
             replace(base, warm_workers=n)
     with pytest.raises(ApirError, match="--warm-workers must be in 0..2"):
         replace(base, max_sessions=2, warm_workers=3)
+
+
+def test_a_cpu_host_keeps_no_pool_by_default(tmp_path, tiny, expected):
+    h = start_host(tmp_path)  # --device cpu, no --warm-workers
+    try:
+        for n in (1, 2):
+            with apir.load(tiny, backend="remote", remote=h.unix) as model:
+                assert _ids(model) == expected
+            st = h.wait_idle()
+            assert (st.warm_workers, st.idle_ready, st.served_warm, st.served_cold) == (0, 0, 0, n)
+        assert not idle_pids(h)  # nothing forked ahead
+        assert "cold worker pid" in h.log.read_text()
+    finally:
+        h.stop()

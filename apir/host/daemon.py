@@ -13,7 +13,6 @@ affects nobody else.
 from __future__ import annotations
 
 import ctypes
-import functools
 import logging
 import multiprocessing
 import os
@@ -22,7 +21,6 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -34,13 +32,12 @@ from ..protocol.messages import HEADER, MAX_BODY, decode_body, decode_header, en
 from ..transport import Address, Connection, listen
 from .handshake import HANDSHAKE_MAX, MAX_PENDING, Gate, RateLimitedLog, check_hello, peer_key
 from .session import SessionConfig
-from .worker import READY, Bind, run_worker, wait_for_bind, warm_up
+from .worker import MAX_SLOTS, READY, Bind, run_worker, wait_for_bind, warm_up
 
 __all__ = ["MAX_PENDING", "Daemon", "HostConfig", "run"]  # MAX_PENDING: the hostile tests' flood size
 
 log = logging.getLogger("apir.host")
 
-MAX_SLOTS = 1024
 MAX_WARM = 8  # idle workers kept ahead: each holds a device context (~500 MiB on CUDA)
 POOL_RETRIES = 3  # warm workers failing to start in a row before the pool is given up
 
@@ -180,13 +177,8 @@ class Daemon:
         self.stopping = True
 
     def shutdown(self) -> None:
-        for pid in list(self.idle):  # they hold nothing yet
+        for pid in list(self.idle):  # they hold nothing yet: told by EOF, or by PDEATHSIG
             self._drop_idle(pid).sock.close()
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:  # reaped by _reap already
-                continue
-            self._wait_idle(pid)
         for sock, addr in list(self.listeners.items()):
             self.selector.unregister(sock)
             sock.close()
@@ -276,7 +268,7 @@ class Daemon:
             self._refuse(p, m.Error(ErrorCode.QUOTA, f"the host is already serving {len(self.workers)} "
                                     "sessions (its --max-sessions limit); try again later"))
             return
-        self._start_session(p, hello)
+        self._spawn(p, hello)
 
     def _refuse(self, p: Pending, err: m.Error) -> None:
         now = time.monotonic()
@@ -313,7 +305,7 @@ class Daemon:
         self.refusals.tick(now)
 
     # ------------------------------------------------------------ workers
-    def _start_session(self, p: Pending, hello: m.Hello) -> None:
+    def _spawn(self, p: Pending, hello: m.Hello) -> None:
         session = self.next_session
         self.next_session += 1
         used = {w.slot for w in self.workers.values()}
@@ -322,91 +314,75 @@ class Daemon:
         self.pending.pop(p.sock)
         self.gate.release(p.address, p.key)
         self.selector.unregister(p.sock)
-        bound = self._bind_warm(Bind(session, slot, p.peer, replace(hello, token="")), p.sock)
-        if bound is None:
-            pid, how = self._fork(lambda: self._serve(p.sock, hello, session, slot, p.peer),
-                                  f"session {session} worker"), "cold"
+        bind = Bind(session, slot, p.peer, replace(hello, token="")).encode()
+        if not self.idle:
+            self._fork_worker()  # none waiting: this session's worker starts cold
+        for pid in sorted(self.idle, key=lambda pid: not self.idle[pid].ready):  # ready ones first
+            w = self._drop_idle(pid)
+            try:  # a small message into an empty buffer: never blocks
+                socket.send_fds(w.sock, [bind], [p.sock.fileno()])
+            except OSError:  # it died since: its exit is reaped like any child's
+                continue
+            finally:
+                w.sock.close()
+            how = "warm" if w.ready else "cold"
+            self.served[how] += 1
+            self.workers[pid] = Worker(session, slot, p.peer, time.monotonic())
+            log.info("session %d start: peer %s, client %r (%s worker pid %d)", session, p.peer,
+                     hello.client[:80], how, pid)  # %r: a guest's string never forges log lines
+            break
         else:
-            pid, how = bound
-        self.served[how] += 1
+            log.warning("session %d: its worker died before it took the guest; closing", session)
         p.sock.close()
-        self.workers[pid] = Worker(session, slot, p.peer, time.monotonic())
-        log.info("session %d start: peer %s, client %r (%s worker pid %d)", session, p.peer,
-                 hello.client[:80], how, pid)  # %r: a guest's string never forges log lines
         self._fill_pool()
 
-    def _session_config(self, session: int, peer: str) -> SessionConfig:
-        limits = Limits(self.config.max_memory, self.config.max_handles, self.config.max_graph_nodes)
-        return SessionConfig(self.config.device, limits, self.config.max_arena, session, peer,
-                             self.config.io_timeout, self.config.spin_us, self.config.executor)
-
-    def _serve(self, sock: socket.socket, hello: m.Hello, session: int, slot: int, peer: str) -> None:
-        """A worker's session, start to end (in the forked process)."""
-        sock.setblocking(True)
-
-        def publish(allocated: int, peak: int) -> None:
-            self.stats[2 * slot], self.stats[2 * slot + 1] = allocated, peak
-
-        run_worker(Connection.over(sock, peer, self.config.max_message), hello,
-                   self._session_config(session, peer), publish)
-
-    def _fork(self, body: Callable[[], None], what: str) -> int:
-        """Fork a worker that runs ``body`` and exits. It keeps none of the daemon's sockets
-        but what ``body`` holds: no listener, no pending handshake, no other worker's pool end."""
+    def _fork_worker(self) -> None:
+        """Fork a worker: it initialises the device, then waits idle for its session."""
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         pid = os.fork()
         if pid:
-            return pid
+            theirs.close()
+            ours.setblocking(False)
+            self.idle[pid] = Idle(ours)
+            self.selector.register(ours, selectors.EVENT_READ, pid)
+            return
         code = 0
-        try:
+        try:  # the worker: it keeps no listener, no pending handshake, no other worker's pool end
             _die_with_parent()
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             self.selector.close()
-            for sock in [*self.listeners, *self.pending, *(w.sock for w in self.idle.values())]:
+            for sock in [*self.listeners, *self.pending, *(w.sock for w in self.idle.values()), ours]:
                 sock.close()
-            body()
+            self._work(theirs)
         except BaseException:  # noqa: BLE001 - a worker must never return into the parent's loop
-            log.exception("%s failed", what)
+            log.exception("worker failed")
             code = 1
         finally:
             logging.shutdown()
             os._exit(code)
 
-    # ------------------------------------------------------------ warm workers
-    def _fill_pool(self) -> None:
-        while len(self.idle) < self.config.warm_workers and self.pool_failures < POOL_RETRIES:
-            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-            pid = self._fork(functools.partial(self._warm, ours, theirs), "warm worker")
-            theirs.close()
-            ours.setblocking(False)
-            self.idle[pid] = Idle(ours)
-            self.selector.register(ours, selectors.EVENT_READ, pid)
-
-    def _warm(self, ours: socket.socket, pool: socket.socket) -> None:
-        """A warm worker's life (in the forked process): initialise, wait, serve."""
-        ours.close()
+    def _work(self, pool: socket.socket) -> None:
+        """A worker's life, in the forked process: initialise, wait for the session, serve it."""
         warm_up(self.config.device)
         got = wait_for_bind(pool)
         pool.close()
-        if got is not None:
-            bind, sock = got
-            if bind.slot >= MAX_SLOTS:
-                raise ApirError(f"Bind slot {bind.slot} out of range")
-            self._serve(sock, bind.hello, bind.session, bind.slot, bind.peer)
+        if got is None:
+            return
+        bind, sock = got
+        slot = bind.slot
 
-    def _bind_warm(self, bind: Bind, sock: socket.socket) -> tuple[int, str] | None:
-        """Hand the session to an idle worker, a ready one first: its pid and "warm" (ready)
-        or "cold" (still starting: cheaper than forking another); None: no idle worker."""
-        for pid in sorted(self.idle, key=lambda pid: not self.idle[pid].ready):
-            ready = self.idle[pid].ready
-            w = self._drop_idle(pid)
-            try:  # a small message into an empty buffer: never blocks
-                socket.send_fds(w.sock, [bind.encode()], [sock.fileno()])
-            except OSError:  # it died since: its exit is reaped like any child's
-                continue
-            finally:
-                w.sock.close()
-            return pid, "warm" if ready else "cold"
-        return None
+        def publish(allocated: int, peak: int) -> None:
+            self.stats[2 * slot], self.stats[2 * slot + 1] = allocated, peak
+
+        limits = Limits(self.config.max_memory, self.config.max_handles, self.config.max_graph_nodes)
+        cfg = SessionConfig(self.config.device, limits, self.config.max_arena, bind.session, bind.peer,
+                            self.config.io_timeout, self.config.spin_us, self.config.executor)
+        run_worker(Connection.over(sock, bind.peer, self.config.max_message), bind.hello, cfg, publish)
+
+    # ------------------------------------------------------------ warm workers
+    def _fill_pool(self) -> None:
+        while len(self.idle) < self.config.warm_workers and self.pool_failures < POOL_RETRIES:
+            self._fork_worker()
 
     def _pool_event(self, pid: int) -> None:
         """An idle worker said READY, or exited (its end of the socketpair closed)."""
@@ -423,7 +399,10 @@ class Daemon:
         self._drop_idle(pid).sock.close()
         if data:  # it says nothing else, ever: a worker that does is not to be trusted
             os.kill(pid, signal.SIGKILL)
-        self._wait_idle(pid)
+        try:
+            os.waitpid(pid, 0)
+        except ChildProcessError:  # reaped by _reap already
+            pass
         if not w.ready:
             self.pool_failures += 1
         log.warning("warm worker %d exited %s%s", pid, "idle" if w.ready else "while starting",
@@ -434,13 +413,6 @@ class Daemon:
         w = self.idle.pop(pid)
         self.selector.unregister(w.sock)
         return w
-
-    @staticmethod
-    def _wait_idle(pid: int) -> None:
-        try:
-            os.waitpid(pid, 0)
-        except ChildProcessError:  # reaped by _reap already
-            pass
 
     def _reap(self, block: bool = False) -> None:
         while self.workers:

@@ -30,7 +30,7 @@ READY = b"ready"  # a warm worker to the daemon: the device is initialised
 # a whole frame (token blanked), read back by the protocol's own decoder.
 _BIND = struct.Struct("<qqI")
 BIND_MAX = 8192  # a Hello is at most HANDSHAKE_MAX (4 KiB) bytes
-MAX_SLOT = 1 << 20  # slot indexes the daemon's stats array; the daemon checks its own bound
+MAX_SLOTS = 1024  # sessions a daemon can account for at once (a Bind's slot indexes them)
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,7 @@ class Bind:
         if len(data) < _BIND.size:
             raise ProtocolError("truncated Bind")
         session, slot, n = _BIND.unpack_from(data)
-        if session <= 0 or not 0 <= slot < MAX_SLOT or _BIND.size + n + m.HEADER.size > len(data):
+        if session <= 0 or not 0 <= slot < MAX_SLOTS or _BIND.size + n + m.HEADER.size > len(data):
             raise ProtocolError(f"bad Bind (session {session}, slot {slot}, peer of {n} bytes)")
         peer = data[_BIND.size : _BIND.size + n].decode(errors="replace")
         frame = data[_BIND.size + n :]
