@@ -363,7 +363,7 @@ class Daemon:
 
     def _work(self, pool: socket.socket) -> None:
         """A worker's life, in the forked process: initialise, wait for the session, serve it."""
-        warm_up(self.config.device)
+        warm_up(self.config.device, self.config.executor)
         got = wait_for_bind(pool)
         pool.close()
         if got is None:

@@ -17,6 +17,7 @@ import struct
 import time
 from dataclasses import dataclass
 
+from ..backends.base import ExecutorConfig
 from ..errors import ApirError
 from ..protocol import PROTOCOL_VERSION, ProtocolError
 from ..protocol import messages as m
@@ -62,10 +63,11 @@ class Bind:
         return Bind(session, slot, peer, hello)
 
 
-def warm_up(device: str | None) -> None:
+def warm_up(device: str | None, executor: ExecutorConfig) -> None:
     """Pay now what a session's worker pays before its first request: the host backend's
-    imports and, on a GPU, the device's context (~5 s on CUDA). Called after the fork:
-    CUDA does not survive one."""
+    imports and, on a GPU, the device's context (~5 s on CUDA) and the compiler's imports
+    (dynamo and inductor: 2-4 s) when its decode step will be compiled. Called after the
+    fork: CUDA does not survive one."""
     import torch
 
     from ..backends.local.executor import pick_device
@@ -73,6 +75,8 @@ def warm_up(device: str | None) -> None:
     dev = pick_device(device)
     if dev.type != "cpu":
         torch.zeros(1, device=dev)  # creates the context
+    if dev.type == "cuda" and executor.cuda_graphs and executor.compile != "off":
+        import torch._inductor.compile_fx  # noqa: F401
 
 
 def wait_for_bind(pool: socket.socket) -> tuple[Bind, socket.socket] | None:
