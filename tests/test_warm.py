@@ -99,6 +99,33 @@ def test_a_killed_worker_leaves_the_other_session_running(host, tiny, expected):
     assert st.served_cold <= 1  # the second guest may have come before the refill was ready
 
 
+def test_a_guest_killed_mid_session_leaves_the_other_running(host, tiny, expected):
+    until(host, lambda st: st.idle_ready == 1 and not st.sessions, "the pool refilled")
+    with apir.load(tiny, backend="remote", remote=host.unix) as bystander:
+        r, w = os.pipe()
+        guest = os.fork()
+        if guest == 0:  # the victim: generates until killed, never returns into pytest
+            try:
+                os.close(r)
+                with apir.load(tiny, backend="remote", remote=host.unix) as model:
+                    os.write(w, b"!")
+                    while True:
+                        _ids(model)
+            finally:
+                os._exit(1)
+        os.close(w)
+        assert os.read(r, 1) == b"!"
+        os.close(r)
+        (worker,) = {s.pid for s in until(host, lambda st: len(st.sessions) == 2, "two sessions").sessions
+                     if s.session != bystander.backend.session}
+        os.kill(guest, signal.SIGKILL)
+        os.waitpid(guest, 0)
+        until(host, lambda st: len(st.sessions) == 1, "the victim's session released")
+        assert not os.path.exists(f"/proc/{worker}")  # its worker is gone, not idle
+        assert _ids(bystander) == expected
+    assert host.proc.poll() is None
+
+
 def test_an_idle_worker_that_dies_is_replaced(host):
     until(host, lambda st: st.idle_ready == 1 and not st.sessions, "the pool refilled")
     (pid,) = idle_pids(host)
