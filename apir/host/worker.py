@@ -1,11 +1,9 @@
-"""A session's worker process: after the daemon forks it for a guest, build the executor,
-welcome the guest (a Unix guest gets its shared region: see ``apir.transport.accept``),
-serve it, clean up.
-
-A warm worker is forked before its guest arrives: it initialises the device
-(``warm_up``), says so, and waits on its socketpair with the daemon for a ``Bind``, the
-one message it ever reads from there, which comes with the guest's socket (SCM_RIGHTS).
-Only the daemon holds the other end; the guest never writes to it.
+"""A session's worker process. The daemon forks it ahead of its guest (or for it, with no
+idle worker left): it initialises the device (``warm_up``), says READY, and waits on its
+socketpair with the daemon for a ``Bind``, the one message it ever reads from there, which
+comes with the guest's socket (SCM_RIGHTS); only the daemon holds the other end. Then
+``run_worker``: build the executor, welcome the guest (a Unix guest gets its shared
+region: see ``apir.transport.accept``), serve it, clean up.
 """
 
 from __future__ import annotations
