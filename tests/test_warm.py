@@ -11,6 +11,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 from hosts import start_host
 from tiny_models import TinyConfig, write_tiny_gguf
 
@@ -168,5 +169,21 @@ def test_a_cpu_host_keeps_no_pool_by_default(tmp_path, tiny, expected):
             assert (st.warm_workers, st.idle_ready, st.served_warm, st.served_cold) == (0, 0, 0, n)
         assert not idle_pids(h)  # nothing forked ahead
         assert "cold worker pid" in h.log.read_text()
+    finally:
+        h.stop()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this host has a GPU: its workers start")
+def test_workers_that_cannot_start_are_not_forked_forever(tmp_path):
+    h = start_host(tmp_path, "--device", "cuda", "--warm-workers", "1")  # no CUDA here
+    try:
+        deadline = time.monotonic() + 60
+        while "sessions will start cold" not in h.log.read_text():
+            assert time.monotonic() < deadline, h.log.read_text()
+            time.sleep(0.05)
+        st = h.status()
+        assert (st.warm_workers, st.idle_ready, st.served_warm, st.served_cold) == (1, 0, 0, 0)
+        assert h.log.read_text().count("exited while starting") == 3  # POOL_RETRIES, then no more
+        assert not idle_pids(h)
     finally:
         h.stop()
