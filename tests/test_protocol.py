@@ -52,7 +52,8 @@ SAMPLES: dict[type, object] = {
     m.Devices: m.Devices((DEV, m.Device("cuda:0", "cuda", "", 0, 0, ()))),
     m.Flag: m.Flag(False),
     m.Data: m.Data(m.Blob(b"", 0, 1 << 20)),
-    m.Status: m.Status(1, DEV, (m.SessionInfo(1, 1234, "unix:local", 10, 20),), 16, 0),
+    m.Notice: m.Notice("compiling decode graph (greedy step, first use in this session)"),
+    m.Status: m.Status(1, DEV, (m.SessionInfo(1, 1234, "unix:local", 10, 20),), 16, 0, 1, 1, 5, 2),
 }
 
 

@@ -17,6 +17,7 @@ import functools
 import itertools
 import os
 import socket
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 
@@ -75,6 +76,15 @@ _ERRORS = {
 }
 
 
+NOTICE_OPCODE = m.OPCODE_OF[m.Notice]
+
+
+def _print_notice(text: str) -> None:
+    """A host's notice on stderr: "host compiling decode graph (...)…"."""
+    line = "".join(c for c in text if c.isprintable())[:200]  # one line, whatever the host sent
+    print(f"host {line}…", file=sys.stderr, flush=True)
+
+
 def raise_error(err: m.Error) -> None:
     raise _ERRORS.get(err.code, RemoteError)(f"host: {err.message}")
 
@@ -110,11 +120,12 @@ class RemoteBackend(Backend):
 
     def __init__(self, url: str | None = None, device: str | None = None, token: str = "",
                  arena_size: int = DEFAULT_ARENA, timeout: float | None = None,
-                 spin_us: int | None = None) -> None:
+                 spin_us: int | None = None, on_notice: Callable[[str], None] | None = None) -> None:
         """Open a session on the host at ``url`` (unix, tcp, vsock, ivshmem; None: the
         default unix socket). ``token``: the host's secret (tcp, vsock); ``timeout``: how
         long any wait for the host may last (None: no limit); ``spin_us``: how long to
-        busy-poll for a reply (None: by the host's device, see ``transport.spin_seconds``)."""
+        busy-poll for a reply (None: by the host's device, see ``transport.spin_seconds``);
+        ``on_notice``: gets the host's notices (None: one line each on stderr)."""
         hello = m.Hello(PROTOCOL_VERSION, op_table_hash(), token,
                         f"apir {__version__} pid {os.getpid()} on {socket.gethostname()}", arena_size)
         self.conn, welcome = handshake(url, hello, timeout, m.Welcome)
@@ -135,6 +146,7 @@ class RemoteBackend(Backend):
                                f"start it with `apir host --device {device}`")
         self.chan.spin_seconds = spin_seconds(self._device.kind, spin_us)
         self.ring = ArenaRing(self.arena.size) if self.arena else None
+        self.on_notice = on_notice or _print_notice
 
     def __repr__(self) -> str:
         return f"RemoteBackend({self.address}, session {self.session})"
@@ -193,6 +205,9 @@ class RemoteBackend(Backend):
             return
         for fd in fds:
             os.close(fd)
+        if header.opcode == NOTICE_OPCODE:  # not a reply: a line for the user, before one
+            self.on_notice(decode_body(header.opcode, body).message)
+            return
         awaited = self._awaited.popleft()
         self.round_trip_seconds = time.perf_counter() - awaited.sent
         try:

@@ -1,9 +1,13 @@
-"""The host daemon: accepts guests, checks their handshake, forks one worker per session.
+"""The host daemon: accepts guests, checks their handshake, gives each session a worker.
 
 The parent never executes guest work and never initialises a GPU (it only imports torch,
-so forked workers start warm). A session's worker dies with the parent (PR_SET_PDEATHSIG)
-and its memory goes with it; the parent reaps it and clears its accounting slot. A guest
-that crashes its worker, or misbehaves, affects nobody else.
+so forked workers start warm). It keeps ``warm_workers`` idle workers forked ahead, each
+with its device initialised (CUDA must be set up after the fork); a guest whose handshake
+succeeds is handed to one of them (see ``worker.Bind``) and the pool is refilled, or, with
+none in the pool, a worker is forked for it. Either way one process serves one session:
+it dies with the parent (PR_SET_PDEATHSIG) and its memory goes with it; the parent reaps
+it and clears its accounting slot. A guest that crashes its worker, or misbehaves,
+affects nobody else.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import signal
 import socket
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ..backends.base import DEFAULT_EXECUTOR, ExecutorConfig, Limits
@@ -28,13 +32,14 @@ from ..protocol.messages import HEADER, MAX_BODY, decode_body, decode_header, en
 from ..transport import Address, Connection, listen
 from .handshake import HANDSHAKE_MAX, MAX_PENDING, Gate, RateLimitedLog, check_hello, peer_key
 from .session import SessionConfig
-from .worker import run_worker
+from .worker import MAX_SLOTS, READY, Bind, run_worker, wait_for_bind, warm_up
 
 __all__ = ["MAX_PENDING", "Daemon", "HostConfig", "run"]  # MAX_PENDING: the hostile tests' flood size
 
 log = logging.getLogger("apir.host")
 
-MAX_SLOTS = 1024
+MAX_WARM = 8  # idle workers kept ahead: each holds a device context (~500 MiB on CUDA)
+POOL_RETRIES = 3  # warm workers failing to start in a row before the pool is given up
 
 
 @dataclass(frozen=True)
@@ -53,6 +58,7 @@ class HostConfig:
     handshake_timeout: float = 5.0
     spin_us: int | None = None  # sessions busy-poll this long for frames (None: by device)
     executor: ExecutorConfig = DEFAULT_EXECUTOR  # how sessions run graphs
+    warm_workers: int = 0  # idle workers kept with the device initialised (see gpu_host)
 
     def __post_init__(self) -> None:
         if not self.listen:
@@ -71,6 +77,20 @@ class HostConfig:
             raise ApirError(f"--max-message must be between 64K and {MAX_BODY >> 20}M")
         if not self.io_timeout > 0 or not self.handshake_timeout > 0:
             raise ApirError("--io-timeout must be positive")
+        if not 0 <= self.warm_workers <= min(MAX_WARM, self.max_sessions):
+            raise ApirError(f"--warm-workers must be in 0..{min(MAX_WARM, self.max_sessions)} "
+                            "(at most 8, and at most --max-sessions)")
+
+
+def gpu_host(device: str | None) -> bool:
+    """Whether sessions will run on a GPU. Asked through NVML, not the CUDA runtime: the
+    daemon must not initialise CUDA, which does not survive the fork of its workers."""
+    if device is not None:
+        return device != "cpu"
+    import torch
+
+    os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
+    return torch.cuda.is_available() or torch.backends.mps.is_available()
 
 
 @dataclass
@@ -91,6 +111,14 @@ class Worker:
     started: float
 
 
+@dataclass
+class Idle:
+    """A warm worker waiting for its session; ``sock``: the daemon's end of its socketpair."""
+
+    sock: socket.socket
+    ready: bool = False  # it has said READY: its device is initialised
+
+
 def _die_with_parent() -> None:
     try:
         libc = ctypes.CDLL(None, use_errno=True)
@@ -105,6 +133,9 @@ class Daemon:
         self.listeners: dict[socket.socket, Address] = {}
         self.pending: dict[socket.socket, Pending] = {}
         self.workers: dict[int, Worker] = {}  # pid -> worker
+        self.idle: dict[int, Idle] = {}  # pid -> warm worker with no session yet
+        self.served = {"warm": 0, "cold": 0}  # sessions started on a ready warm worker, or not
+        self.pool_failures = 0  # warm workers in a row that exited before they were ready
         # per slot: allocated bytes, peak bytes — written by workers, read by the parent
         self.stats = multiprocessing.RawArray("q", 2 * MAX_SLOTS)
         self.next_session = 1
@@ -121,6 +152,7 @@ class Daemon:
             self.listeners[sock] = addr
             self.selector.register(sock, selectors.EVENT_READ)
             log.info("listening on %s", addr)
+        self._fill_pool()
 
     def serve_forever(self) -> None:
         signal.signal(signal.SIGTERM, lambda *_: self.stop())
@@ -132,6 +164,8 @@ class Daemon:
                         self._accept(sock)
                     elif sock in self.pending:
                         self._read_handshake(self.pending[sock])
+                    elif key.data in self.idle:
+                        self._pool_event(key.data)
                 self._expire_handshakes()
                 self._reap()
         except KeyboardInterrupt:
@@ -143,6 +177,8 @@ class Daemon:
         self.stopping = True
 
     def shutdown(self) -> None:
+        for pid in list(self.idle):  # they hold nothing yet: told by EOF, or by PDEATHSIG
+            self._drop_idle(pid).sock.close()
         for sock, addr in list(self.listeners.items()):
             self.selector.unregister(sock)
             sock.close()
@@ -278,33 +314,105 @@ class Daemon:
         self.pending.pop(p.sock)
         self.gate.release(p.address, p.key)
         self.selector.unregister(p.sock)
-        limits = Limits(self.config.max_memory, self.config.max_handles, self.config.max_graph_nodes)
-        cfg = SessionConfig(self.config.device, limits, self.config.max_arena, session, p.peer,
-                            self.config.io_timeout, self.config.spin_us, self.config.executor)
-        pid = os.fork()
-        if pid == 0:  # the worker
-            code = 0
-            try:
-                _die_with_parent()
-                signal.signal(signal.SIGTERM, signal.SIG_DFL)
-                for sock in [*self.listeners, *self.pending]:
-                    sock.close()
-                p.sock.setblocking(True)
-
-                def publish(allocated: int, peak: int) -> None:
-                    self.stats[2 * slot], self.stats[2 * slot + 1] = allocated, peak
-
-                run_worker(Connection.over(p.sock, p.peer, self.config.max_message), hello, cfg, publish)
-            except BaseException:  # noqa: BLE001 - a worker must never return into the parent's loop
-                log.exception("session %d worker failed", session)
-                code = 1
+        bind = Bind(session, slot, p.peer, replace(hello, token="")).encode()
+        if not self.idle:
+            self._fork_worker()  # none waiting: this session's worker starts cold
+        for pid in sorted(self.idle, key=lambda pid: not self.idle[pid].ready):  # ready ones first
+            w = self._drop_idle(pid)
+            try:  # a small message into an empty buffer: never blocks
+                socket.send_fds(w.sock, [bind], [p.sock.fileno()])
+            except OSError:  # it died since: its exit is reaped like any child's
+                continue
             finally:
-                logging.shutdown()
-                os._exit(code)
+                w.sock.close()
+            how = "warm" if w.ready else "cold"
+            self.served[how] += 1
+            self.workers[pid] = Worker(session, slot, p.peer, time.monotonic())
+            log.info("session %d start: peer %s, client %r (%s worker pid %d)", session, p.peer,
+                     hello.client[:80], how, pid)  # %r: a guest's string never forges log lines
+            break
+        else:
+            log.warning("session %d: its worker died before it took the guest; closing", session)
         p.sock.close()
-        self.workers[pid] = Worker(session, slot, p.peer, time.monotonic())
-        log.info("session %d start: peer %s, client %r (worker pid %d)", session, p.peer,
-                 hello.client[:80], pid)  # %r: a guest's string never forges log lines
+        self._fill_pool()
+
+    def _fork_worker(self) -> None:
+        """Fork a worker: it initialises the device, then waits idle for its session."""
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        pid = os.fork()
+        if pid:
+            theirs.close()
+            ours.setblocking(False)
+            self.idle[pid] = Idle(ours)
+            self.selector.register(ours, selectors.EVENT_READ, pid)
+            return
+        code = 0
+        try:  # the worker: it keeps no listener, no pending handshake, no other worker's pool end
+            _die_with_parent()
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            self.selector.close()
+            for sock in [*self.listeners, *self.pending, *(w.sock for w in self.idle.values()), ours]:
+                sock.close()
+            self._work(theirs)
+        except BaseException:  # noqa: BLE001 - a worker must never return into the parent's loop
+            log.exception("worker failed")
+            code = 1
+        finally:
+            logging.shutdown()
+            os._exit(code)
+
+    def _work(self, pool: socket.socket) -> None:
+        """A worker's life, in the forked process: initialise, wait for the session, serve it."""
+        warm_up(self.config.device, self.config.executor)
+        got = wait_for_bind(pool)
+        pool.close()
+        if got is None:
+            return
+        bind, sock = got
+        slot = bind.slot
+
+        def publish(allocated: int, peak: int) -> None:
+            self.stats[2 * slot], self.stats[2 * slot + 1] = allocated, peak
+
+        limits = Limits(self.config.max_memory, self.config.max_handles, self.config.max_graph_nodes)
+        cfg = SessionConfig(self.config.device, limits, self.config.max_arena, bind.session, bind.peer,
+                            self.config.io_timeout, self.config.spin_us, self.config.executor)
+        run_worker(Connection.over(sock, bind.peer, self.config.max_message), bind.hello, cfg, publish)
+
+    # ------------------------------------------------------------ warm workers
+    def _fill_pool(self) -> None:
+        while len(self.idle) < self.config.warm_workers and self.pool_failures < POOL_RETRIES:
+            self._fork_worker()
+
+    def _pool_event(self, pid: int) -> None:
+        """An idle worker said READY, or exited (its end of the socketpair closed)."""
+        w = self.idle[pid]
+        try:
+            data = w.sock.recv(len(READY))
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if data == READY:
+            w.ready, self.pool_failures = True, 0
+            return
+        self._drop_idle(pid).sock.close()
+        if data:  # it says nothing else, ever: a worker that does is not to be trusted
+            os.kill(pid, signal.SIGKILL)
+        try:
+            os.waitpid(pid, 0)
+        except ChildProcessError:  # reaped by _reap already
+            pass
+        if not w.ready:
+            self.pool_failures += 1
+        log.warning("warm worker %d exited %s%s", pid, "idle" if w.ready else "while starting",
+                    "; sessions will start cold" if self.pool_failures >= POOL_RETRIES else "")
+        self._fill_pool()
+
+    def _drop_idle(self, pid: int) -> Idle:
+        w = self.idle.pop(pid)
+        self.selector.unregister(w.sock)
+        return w
 
     def _reap(self, block: bool = False) -> None:
         while self.workers:
@@ -330,8 +438,10 @@ class Daemon:
             for pid, w in sorted(self.workers.items())
         )
         dev = self.config.device or "auto"
+        ready = sum(w.ready for w in self.idle.values())
         return m.Status(PROTOCOL_VERSION, m.Device(dev, dev, "", 0, 0, ()), sessions,
-                        self.config.max_sessions, self.config.max_memory)
+                        self.config.max_sessions, self.config.max_memory, self.config.warm_workers,
+                        ready, self.served["warm"], self.served["cold"])
 
 
 def run(config: HostConfig) -> None:

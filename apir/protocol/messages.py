@@ -241,12 +241,25 @@ class Data:
 
 
 @dataclass(frozen=True)
+class Notice:
+    """Host to guest, unasked, with request id 0: a line for the guest's user, sent where a
+    reply will be long in coming (a graph being compiled). It answers no request; the
+    reply it precedes follows."""
+
+    message: str
+
+
+@dataclass(frozen=True)
 class Status:
     version: int
     device: Device
     sessions: tuple[SessionInfo, ...]
     max_sessions: int
     max_memory: int
+    warm_workers: int = 0  # idle workers the daemon keeps started (--warm-workers)
+    idle_ready: int = 0  # of those, ready now (device initialised)
+    served_warm: int = 0  # sessions started on a ready idle worker
+    served_cold: int = 0  # sessions that waited for their worker to start
 
 
 # Pinned opcodes. Never renumber or reuse: add new messages with new values.
@@ -271,6 +284,7 @@ OPCODES: dict[int, type] = {
     103: Error,
     110: Devices,
     111: Flag,
+    120: Notice,
     131: Data,
     # 142: Outputs, retired in version 4
     160: Status,

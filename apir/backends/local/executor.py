@@ -9,6 +9,7 @@ walks the list.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -81,6 +82,8 @@ class LocalBackend(Executor):
         self.cuda_graphs = config.cuda_graphs and self.torch_device.type == "cuda"
         self.compile = self.cuda_graphs and config.compile != "off"
         self.compile_prefill = config.compile == "all"
+        # told before a graph is compiled (tens of seconds); a host session tells its guest
+        self.on_compile: Callable[[str], None] = lambda what: None
 
     def device(self) -> DeviceInfo:
         dev = self.torch_device
@@ -270,9 +273,15 @@ class LocalBackend(Executor):
                 return self._execute(reg, t, constants, greedy)
 
             step = None
-            if self.compile and (n_tokens <= CAPTURE_MAX_DECODE or self.compile_prefill):
-                # Inductor fuses the elementwise chains (norms, RoPE, gates) into a few
-                # kernels per layer; the CUDA graph then removes the launch overhead.
+            # Inductor fuses the elementwise chains (norms, RoPE, gates) into a few kernels
+            # per layer; the CUDA graph then removes the launch overhead. Compiled: the
+            # one-token decode step, and with compile="all" the padded prefill chunks
+            # (the engine warms those up). Steps of 2..8 tokens (short prompts, unpadded)
+            # are recorded eagerly: their one run costs far less than a compile per length.
+            if self.compile and (n_tokens == 1 or self.compile_prefill and n_tokens > CAPTURE_MAX_DECODE):
+                what = "decode" if n_tokens == 1 else f"{n_tokens}-token prefill"
+                self.on_compile(f"compiling {what} graph ({'greedy' if greedy else 'sampling'} "
+                                "step, first use in this session)")
                 try:
                     step = CapturedStep(torch.compile(run, dynamic=False), inputs, dtypes,
                                         self.torch_device, versions)
