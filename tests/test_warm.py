@@ -173,9 +173,17 @@ def test_a_cpu_host_keeps_no_pool_by_default(tmp_path, tiny, expected):
         h.stop()
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="this host has a GPU: its workers start")
-def test_workers_that_cannot_start_are_not_forked_forever(tmp_path):
-    h = start_host(tmp_path, "--device", "cuda", "--warm-workers", "1")  # no CUDA here
+def test_workers_that_cannot_start_are_not_forked_forever(tmp_path, monkeypatch):
+    # The daemon's process gets a warm_up that dies as a device that cannot start would
+    # (a host that refuses --device cuda without CUDA never gets this far).
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(
+        "import os\nimport apir.host.worker as w\n"
+        "def warm_up(device, executor):\n    os._exit(3)\n"
+        "w.warm_up = warm_up\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(hook), os.environ.get("PYTHONPATH")])))
+    h = start_host(tmp_path, "--warm-workers", "1")
     try:
         deadline = time.monotonic() + 60
         while "sessions will start cold" not in h.log.read_text():
