@@ -11,7 +11,6 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-import torch
 from hosts import start_host
 from tiny_models import TinyConfig, write_tiny_gguf
 
