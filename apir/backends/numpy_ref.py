@@ -121,6 +121,26 @@ def sample(logits: np.ndarray, params: np.ndarray) -> np.ndarray:
     return out.reshape(logits.shape[:-1])
 
 
+def penalize(logits, scale, bias, mask) -> np.ndarray:
+    with np.errstate(divide="ignore", invalid="ignore"):
+        x = np.where(logits > 0, logits / scale, logits * scale).astype(np.float32) + bias
+    v = np.arange(x.shape[-1])
+    allowed = (mask[v // 32] >> (v % 32).astype(np.int32)) & 1
+    return np.where(allowed == 1, x, -np.inf).astype(np.float32)
+
+
+def logprobs(logits, token, k: int) -> np.ndarray:
+    v = logits.shape[-1]
+    rows = logits.reshape(-1, v).astype(np.float32)
+    m = rows.max(-1, keepdims=True)
+    lp = rows - (m + np.log(np.exp(rows - m).sum(-1, keepdims=True)))
+    tok = np.clip(token.reshape(-1, 1).astype(np.int64), 0, v - 1)
+    top = np.argsort(-rows, axis=-1, kind="stable")[:, :k]  # by logit: the same order on every backend
+    ids = np.concatenate([tok, top], -1)
+    out = np.stack([np.take_along_axis(lp, ids, -1), ids.astype(np.float32)], -1)
+    return out.astype(np.float32).reshape(*logits.shape[:-1], k + 1, 2)
+
+
 def _view(x, axis, start, length):
     # a basic slice, so a VIEW of a STATE is a window on it (SET_ROWS writes through)
     n = x.shape[axis]
@@ -164,6 +184,8 @@ KERNELS = {
     Op.CONCAT: lambda a, b, axis: np.concatenate([a, b], axis=axis),
     Op.ARGMAX: lambda x: x.argmax(axis=-1).astype(np.int32),
     Op.SAMPLE: sample,
+    Op.PENALIZE: penalize,
+    Op.LOGPROBS: logprobs,
 }
 
 
