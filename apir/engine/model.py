@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -137,6 +138,8 @@ class Model:
         self._logits_graph = self._register(last_only=False)
         self._sample_graph = self._register(last_only=True)
         self._penalized_graphs: dict[int | None, int] = {}  # logprobs k -> graph id
+        self._grammars = None  # apir.engine.constraint.Grammars, built on first use
+        self._grammars_lock = threading.Lock()
 
     # ------------------------------------------------------------ setup
     def _upload_weights(self, progress: Progress | None) -> WeightTable:
@@ -202,6 +205,16 @@ class Model:
         if tok.add_bos and bos and text.startswith(bos):
             text = text[len(bos):]
         return self.tokenize(text)
+
+    def constraint(self, kind: str, text: str) -> Constraint:
+        """A fresh constraint for one generation: ``kind`` is one of
+        ``apir.engine.constraint.KINDS``; raises GrammarError when ``text`` is invalid."""
+        from .constraint import Grammars  # llguidance is only needed for constraints
+
+        with self._grammars_lock:
+            if self._grammars is None:
+                self._grammars = Grammars(self.tokenizer, self.vocab_size)
+        return self._grammars.matcher(kind, text)
 
     def _check_fits(self, n: int, what: str = "prompt") -> None:
         if n == 0:

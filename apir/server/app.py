@@ -37,15 +37,18 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..engine import ContextOverflowError, Model
+from ..engine.constraint import GrammarError
 from ..models.errors import ChatTemplateError, TokenizerError
 from ..models.resolve import DEFAULT_MODEL
 from . import metrics as prom
+from . import tools as tool_calls
 from .runner import Done, Failed, Job, Piece, Runner
 from .schemas import (
     ChatFormat,
     ChatRequest,
     CompletionFormat,
     CompletionRequest,
+    Grammar,
     RequestError,
     error_body,
     parse_chat,
@@ -240,13 +243,18 @@ def create_app(
         authorize(request)
         req = parse_chat(await json_body(request))
         model = ready_model(req.model)
+        conversation = [dict(m) for m in req.messages]
+        tools = req.tools if req.tools is not None and req.tools.choice != "none" else None
+        if tools is not None:
+            conversation = tool_calls.messages(conversation, tools)
         try:
-            ids = await run_in_threadpool(model.chat_ids, [dict(m) for m in req.messages])
+            ids = await run_in_threadpool(model.chat_ids, conversation)
         except ChatTemplateError as e:
             raise RequestError(str(e), "messages") from None
         fmt = ChatFormat(f"chatcmpl-{secrets.token_hex(12)}", int(time.time()), config.model_id,
-                         req.stream and req.include_usage)
-        return await generate(request, model, ids, req, fmt)
+                         req.stream and req.include_usage, req.sampling.logprobs is not None)
+        grammar = tool_calls.grammar(tools) if tools is not None else req.sampling.grammar
+        return await generate(request, model, ids, req, fmt, grammar, tools is not None)
 
     async def completions(request: Request) -> Response:
         authorize(request)
@@ -261,17 +269,30 @@ def create_app(
                                    f"{bad[:5]}", "prompt")
             ids = list(req.prompt)
         fmt = CompletionFormat(f"cmpl-{secrets.token_hex(12)}", int(time.time()), config.model_id,
-                               req.stream and req.include_usage)
-        return await generate(request, model, ids, req, fmt)
+                               req.stream and req.include_usage, req.sampling.logprobs is not None)
+        return await generate(request, model, ids, req, fmt, req.sampling.grammar)
 
     async def generate(request: Request, model: Model, ids: list[int],
-                       req: ChatRequest | CompletionRequest, fmt: ChatFormat) -> Response:
-        job = Job(ids, req.sampling.params(len(ids), model.n_ctx))
+                       req: ChatRequest | CompletionRequest, fmt: ChatFormat,
+                       grammar: Grammar | None = None, tools: bool = False) -> Response:
+        """Run the request; with ``tools`` the answer is parsed whole (content or calls)."""
+        params = req.sampling.params(len(ids), model.n_ctx)
+        bad = [t for t, _ in params.logit_bias if t >= model.vocab_size]
+        if bad:
+            raise RequestError(f"'logit_bias' names tokens outside [0, {model.vocab_size}): {bad[:5]}",
+                               "logit_bias")
+        constraint = None
+        if grammar is not None:
+            try:
+                constraint = await run_in_threadpool(model.constraint, grammar.kind, grammar.text)
+            except GrammarError as e:
+                raise RequestError(str(e), grammar.param) from None
+        job = Job(ids, params, constraint)
         if state.closed or state.runner is None:
             raise RequestError("the server is shutting down", None, 503, None, "server_error")
         state.runner.submit(job)
         if req.stream:
-            return StreamingResponse(sse(job, fmt), media_type="text/event-stream",
+            return StreamingResponse(sse(job, fmt, tools), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         events: list[Piece | Done | Failed] = []
         async with anyio.create_task_group() as tg:
@@ -287,20 +308,33 @@ def create_app(
             raise failure(last)
         assert isinstance(last, Done)
         text = "".join(p.text for p in pieces if isinstance(p, Piece))
-        return JSONResponse(fmt.reply(text, last.finish_reason, last.prompt_tokens,
-                                      last.completion_tokens))
+        entries = [e for p in pieces if isinstance(p, Piece) for e in p.logprobs]
+        content, calls, finish = text, [], last.finish_reason
+        if tools:
+            content, calls = tool_calls.parse(text)
+            finish = "tool_calls" if calls else finish
+        return JSONResponse(fmt.reply(content, finish, last.prompt_tokens, last.completion_tokens,
+                                      entries, calls))
 
-    async def sse(job: Job, fmt: ChatFormat) -> AsyncIterator[bytes]:
+    async def sse(job: Job, fmt: ChatFormat, tools: bool = False) -> AsyncIterator[bytes]:
         # Starlette cancels this generator when the client disconnects; `finally` then
         # tells the worker to stop before its next token.
+        held = []  # with tools: the answer, parsed once whole
         try:
             if (first := fmt.first_chunk()) is not None:
                 yield _data(first)
             async for event in job.events():
-                if isinstance(event, Piece):
-                    yield _data(fmt.chunk(event.text))
+                if isinstance(event, Piece) and tools:
+                    held.append(event.text)
+                elif isinstance(event, Piece):
+                    yield _data(fmt.chunk(event.text, entries=event.logprobs))
                 elif isinstance(event, Done):
-                    yield _data(fmt.chunk(finish=event.finish_reason))
+                    finish = event.finish_reason
+                    if tools:
+                        content, calls = tool_calls.parse("".join(held))
+                        finish = "tool_calls" if calls else finish
+                        yield _data(fmt.chunk(content, tool_calls=calls))
+                    yield _data(fmt.chunk(finish=finish))
                     if fmt.include_usage:
                         yield _data(fmt.usage_chunk(event.prompt_tokens, event.completion_tokens))
                 else:
