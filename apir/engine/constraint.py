@@ -9,12 +9,17 @@ Imported only when a request asks for a constraint: ``pip install 'apir[serve]'`
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 
 from ..errors import ApirError
 from ..models.tokenizer import Tokenizer
 
 KINDS = ("json_schema", "lark", "gbnf", "regex", "choice")  # what Grammars.matcher takes
+# An integer a schema leaves unbounded gets these bounds (at most 16 digits), as llama.cpp's
+# schema grammars do: a small model otherwise repeats a digit until max_tokens.
+JSON_INT_LIMIT = (1 << 53) - 1
 
 
 class GrammarError(ApirError):
@@ -58,6 +63,8 @@ class Grammars:
         if kind not in KINDS:
             raise GrammarError(f"unknown grammar kind {kind!r} (one of {', '.join(KINDS)})")
         try:
+            if kind == "json_schema":
+                text = json.dumps(_bounded(json.loads(text)))
             grammar = self._ll.grammar_from(kind, text)
             m = self._ll.LLMatcher(self._tokenizer, grammar, log_level=0)
         except (ValueError, RuntimeError) as e:
@@ -82,6 +89,21 @@ class Matcher:
         if not self._m.consume_token(token):  # the mask allowed it: only a library fault lands here
             raise GrammarError(f"the grammar refused token {token}: {_one_line(self._m.get_error())}")
         return not self._m.is_stopped()
+
+
+def _bounded(schema: object) -> object:
+    """``schema`` with JSON_INT_LIMIT bounds on every integer that has none."""
+    if isinstance(schema, list):
+        return [_bounded(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _bounded(v) for k, v in schema.items()}
+    if out.get("type") == "integer":
+        if "minimum" not in out and "exclusiveMinimum" not in out:
+            out["minimum"] = -JSON_INT_LIMIT
+        if "maximum" not in out and "exclusiveMaximum" not in out:
+            out["maximum"] = JSON_INT_LIMIT
+    return out
 
 
 def _one_line(message: object) -> str:

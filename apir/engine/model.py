@@ -25,7 +25,7 @@ import numpy as np
 from ..backends import Backend, BufferPurpose
 from ..backends.base import ALIGNMENT
 from ..errors import ApirError
-from ..graph import DType, GraphBuilder, Op, SampleArgs, T
+from ..graph import DType, Graph, GraphBuilder, Op, SampleArgs, T
 from ..graph.sampling import GREEDY, PARAMS_SIZE
 from ..models.gguf_file import GGUFFile
 from ..models.registry import architecture
@@ -37,6 +37,7 @@ PREFILL_CHUNK = 512  # llama.cpp's default micro-batch
 PAD_MIN = 8  # steps longer than a decode step are padded to a power of two (see _step)
 _GREEDY = {"params": GREEDY.pack()}  # SAMPLE params: argmax
 _SAMPLED = {"params": SampleArgs(1.0, 40, 0.95, 0.05, 0.5).pack()}  # any params that sample
+POOLINGS = ("mean", "cls", "last")
 BANNED = -100.0  # a logit_bias this low removes the token (OpenAI's "ban")
 
 
@@ -139,6 +140,7 @@ class Model:
         self._sample_graph = self._register(last_only=True)
         self._penalized_graphs: dict[int | None, int] = {}  # logprobs k -> graph id
         self._grammars = None  # apir.engine.constraint.Grammars, built on first use
+        self._hidden_graph: int | None = None  # the final hidden states, for embeddings
         self._grammars_lock = threading.Lock()
 
     # ------------------------------------------------------------ setup
@@ -172,6 +174,35 @@ class Model:
         token = g.sample(adjusted, params)
         outputs = [token] if k is None else [token, g.op(Op.LOGPROBS, logits, token, attrs=(k,))]
         return self.backend.register_graph(g.build(*outputs))
+
+    def _register_hidden(self) -> int:
+        """The logits graph cut before its output projection: the normalised final hidden
+        states (T, n_embd), what embeddings pool."""
+        g = GraphBuilder()
+        tokens, pos = g.input("tokens", (T,), DType.I32), g.input("pos", (T,), DType.I32)
+        logits = self.arch.build(g, self.args, Weights(g, self.weights), tokens, pos, KVCache(g, self.kv), False)
+        graph = g.build(logits)
+        node = graph.nodes[graph.outputs[0]]
+        if node.op is not Op.MATMUL or node.label != "output":
+            raise ApirError(f"embeddings are not available for {self.arch_name}: its graph does "
+                            "not end in the output projection")
+        hidden = node.inputs[0]  # nodes are in topological order: all it needs comes before
+        return self.backend.register_graph(Graph(graph.nodes[: hidden + 1], (hidden,)))
+
+    def embed(self, ids: Sequence[int], pooling: str) -> np.ndarray:
+        """The final hidden states of ``ids`` (a fresh pass from position 0) pooled as
+        llama.cpp's ``--pooling`` (mean, cls: the first token, last) and L2-normalised:
+        (n_embd,) float32."""
+        if pooling not in POOLINGS:
+            raise ValueError(f"pooling must be one of {', '.join(POOLINGS)}, got {pooling!r}")
+        self._check_fits(len(ids), "input")
+        if self._hidden_graph is None:
+            self._hidden_graph = self._register_hidden()
+        rows = np.concatenate([out[0] for out in self._chunks(self._hidden_graph, ids)], 0)
+        rows = rows.astype(np.float64)
+        v = rows.mean(0) if pooling == "mean" else rows[0] if pooling == "cls" else rows[-1]
+        norm = np.linalg.norm(v)
+        return (v / norm if norm > 0 else v).astype(np.float32)
 
     def _penalized_graph(self, k: int | None) -> int:
         if k not in self._penalized_graphs:
@@ -242,7 +273,7 @@ class Model:
         pos = np.arange(start, start + size, dtype=np.int32)
         pos[n:] = start + n - 1
         outs = self.backend.compute(graph, {"tokens": tokens, "pos": pos, **(extra or {})})
-        return outs if size == n or graph != self._logits_graph else [outs[0][:n]]
+        return outs if size == n else [o[:n] if o.shape[:1] == (size,) else o for o in outs]
 
     def logits(self, ids: Sequence[int], start: int = 0) -> np.ndarray:
         """Logits (len(ids), vocab) float32 of one causal pass over ``ids`` placed at ``start``.

@@ -15,7 +15,7 @@ import asyncio
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
 from ..engine import Model, SamplingParams
@@ -37,6 +37,7 @@ class Done:
     finish_reason: str  # "stop" (end token or stop string), "length", or "cancelled"
     prompt_tokens: int
     completion_tokens: int
+    result: object = None  # what a work job's function returned
 
 
 @dataclass(frozen=True)
@@ -50,10 +51,13 @@ Event = Piece | Done | Failed
 class Job:
     """One generation request, created on the event loop that will read its events."""
 
-    def __init__(self, prompt_ids: Sequence[int], params: SamplingParams,
-                 constraint: Constraint | None = None) -> None:
+    def __init__(self, prompt_ids: Sequence[int], params: SamplingParams | None,
+                 constraint: Constraint | None = None,
+                 work: Callable[[Model], object] | None = None) -> None:
+        """A generation of ``params`` from ``prompt_ids``; or, with ``work``, that function
+        run on the model in the queue's turn (an embedding: it writes the KV cache too)."""
         self.prompt_ids = list(prompt_ids)
-        self.params, self.constraint = params, constraint
+        self.params, self.constraint, self.work = params, constraint, work
         self._loop = asyncio.get_running_loop()
         self._events: asyncio.Queue[Event] = asyncio.Queue()
         self._cancel = threading.Event()
@@ -146,7 +150,10 @@ class Runner:
                 continue  # cancelled while queued: it has emitted its Done
             self._current = job
             try:
-                job.emit(self._run(job))
+                if job.work is not None:
+                    job.emit(Done("stop", len(job.prompt_ids), 0, job.work(self.model)))
+                else:
+                    job.emit(self._run(job))
             except Exception as e:  # a failed generation fails its request, not the server
                 job.emit(Failed(e))
             finally:

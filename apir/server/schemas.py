@@ -73,7 +73,7 @@ def _number(body: dict, name: str, lo: float, hi: float, integer: bool = False) 
     return value
 
 
-def _flag(body: dict, name: str) -> bool:
+def read_flag(body: dict, name: str) -> bool:
     value = body.get(name, False)
     if value is None:
         return False
@@ -88,7 +88,7 @@ def _refuse(body: dict, name: str, unless: Any, why: str) -> None:
         raise RequestError(f"'{name}' is not supported by this server ({why})", name)
 
 
-def _known_fields(body: dict, known: frozenset[str]) -> None:
+def check_fields(body: dict, known: frozenset[str]) -> None:
     """The rule: a field apir does not implement is refused, never ignored."""
     for name in body:
         if name not in known:
@@ -260,11 +260,11 @@ def _sampling(body: dict, logprobs: int | None) -> Sampling:
 def _common(body: Any, known: frozenset[str]) -> tuple[str | None, bool, bool]:
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
-    _known_fields(body, known)
+    check_fields(body, known)
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise RequestError("'model' must be a string", "model")
-    stream = _flag(body, "stream")
+    stream = read_flag(body, "stream")
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise RequestError("'stream_options' must be an object", "stream_options")
@@ -272,7 +272,7 @@ def _common(body: Any, known: frozenset[str]) -> tuple[str | None, bool, bool]:
         if name != "include_usage":
             raise RequestError(f"'stream_options.{str(name)[:100]}' is not supported by this server",
                                "stream_options")
-    include_usage = bool(options and _flag(options, "include_usage"))
+    include_usage = bool(options and read_flag(options, "include_usage"))
     return model, stream, include_usage
 
 
@@ -357,7 +357,7 @@ def _tools(body: dict) -> Tools | None:
         choice = "auto"
     elif choice not in ("auto", "none", "required"):
         raise RequestError("'tool_choice' must be auto, none, required or a function", "tool_choice")
-    return Tools(tuple(tools), choice, _flag(body, "parallel_tool_calls") if "parallel_tool_calls"
+    return Tools(tuple(tools), choice, read_flag(body, "parallel_tool_calls") if "parallel_tool_calls"
                  in body and body["parallel_tool_calls"] is not None else True)
 
 
@@ -409,7 +409,7 @@ def parse_chat(body: Any) -> ChatRequest:
     _refuse(body, "store", False, "nothing is stored")
     if body.get("modalities") not in (None, ["text"]):
         raise RequestError("'modalities' must be [\"text\"]: this server answers in text", "modalities")
-    logprobs = _flag(body, "logprobs")
+    logprobs = read_flag(body, "logprobs")
     top = _number(body, "top_logprobs", 0, MAX_TOP_LOGPROBS, integer=True)
     if top is not None and not logprobs:
         raise RequestError("'top_logprobs' needs 'logprobs': true", "top_logprobs")
@@ -441,6 +441,38 @@ def parse_completion(body: Any) -> CompletionRequest:
     _refuse(body, "suffix", "", "no fill-in-the-middle")
     logprobs = _number(body, "logprobs", 0, MAX_TOP_LOGPROBS, integer=True)
     return CompletionRequest(model, prompt, _sampling(body, logprobs), stream, include_usage)
+
+
+EMBEDDING_FIELDS = frozenset({"model", "input", "encoding_format", "user"})
+MAX_INPUTS = 2048  # OpenAI's cap on inputs per embeddings request
+
+
+@dataclass(frozen=True)
+class EmbeddingRequest:
+    model: str | None
+    inputs: tuple[str | tuple[int, ...], ...]  # texts, or token ids as given
+    base64: bool = False  # encoding_format "base64": little-endian float32 bytes
+
+
+def _token_ids(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
+def parse_embeddings(body: Any) -> EmbeddingRequest:
+    """Validate a /v1/embeddings body; raises RequestError naming the bad field."""
+    model, _, _ = _common(body, EMBEDDING_FIELDS)
+    x = body.get("input")
+    inputs = [x] if isinstance(x, str) or _token_ids(x) else x
+    if not (isinstance(inputs, list) and 0 < len(inputs) <= MAX_INPUTS
+            and all(isinstance(i, str) or _token_ids(i) for i in inputs)):
+        raise RequestError(f"'input' must be a string, a list of token ids, or a list of up to "
+                           f"{MAX_INPUTS} of those", "input")
+    fmt = body.get("encoding_format") or "float"
+    if fmt not in ("float", "base64"):
+        raise RequestError("'encoding_format' must be float or base64", "encoding_format")
+    return EmbeddingRequest(model, tuple(i if isinstance(i, str) else tuple(i) for i in inputs),
+                            fmt == "base64")
 
 
 # ---------------------------------------------------------------- replies
