@@ -20,6 +20,8 @@ KINDS = ("json_schema", "lark", "gbnf", "regex", "choice")  # what Grammars.matc
 # An integer a schema leaves unbounded gets these bounds (at most 16 digits), as llama.cpp's
 # schema grammars do: a small model otherwise repeats a digit until max_tokens.
 JSON_INT_LIMIT = (1 << 53) - 1
+# Whitespace between JSON tokens, bounded for the same reason (llama.cpp allows 20 too).
+JSON_OPTIONS = {"whitespace_pattern": r"[\x20\x0A\x0D\x09]{0,20}"}
 
 
 class GrammarError(ApirError):
@@ -64,8 +66,10 @@ class Grammars:
             raise GrammarError(f"unknown grammar kind {kind!r} (one of {', '.join(KINDS)})")
         try:
             if kind == "json_schema":
-                text = json.dumps(_bounded(json.loads(text)))
-            grammar = self._ll.grammar_from(kind, text)
+                grammar = self._ll.LLMatcher.grammar_from_json_schema(
+                    json.dumps(_bounded(json.loads(text))), defaults=JSON_OPTIONS)
+            else:
+                grammar = self._ll.grammar_from(kind, text)
             m = self._ll.LLMatcher(self._tokenizer, grammar, log_level=0)
         except (ValueError, RuntimeError) as e:
             raise GrammarError(f"invalid {kind}: {_one_line(e)}") from None
