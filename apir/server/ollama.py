@@ -147,6 +147,13 @@ def routes(api: Api) -> list[Route]:
                 return JSONResponse({"error": e.message}, e.status)
         return wrapped
 
+    async def body_of(request: Request) -> dict:
+        api.authorize(request)
+        body = await api.json_body(request)
+        if not isinstance(body, dict):
+            raise RequestError("the request body must be a JSON object")
+        return body
+
     async def version(request: Request) -> Response:
         return JSONResponse({"version": VERSION})
 
@@ -162,10 +169,7 @@ def routes(api: Api) -> list[Route]:
         return JSONResponse({"models": running})
 
     async def show(request: Request) -> Response:
-        api.authorize(request)
-        body = await api.json_body(request)
-        if not isinstance(body, dict):
-            raise RequestError("the request body must be a JSON object")
+        body = await body_of(request)
         check_fields(body, frozenset({"model", "name", "verbose"}))
         model = api.ready_model(_name({"model": body.get("model", body.get("name"))}))
         capabilities = ["completion", "tools"]
@@ -229,10 +233,7 @@ def routes(api: Api) -> list[Route]:
         return StreamingResponse(lines(), media_type="application/x-ndjson")
 
     async def chat(request: Request) -> Response:
-        api.authorize(request)
-        body = await api.json_body(request)
-        if not isinstance(body, dict):
-            raise RequestError("the request body must be a JSON object")
+        body = await body_of(request)
         openai = _openai(body, CHAT_FIELDS)
         messages = body.get("messages")
         messages = [_message(m, i) for i, m in enumerate(messages)] if isinstance(messages, list) else messages
@@ -243,10 +244,7 @@ def routes(api: Api) -> list[Route]:
                          read_flag(body, "stream") if "stream" in body else True, "message", tools)
 
     async def generate(request: Request) -> Response:
-        api.authorize(request)
-        body = await api.json_body(request)
-        if not isinstance(body, dict):
-            raise RequestError("the request body must be a JSON object")
+        body = await body_of(request)
         openai = _openai(body, GENERATE_FIELDS)
         prompt, system = body.get("prompt"), body.get("system")
         if not isinstance(prompt, str) or not isinstance(system, (str, type(None))):
@@ -262,10 +260,7 @@ def routes(api: Api) -> list[Route]:
                          read_flag(body, "stream") if "stream" in body else True, "response", False)
 
     async def embed(request: Request) -> Response:
-        api.authorize(request)
-        body = await api.json_body(request)
-        if not isinstance(body, dict):
-            raise RequestError("the request body must be a JSON object")
+        body = await body_of(request)
         check_fields(body, EMBED_FIELDS)
         if body.get("options"):
             raise RequestError("'options' is not supported by /api/embed here", "options")
