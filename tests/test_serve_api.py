@@ -138,6 +138,8 @@ def test_constraint_fields():
         parse_chat({"messages": MSGS, "grammar": "root ::= \"a\"", "guided_regex": "a"})
     r = parse_chat({"messages": MSGS, "repetition_penalty": 1.3, "repeat_last_n": 8, "top_k": 2})
     assert (r.sampling.repeat_penalty, r.sampling.penalty_last_n, r.sampling.top_k) == (1.3, 8, 2)
+    assert parse_completion({"prompt": "x", "repeat_last_n": -1}).sampling.penalty_last_n == 1 << 31
+    assert parse_completion({"prompt": "x"}).sampling.penalty_last_n == 64
 
 
 def test_model_names_aliases_and_any():

@@ -65,7 +65,7 @@ from .schemas import (
 
 MAX_BODY = 32 << 20  # bytes; a prompt this long is far past any context window
 ENDPOINTS = ("/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions",
-             "/v1/embeddings", "/tokenize", "/detokenize")
+             "/v1/embeddings", "/tokenize", "/detokenize", "/api/chat", "/api/generate", "/api/embed")
 GGUF_POOLING = {1: "mean", 2: "cls", 3: "last"}  # llama.cpp's pooling_type values
 TOKENIZE_FIELDS = frozenset({"content", "add_special", "parse_special", "with_pieces"})
 

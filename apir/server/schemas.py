@@ -212,6 +212,11 @@ class Sampling:
         )
 
 
+def _last_n(value: int | None) -> int:
+    """llama.cpp's repeat_last_n: the default when absent, -1 for the whole context."""
+    return _DEFAULTS.penalty_last_n if value is None else (1 << 31) if value == -1 else value
+
+
 def _sampling(body: dict, logprobs: int | None) -> Sampling:
     for name in ("n", "best_of"):
         _number(body, name, 1, 1 << 31, integer=True)
@@ -249,8 +254,7 @@ def _sampling(body: dict, logprobs: int | None) -> Sampling:
         repeat_penalty=float(pick(repeat, 1.0)),
         presence_penalty=float(pick(_number(body, "presence_penalty", -2, 2), 0.0)),
         frequency_penalty=float(pick(_number(body, "frequency_penalty", -2, 2), 0.0)),
-        penalty_last_n=int(pick(_number(body, "repeat_last_n", 0, 1 << 31, integer=True),
-                                d.penalty_last_n)),
+        penalty_last_n=_last_n(_number(body, "repeat_last_n", -1, 1 << 31, integer=True)),
         logit_bias=_logit_bias(body),
         logprobs=logprobs,
         grammar=_grammar(body),
