@@ -46,11 +46,10 @@ from ..models.resolve import DEFAULT_MODEL
 from . import metrics as prom
 from . import ollama
 from . import tools as tool_calls
+from .replies import ChatFormat, CompletionFormat
 from .runner import Done, Failed, Job, Piece, Runner
 from .schemas import (
-    ChatFormat,
     ChatRequest,
-    CompletionFormat,
     CompletionRequest,
     Grammar,
     RequestError,
