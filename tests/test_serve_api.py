@@ -497,8 +497,11 @@ def test_embeddings_need_a_pooling_type():
 def test_penalized_sampling_is_the_same_through_a_host(smol, remote_smol):
     """Penalties, logit_bias and logprobs through the remote backend: the same tokens."""
     ids = smol.tokenize("one two one two one two")
-    params = SamplingParams(temperature=0.8, seed=9, max_tokens=12, repeat_penalty=1.3,
-                            frequency_penalty=0.5, logit_bias=((28, -100.0),), logprobs=2)
-    native, remote = (list(m.generate_tokens(ids, params)) for m in (smol, remote_smol))
-    assert [t.id for t in native] == [t.id for t in remote] and 28 not in [t.id for t in native]
-    np.testing.assert_allclose([t.logprob for t in native], [t.logprob for t in remote], atol=1e-5)
+    penalized = SamplingParams(temperature=0.8, seed=9, max_tokens=12, repeat_penalty=1.3,
+                               frequency_penalty=0.5, logit_bias=((28, -100.0),), logprobs=2)
+    # without penalties the steps stay pipelined: each fed its token on the backend
+    pipelined = SamplingParams(temperature=0.8, seed=9, max_tokens=12, logit_bias=((28, -100.0),), logprobs=2)
+    for params in (penalized, pipelined):
+        native, remote = (list(m.generate_tokens(ids, params)) for m in (smol, remote_smol))
+        assert [t.id for t in native] == [t.id for t in remote] and 28 not in [t.id for t in native]
+        np.testing.assert_allclose([t.logprob for t in native], [t.logprob for t in remote], atol=1e-5)
