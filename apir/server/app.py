@@ -5,8 +5,12 @@
   GET  /v1/models              the one model served
   POST /v1/chat/completions    chat, whole or streamed (server-sent events)
   POST /v1/completions         plain text completion, whole or streamed
+  POST /v1/embeddings          pooled final hidden states (--pooling, or the GGUF's own)
+  POST /tokenize, /detokenize  llama-server's
+  /api/*                       Ollama's API (``ollama``)
 
-The model loads in a background thread once the server is up, so /health answers at
+Constraints (``response_format``, ``grammar``, ``guided_*``, tools) compile with
+llguidance before a request is queued, so a bad grammar is a 400. The model loads in a background thread once the server is up, so /health answers at
 once. Prompts are tokenized on a thread pool; generation runs on the Runner's single
 thread, one request at a time, in arrival order. A client that goes away cancels its
 generation before the next token.
