@@ -4,8 +4,8 @@ kept in a backend buffer, token-by-token generation with sampling on the backend
 Graphs per model, all over the symbolic token count T:
   ``logits``  tokens (T,), pos (T,)            -> logits (T, vocab), writes the KV cache
   ``sample``  tokens (T,), pos (T,), params (5,) -> next token (1,), writes the KV cache
-  ``sample`` with penalties (registered on first use, one per logprobs count k): also
-              scale (V,), bias (V,), mask (ceil(V/32),) I32 -> token (1,) [, (1, k+1, 2)]
+  ``penalized`` (registered on first use) also takes scale (V,), bias (V,), mask
+              (ceil(V/32),) I32 -> token (1,), logprobs (1, MAX_LOGPROBS + 1, 2)
               (Op.PENALIZE before the draw, Op.LOGPROBS of the raw logits after it)
 A prompt is prefilled in chunks through ``sample`` (only its last row is projected to
 the vocabulary); each decode step then sends one token and gets one token id back.
@@ -38,6 +38,7 @@ PAD_MIN = 8  # steps longer than a decode step are padded to a power of two (see
 _GREEDY = {"params": GREEDY.pack()}  # SAMPLE params: argmax
 _SAMPLED = {"params": SampleArgs(1.0, 40, 0.95, 0.05, 0.5).pack()}  # any params that sample
 POOLINGS = ("mean", "cls", "last")
+MAX_LOGPROBS = 20  # alternatives per token the penalized graph returns (OpenAI's top_logprobs cap)
 BANNED = -100.0  # a logit_bias this low removes the token (OpenAI's "ban")
 
 
@@ -79,8 +80,8 @@ class SamplingParams:
             raise ValueError(f"repeat_penalty must be > 0, got {self.repeat_penalty}")
         if not all(math.isfinite(x) for x in (self.presence_penalty, self.frequency_penalty)):
             raise ValueError("presence_penalty and frequency_penalty must be finite")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise ValueError(f"logprobs must be in 0..20, got {self.logprobs}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in 0..{MAX_LOGPROBS}, got {self.logprobs}")
 
     @property
     def penalized(self) -> bool:
@@ -138,7 +139,7 @@ class Model:
         self._compiled_prefill = "compiled_prefill" in capabilities
         self._logits_graph = self._register(last_only=False)
         self._sample_graph = self._register(last_only=True)
-        self._penalized_graphs: dict[int | None, int] = {}  # logprobs k -> graph id
+        self._penalized_graph: int | None = None
         self._grammars = None  # apir.engine.constraint.Grammars, built on first use
         self._hidden_graph: int | None = None  # the final hidden states, for embeddings
         self._grammars_lock = threading.Lock()
@@ -158,7 +159,7 @@ class Model:
                 progress(done, self.file.nbytes)
         return WeightTable(buffer, slots)
 
-    def _register(self, last_only: bool, penalized: bool = False, k: int | None = None) -> int:
+    def _register(self, last_only: bool, penalized: bool = False) -> int:
         g = GraphBuilder()
         tokens = g.input("tokens", (T,), DType.I32)
         pos = g.input("pos", (T,), DType.I32)
@@ -172,8 +173,8 @@ class Model:
         adjusted = g.op(Op.PENALIZE, logits, g.input("scale", (v,)), g.input("bias", (v,)),
                         g.input("mask", ((v + 31) // 32,), DType.I32))
         token = g.sample(adjusted, params)
-        outputs = [token] if k is None else [token, g.op(Op.LOGPROBS, logits, token, attrs=(k,))]
-        return self.backend.register_graph(g.build(*outputs))
+        logprobs = g.op(Op.LOGPROBS, logits, token, attrs=(MAX_LOGPROBS,))
+        return self.backend.register_graph(g.build(token, logprobs))
 
     def _register_hidden(self) -> int:
         """The logits graph cut before its output projection: the normalised final hidden
@@ -204,10 +205,6 @@ class Model:
         norm = np.linalg.norm(v)
         return (v / norm if norm > 0 else v).astype(np.float32)
 
-    def _penalized_graph(self, k: int | None) -> int:
-        if k not in self._penalized_graphs:
-            self._penalized_graphs[k] = self._register(True, True, k)
-        return self._penalized_graphs[k]
 
     # ------------------------------------------------------------ tokens
     @property
@@ -366,7 +363,9 @@ class Model:
         knobs = [params.temperature, params.top_k, params.top_p, params.min_p]
         plain = (constraint is None and params.logprobs is None and not params.logit_bias
                  and not params.penalized)
-        graph = self._sample_graph if plain else self._penalized_graph(params.logprobs)
+        if not plain and self._penalized_graph is None:
+            self._penalized_graph = self._register(True, penalized=True)
+        graph = self._sample_graph if plain else self._penalized_graph
         adjust = None if plain else _Adjustments(self.vocab_size, params, constraint)
         history = list(prompt_ids)
 
@@ -374,7 +373,7 @@ class Model:
             draw = {"params": SampleArgs(*knobs, u=rng.random()).pack()}
             return draw if adjust is None else {**draw, **adjust.inputs(history)}
 
-        token = _token(self._chunks(graph, prompt_ids, 0, extra)[-1])
+        token = _token(self._chunks(graph, prompt_ids, 0, extra)[-1], params.logprobs)
         pos = len(prompt_ids)  # where token goes in the cache
         ahead = None
         if adjust is None or not adjust.dynamic:
@@ -395,7 +394,7 @@ class Model:
                     current = ahead
                     ahead = self._submit_next(pos + 1, extra(), graph=graph) if pos + 1 < self.n_ctx else None
                 pos += 1
-                token = _token(current.result())
+                token = _token(current.result(), params.logprobs)
         finally:
             if ahead is not None:  # wait for the step nobody reads, so none is left in flight
                 try:
@@ -444,12 +443,13 @@ class Model:
         self.close()
 
 
-def _token(outputs: list[np.ndarray]) -> Token:
-    """The token of a sample step's outputs: (1,) token [, (1, k+1, 2) logprobs]."""
-    if len(outputs) == 1:
+def _token(outputs: list[np.ndarray], logprobs: int | None) -> Token:
+    """The token of a sample step's outputs, (1,) token [, (1, MAX_LOGPROBS + 1, 2)], with
+    its logprob and ``logprobs`` alternatives when asked for."""
+    if logprobs is None:
         return Token(int(outputs[0][0]))
     (lp, tid), *top = outputs[1][0].tolist()
-    return Token(int(tid), lp, tuple((int(i), v) for v, i in top))
+    return Token(int(tid), lp, tuple((int(i), v) for v, i in top[:logprobs]))
 
 
 class _Adjustments:

@@ -16,11 +16,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..engine import ContextOverflowError, SamplingParams
+from ..engine.model import MAX_LOGPROBS
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 MAX_STOP = 16  # OpenAI allows 4; llama.cpp more. A cap keeps the per-token search cheap.
 MAX_LOGIT_BIAS = 1024  # entries; OpenAI allows 300
-MAX_TOP_LOGPROBS = 20
 # Fields every generation endpoint implements (OpenAI's, then llama.cpp's and vLLM's names).
 _SAMPLING_FIELDS = frozenset({
     "model", "stream", "stream_options", "temperature", "top_p", "seed", "max_tokens", "stop",
@@ -413,7 +413,7 @@ def parse_chat(body: Any) -> ChatRequest:
     if body.get("modalities") not in (None, ["text"]):
         raise RequestError("'modalities' must be [\"text\"]: this server answers in text", "modalities")
     logprobs = read_flag(body, "logprobs")
-    top = _number(body, "top_logprobs", 0, MAX_TOP_LOGPROBS, integer=True)
+    top = _number(body, "top_logprobs", 0, MAX_LOGPROBS, integer=True)
     if top is not None and not logprobs:
         raise RequestError("'top_logprobs' needs 'logprobs': true", "top_logprobs")
     sampling = _sampling(body, (top or 0) if logprobs else None)
@@ -442,7 +442,7 @@ def parse_completion(body: Any) -> CompletionRequest:
         raise RequestError("'prompt' must be a string or a list of token ids", "prompt")
     _refuse(body, "echo", False, "the prompt is not echoed")
     _refuse(body, "suffix", "", "no fill-in-the-middle")
-    logprobs = _number(body, "logprobs", 0, MAX_TOP_LOGPROBS, integer=True)
+    logprobs = _number(body, "logprobs", 0, MAX_LOGPROBS, integer=True)
     return CompletionRequest(model, prompt, _sampling(body, logprobs), stream, include_usage)
 
 
