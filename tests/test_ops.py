@@ -896,6 +896,9 @@ def test_sample_edges() -> None:
     tied = np.array([1.0, 2.0, 2.0, 0.0], np.float32)
     s4 = Sampler((4,))
     assert s4.same(tied, 1.0, top_k=1, u=0.9) == 1  # ties sort lower id first
+    forbidden = np.full(4, -np.inf, np.float32)  # a grammar's mask and a ban leave nothing
+    for temp, kw in ((0.0, {}), (1.0, {"top_k": 2, "top_p": 0.9, "min_p": 0.1, "u": 0.7}), (0.5, {"u": 0.99})):
+        assert s4.same(forbidden, temp, **kw) == 0
 
 
 STAT_SETTINGS = [

@@ -108,6 +108,9 @@ def sample(logits: np.ndarray, params: np.ndarray) -> np.ndarray:
     rows = logits.reshape(-1, logits.shape[-1])
     out = np.empty(len(rows), np.int32)
     for r, row in enumerate(rows):
+        if np.isneginf(row).all():  # every token forbidden (a grammar and a ban): id 0, as torch
+            out[r] = 0
+            continue
         order = np.argsort(-row, kind="stable")
         scaled = row[order].astype(np.float32) / np.float32(a.temperature)
         keep = len(order) if a.top_k <= 0 else int(min(a.top_k, len(order)))  # inf: all; nan: ValueError

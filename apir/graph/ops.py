@@ -48,7 +48,7 @@ Semantics, per op (``x`` etc. are inputs in order):
                                  top_k (if > 0), softmax, keep the shortest prefix whose mass
                                  reaches top_p (if < 1), drop p < min_p * p_max (if > 0),
                                  and return the first sorted id whose cumulative mass exceeds
-                                 u * (kept mass) -> i32
+                                 u * (kept mass) -> i32. A row of all -inf gives 0
   PENALIZE   (logits, scale, bias, mask)
                                 logits (..., V) float; scale, bias (V,) F32; mask (ceil(V/32),)
                                  I32 -> (..., V) F32: x / scale where x > 0 else x * scale
