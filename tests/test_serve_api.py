@@ -211,6 +211,7 @@ CONSTRAINTS = [
     ("json_schema", json.dumps({"type": "object", "properties": {"n": {"type": "integer"}, "ok": {"type": "boolean"}},
                                 "required": ["n", "ok"], "additionalProperties": False})),
     ("gbnf", 'root ::= "The answer is " ("yes" | "no") "."'),
+    ("gbnf", 'start: "The answer is " ("yes" | "no") "."'),  # Lark, through the same field
     ("regex", r"[A-Z][a-z]+ [0-9]{2}"),
     ("choice", json.dumps(["red", "green", "blue"])),
 ]
@@ -228,7 +229,8 @@ def remote_smol(smol, backend_options):
         yield model
 
 
-@pytest.mark.parametrize(("kind", "text"), CONSTRAINTS, ids=[c[0] for c in CONSTRAINTS])
+@pytest.mark.parametrize(("kind", "text"), CONSTRAINTS,
+                         ids=["json_schema", "gbnf", "lark", "regex", "choice"])
 def test_constrained_output_matches_and_remote_equals_native(smol, remote_smol, kind, text):
     import re
 
