@@ -24,7 +24,7 @@ from apir.backends.base import Backend  # noqa: E402
 from apir.backends.local import kernels as local_kernels  # noqa: E402
 from apir.graph import OPS, Alias, DType, GraphBuilder, Op, SampleArgs, T, Value  # noqa: E402
 from apir.graph.dtypes import NUMPY_DTYPES  # noqa: E402
-from apir.graph.ops import LEAVES  # noqa: E402
+from apir.graph.ops import LEAVES, GraphError  # noqa: E402
 from apir.graph.sampling import GREEDY, PARAMS_SIZE  # noqa: E402
 
 BACKENDS = ("numpy", "local")
@@ -896,6 +896,9 @@ def test_sample_edges() -> None:
     tied = np.array([1.0, 2.0, 2.0, 0.0], np.float32)
     s4 = Sampler((4,))
     assert s4.same(tied, 1.0, top_k=1, u=0.9) == 1  # ties sort lower id first
+    forbidden = np.full(4, -np.inf, np.float32)  # a grammar's mask and a ban leave nothing
+    for temp, kw in ((0.0, {}), (1.0, {"top_k": 2, "top_p": 0.9, "min_p": 0.1, "u": 0.7}), (0.5, {"u": 0.99})):
+        assert s4.same(forbidden, temp, **kw) == 0
 
 
 STAT_SETTINGS = [
@@ -1006,3 +1009,56 @@ def test_set_rows_value() -> None:
     want = base.copy()
     want[ids] = src
     np.testing.assert_array_equal(out, want)
+
+
+# ---------------------------------------------------------------- PENALIZE, LOGPROBS
+
+
+@covers(Op.PENALIZE)
+def test_penalize() -> None:
+    rng = np.random.default_rng(27)
+    v = 70  # three mask words, the last one partly used
+    x = randn(rng, N_TOK, v, scale=3.0)
+    scale = np.ones(v, np.float32)
+    scale[[0, 5, 9, 69]] = [1.3, 0.5, 2.0, 1.1]
+    bias = np.zeros(v, np.float32)
+    bias[[5, 6, 40]] = [-100.0, 2.5, -0.5]
+    allowed = rng.random(v) < 0.6
+    mask = np.zeros((v + 31) // 32, np.uint32)
+    for i in np.flatnonzero(allowed):
+        mask[i // 32] |= np.uint32(1 << (i % 32))
+    mask = mask.view(np.int32)
+
+    def build(g):
+        return g.op(Op.PENALIZE, g.input("x", (T, v)), g.input("scale", (v,)),
+                    g.input("bias", (v,)), g.input("mask", (len(mask),), DType.I32))
+
+    (out,) = check(build, {"x": x, "scale": scale, "bias": bias, "mask": mask}, rtol=0, atol=0)
+    want = np.where(x > 0, x / scale, x * scale) + bias
+    want[:, ~allowed] = -np.inf
+    np.testing.assert_array_equal(out, want.astype(np.float32))
+    with pytest.raises(GraphError, match="mask must be I32 of shape"):
+        g = GraphBuilder()
+        g.op(Op.PENALIZE, g.input("x", (1, v)), g.input("s", (v,)), g.input("b", (v,)),
+             g.input("m", (2,), DType.I32))
+
+
+@covers(Op.LOGPROBS)
+def test_logprobs() -> None:
+    rng = np.random.default_rng(28)
+    v, k = 50, 4
+    x = randn(rng, N_TOK, v, scale=2.0)
+    x[1, [3, 7, 8]] = 9.0  # ties: the lower id first
+    token = np.array([0, 7, 49, 60, -3], np.int32)  # out of range: clamped
+
+    def build(g):
+        return g.op(Op.LOGPROBS, g.input("x", (T, v)), g.input("token", (T,), DType.I32), attrs=(k,))
+
+    (out,) = check(build, {"x": x, "token": token}, rtol=1e-5, atol=1e-5)
+    assert out.shape == (N_TOK, k + 1, 2)
+    lp = x.astype(np.float64) - np.log(np.exp(x.astype(np.float64)).sum(-1, keepdims=True))
+    ids = out[..., 1].astype(int)
+    np.testing.assert_array_equal(ids[:, 0], np.clip(token, 0, v - 1))
+    np.testing.assert_array_equal(ids[1, 1:4], [3, 7, 8])
+    np.testing.assert_array_equal(ids[:, 1:], np.argsort(-x, axis=-1, kind="stable")[:, :k])
+    np.testing.assert_allclose(out[..., 0], np.take_along_axis(lp, ids, -1), atol=1e-5)

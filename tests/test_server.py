@@ -8,6 +8,7 @@ stream-vs-whole and concurrent-vs-alone comparisons rely on.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -15,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -41,19 +43,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
+@contextlib.contextmanager
+def serve(tmp: Path, *args: str) -> Iterator[str]:
+    """``apir serve`` of MODEL on the CPU in a subprocess with ``args``; yields its base URL
+    once /health says ok."""
     try:
         resolve_model(MODEL)
     except ModelNotFoundError as e:
         pytest.skip(str(e))
     port = _free_port()
-    log = tmp_path_factory.mktemp("serve") / "serve.log"
+    log = tmp / "serve.log"
     env = {k: v for k, v in os.environ.items() if not k.startswith("APIR_")}
     with log.open("wb") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "apir.cli", "serve", "-m", MODEL, "--backend", "local",
-             "--device", "cpu", "--port", str(port), "--api-key", KEY],
+             "--device", "cpu", "--port", str(port), *args],
             stdout=out, stderr=subprocess.STDOUT, env=env,
         )
     base = f"http://127.0.0.1:{port}"
@@ -79,6 +83,12 @@ def server(tmp_path_factory):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with serve(tmp_path_factory.mktemp("serve"), "--api-key", KEY) as base:
+        yield base
 
 
 @pytest.fixture(scope="module")
@@ -429,10 +439,12 @@ class _Held:
             raise RuntimeError("failed at /srv/secret/model.py line 3")
         return [1, 2]
 
-    def generate_ids(self, ids, params):
+    def generate_tokens(self, ids, params, constraint=None):
+        from apir.engine.model import Token
+
         self.started.set()
         assert self.go.wait(30)
-        yield from range(3, 3 + params.max_tokens)
+        yield from (Token(i) for i in range(3, 3 + params.max_tokens))
 
     def close(self):
         pass

@@ -108,6 +108,9 @@ def sample(logits: np.ndarray, params: np.ndarray) -> np.ndarray:
     rows = logits.reshape(-1, logits.shape[-1])
     out = np.empty(len(rows), np.int32)
     for r, row in enumerate(rows):
+        if np.isneginf(row).all():  # every token forbidden (a grammar and a ban): id 0, as torch
+            out[r] = 0
+            continue
         order = np.argsort(-row, kind="stable")
         scaled = row[order].astype(np.float32) / np.float32(a.temperature)
         keep = len(order) if a.top_k <= 0 else int(min(a.top_k, len(order)))  # inf: all; nan: ValueError
@@ -119,6 +122,26 @@ def sample(logits: np.ndarray, params: np.ndarray) -> np.ndarray:
         cdf = np.cumsum(p[:keep])
         out[r] = order[min(int(np.searchsorted(cdf, np.float32(a.u) * cdf[-1], side="right")), keep - 1)]
     return out.reshape(logits.shape[:-1])
+
+
+def penalize(logits, scale, bias, mask) -> np.ndarray:
+    with np.errstate(divide="ignore", invalid="ignore"):
+        x = np.where(logits > 0, logits / scale, logits * scale).astype(np.float32) + bias
+    v = np.arange(x.shape[-1])
+    allowed = (mask[v // 32] >> (v % 32).astype(np.int32)) & 1
+    return np.where(allowed == 1, x, -np.inf).astype(np.float32)
+
+
+def logprobs(logits, token, k: int) -> np.ndarray:
+    v = logits.shape[-1]
+    rows = logits.reshape(-1, v).astype(np.float32)
+    m = rows.max(-1, keepdims=True)
+    lp = rows - (m + np.log(np.exp(rows - m).sum(-1, keepdims=True)))
+    tok = np.clip(token.reshape(-1, 1).astype(np.int64), 0, v - 1)
+    top = np.argsort(-rows, axis=-1, kind="stable")[:, :k]  # by logit: the same order on every backend
+    ids = np.concatenate([tok, top], -1)
+    out = np.stack([np.take_along_axis(lp, ids, -1), ids.astype(np.float32)], -1)
+    return out.astype(np.float32).reshape(*logits.shape[:-1], k + 1, 2)
 
 
 def _view(x, axis, start, length):
@@ -164,6 +187,8 @@ KERNELS = {
     Op.CONCAT: lambda a, b, axis: np.concatenate([a, b], axis=axis),
     Op.ARGMAX: lambda x: x.argmax(axis=-1).astype(np.int32),
     Op.SAMPLE: sample,
+    Op.PENALIZE: penalize,
+    Op.LOGPROBS: logprobs,
 }
 
 

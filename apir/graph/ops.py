@@ -48,7 +48,18 @@ Semantics, per op (``x`` etc. are inputs in order):
                                  top_k (if > 0), softmax, keep the shortest prefix whose mass
                                  reaches top_p (if < 1), drop p < min_p * p_max (if > 0),
                                  and return the first sorted id whose cumulative mass exceeds
-                                 u * (kept mass) -> i32
+                                 u * (kept mass) -> i32. A row of all -inf gives 0
+  PENALIZE   (logits, scale, bias, mask)
+                                logits (..., V) float; scale, bias (V,) F32; mask (ceil(V/32),)
+                                 I32 -> (..., V) F32: x / scale where x > 0 else x * scale
+                                 (llama.cpp's repetition penalty: 1 keeps x), plus bias
+                                 (logit_bias, presence/frequency penalties), then -inf where
+                                 bit v % 32 of mask[v // 32] is 0 (a grammar's forbidden tokens)
+  LOGPROBS   (logits, token)    logits (..., V) float, token (...) I32 -> (..., k+1, 2) F32:
+                                 row 0 is (log-softmax at token, token), rows 1..k the k
+                                 largest (log-softmax, id), descending, ties lower id first.
+                                 Ids travel as F32 (exact: V <= 2^24); a token outside
+                                 [0, V) is clamped into it
 """
 
 from __future__ import annotations
@@ -104,6 +115,8 @@ class Op(enum.IntEnum):
     # selection
     ARGMAX = 70
     SAMPLE = 71
+    PENALIZE = 72
+    LOGPROBS = 73
 
 
 # Attribute kinds, as they are encoded on the wire.
@@ -374,6 +387,39 @@ def _sample(ins: Sequence[Spec], attrs: Attrs) -> Spec:
     return logits[0][:-1], DType.I32
 
 
+MAX_VOCAB = 1 << 24  # LOGPROBS sends ids as F32, exact up to here
+
+
+def _penalize(ins: Sequence[Spec], attrs: Attrs) -> Spec:
+    logits, scale, bias, mask = ins
+    _float(logits, "PENALIZE logits")
+    v = logits[0][-1] if logits[0] else T
+    if v == T:
+        raise GraphError("PENALIZE logits need a fixed vocabulary (last) dim")
+    for spec, what in ((scale, "scale"), (bias, "bias")):
+        if spec[1] is not DType.F32 or tuple(spec[0]) != (v,):
+            raise GraphError(f"PENALIZE {what} must be F32 of shape ({v},)")
+    if mask[1] is not DType.I32 or tuple(mask[0]) != ((v + 31) // 32,):
+        raise GraphError(f"PENALIZE mask must be I32 of shape ({(v + 31) // 32},)")
+    return logits[0], DType.F32
+
+
+def _logprobs(ins: Sequence[Spec], attrs: Attrs) -> Spec:
+    (k,) = attrs
+    logits, token = ins
+    _float(logits, "LOGPROBS logits")
+    _i32(token, "LOGPROBS token")
+    v = logits[0][-1] if logits[0] else T
+    if v == T or not 1 <= v <= MAX_VOCAB:
+        raise GraphError(f"LOGPROBS logits need a fixed last dim in 1..{MAX_VOCAB}")
+    if tuple(token[0]) != tuple(logits[0][:-1]):
+        raise GraphError(f"LOGPROBS token {fmt_shape(token[0])} must be the logits' rows "
+                         f"{fmt_shape(logits[0][:-1])}")
+    if not 0 <= k <= min(v, 1024):
+        raise GraphError(f"LOGPROBS k must be in 0..{min(v, 1024)}, got {k}")
+    return tuple(logits[0][:-1]) + (k + 1, 2), DType.F32
+
+
 def _attention_scratch(shapes: Sequence[tuple[int, ...]]) -> Scratch:
     (tq, hq, d), (s, _, _), (_, _, dv) = shapes[:3]
     # scores and probabilities (Hq, Tq, S), keys and values repeated to Hq heads
@@ -416,6 +462,8 @@ OPS: dict[Op, OpSpec] = {
     Op.CONCAT: OpSpec(2, (("axis", INT),), _concat),
     Op.ARGMAX: OpSpec(1, (), _argmax),
     Op.SAMPLE: OpSpec(2, (), _sample, scratch=_sample_scratch),
+    Op.PENALIZE: OpSpec(4, (), _penalize, scratch=lambda shapes: ((shapes[0], 8),)),
+    Op.LOGPROBS: OpSpec(2, (("k", INT),), _logprobs, scratch=_sample_scratch),
 }
 
 LEAVES = (Op.INPUT, Op.WEIGHT, Op.STATE)

@@ -5,8 +5,12 @@
   GET  /v1/models              the one model served
   POST /v1/chat/completions    chat, whole or streamed (server-sent events)
   POST /v1/completions         plain text completion, whole or streamed
+  POST /v1/embeddings          pooled final hidden states (--pooling, or the GGUF's own)
+  POST /tokenize, /detokenize  llama-server's
+  /api/*                       Ollama's API (``ollama``)
 
-The model loads in a background thread once the server is up, so /health answers at
+Constraints (``response_format``, ``grammar``, ``guided_*``, tools) compile with
+llguidance before a request is queued, so a bad grammar is a 400. The model loads in a background thread once the server is up, so /health answers at
 once. Prompts are tokenized on a thread pool; generation runs on the Runner's single
 thread, one request at a time, in arrival order. A client that goes away cancels its
 generation before the next token.
@@ -14,6 +18,7 @@ generation before the next token.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import hmac
 import json
@@ -22,11 +27,12 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import anyio
+import numpy as np
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
@@ -37,23 +43,34 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..engine import ContextOverflowError, Model
+from ..engine.constraint import GrammarError
+from ..engine.model import POOLINGS
 from ..models.errors import ChatTemplateError, TokenizerError
 from ..models.resolve import DEFAULT_MODEL
 from . import metrics as prom
+from . import ollama
+from . import tools as tool_calls
+from .replies import ChatFormat, CompletionFormat
 from .runner import Done, Failed, Job, Piece, Runner
 from .schemas import (
-    ChatFormat,
     ChatRequest,
-    CompletionFormat,
     CompletionRequest,
+    Grammar,
     RequestError,
+    Sampling,
+    check_fields,
     error_body,
     parse_chat,
     parse_completion,
+    parse_embeddings,
+    read_flag,
 )
 
 MAX_BODY = 32 << 20  # bytes; a prompt this long is far past any context window
-ENDPOINTS = ("/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions")
+ENDPOINTS = ("/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions",
+             "/v1/embeddings", "/tokenize", "/detokenize", "/api/chat", "/api/generate", "/api/embed")
+GGUF_POOLING = {1: "mean", 2: "cls", 3: "last"}  # llama.cpp's pooling_type values
+TOKENIZE_FIELDS = frozenset({"content", "add_special", "parse_special", "with_pieces"})
 
 
 @dataclass(frozen=True)
@@ -69,8 +86,13 @@ class ServeConfig:
     api_key: str | None = None
     host: str = "127.0.0.1"
     port: int = 8080
+    aliases: tuple[str, ...] = ()  # more names clients may ask for (--alias)
+    any_model_name: bool = False  # any name serves the model, as llama-server does
+    pooling: str | None = None  # embeddings: mean, cls or last; None: the GGUF's pooling_type
 
     def __post_init__(self) -> None:
+        if self.pooling is not None and self.pooling not in POOLINGS:
+            raise ValueError(f"pooling must be one of {', '.join(POOLINGS)}, got {self.pooling!r}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
 
@@ -105,7 +127,7 @@ class _State:
         self.runner: Runner | None = None
         self.error: str | None = None
         self.closed = False
-        self.aliases = {config.model_id}
+        self.aliases = {config.model_id, *config.aliases}
         if config.model:
             self.aliases |= {config.model, Path(config.model).name}
 
@@ -168,7 +190,7 @@ def create_app(
                                status=401, code="invalid_api_key")
 
     def ready_model(name: str | None) -> Model:
-        if name is not None and name not in state.aliases:
+        if name is not None and name not in state.aliases and not config.any_model_name:
             raise RequestError(f"the model {name[:100]!r} does not exist; this server serves "
                                f"{config.model_id!r}", "model", 404, "model_not_found")
         if state.model is None:
@@ -200,10 +222,36 @@ def create_app(
         except ValueError as e:  # bad syntax or UTF-8, an integer of more than 4300 digits
             raise RequestError(f"the request body is not valid JSON: {str(e)[:200]}") from None
 
-    def model_card() -> dict:
+    def model_card(name: str = config.model_id) -> dict:
         path = state.model.file.path if state.model is not None else None
         created = int(path.stat().st_mtime) if path is not None else 0
-        return {"id": config.model_id, "object": "model", "created": created, "owned_by": "apir"}
+        return {"id": name, "object": "model", "created": created, "owned_by": "apir"}
+
+    def pooling(model: Model) -> str:
+        """How embeddings pool: --pooling, else the GGUF's own pooling_type."""
+        found = config.pooling or GGUF_POOLING.get(model.file.get("{arch}.pooling_type"))
+        if found is None:
+            raise RequestError(f"{config.model_id} says no pooling type (it is not an embedding "
+                               "model): start apir serve with --pooling mean, cls or last to "
+                               "embed with it", "model", 400, "embeddings_unavailable")
+        return found
+
+    async def embed(request: Request, model: Model, inputs: Sequence[str | Sequence[int]],
+                    param: str = "input") -> tuple[list[np.ndarray], int]:
+        """Pooled, normalised vectors of ``inputs`` and their token count, run in the queue."""
+        how = pooling(model)
+        ids = [await run_in_threadpool(model.tokenize, x) if isinstance(x, str) else list(x)
+               for x in inputs]
+        for i, t in enumerate(ids):
+            where = f"{param}[{i}]" if len(ids) > 1 else param
+            if not 0 < len(t) <= model.n_ctx:
+                raise RequestError(f"'{where}' has {len(t)} tokens; 1 to {model.n_ctx} fit", param)
+            if not all(0 <= x < model.vocab_size for x in t):
+                raise RequestError(f"'{where}' has token ids outside [0, {model.vocab_size})", param)
+        _, done = await outcome(request, submit(Job([], None, work=lambda m: [m.embed(t, how) for t in ids])))
+        if done.result is None:
+            raise RequestError("the request was cancelled", None, 499)
+        return done.result, sum(map(len, ids))
 
     # ------------------------------------------------------------ endpoints
     async def health(request: Request) -> Response:
@@ -225,26 +273,75 @@ def create_app(
 
     async def list_models(request: Request) -> Response:
         authorize(request)
-        return JSONResponse({"object": "list", "data": [model_card()]})
+        return JSONResponse({"object": "list", "data": [model_card(n) for n in
+                                                        (config.model_id, *config.aliases)]})
 
     async def get_model(request: Request) -> Response:
         authorize(request)
         name = request.path_params["name"]
-        if name not in state.aliases:
+        if name not in state.aliases and not config.any_model_name:
             raise RequestError(f"the model {name[:100]!r} does not exist", "model", 404, "model_not_found")
-        return JSONResponse(model_card())
+        return JSONResponse(model_card(name))
+
+    async def embeddings(request: Request) -> Response:
+        authorize(request)
+        req = parse_embeddings(await json_body(request))
+        vectors, n = await embed(request, ready_model(req.model), req.inputs)
+        data = [{"object": "embedding", "index": i,
+                 "embedding": base64.b64encode(v.astype("<f4").tobytes()).decode() if req.base64
+                 else v.tolist()} for i, v in enumerate(vectors)]
+        return JSONResponse({"object": "list", "data": data, "model": req.model or config.model_id,
+                             "usage": {"prompt_tokens": n, "total_tokens": n}})
+
+    async def tokenize(request: Request) -> Response:
+        """llama-server's /tokenize: content, add_special (BOS), parse_special, with_pieces."""
+        authorize(request)
+        body = await json_body(request)
+        if not isinstance(body, dict) or not isinstance(body.get("content"), str):
+            raise RequestError("'content' must be a string", "content")
+        check_fields(body, TOKENIZE_FIELDS)
+        model = ready_model(None)
+        add, parse, pieces = (read_flag(body, k) if k in body else d for k, d in
+                              (("add_special", False), ("parse_special", True), ("with_pieces", False)))
+        ids = await run_in_threadpool(model.tokenizer.encode, body["content"], add, parse)
+        if pieces:
+            return JSONResponse({"tokens": [{"id": i, "piece": model.detokenize([i])} for i in ids]})
+        return JSONResponse({"tokens": ids})
+
+    async def detokenize(request: Request) -> Response:
+        authorize(request)
+        body = await json_body(request)
+        model = ready_model(None)
+        tokens = body.get("tokens") if isinstance(body, dict) else None
+        if not (isinstance(tokens, list) and all(isinstance(t, int) and not isinstance(t, bool)
+                                                 and 0 <= t < model.tokenizer.vocab_size for t in tokens)):
+            raise RequestError(f"'tokens' must be a list of token ids in [0, "
+                               f"{model.tokenizer.vocab_size})", "tokens")
+        check_fields(body, frozenset({"tokens"}))
+        return JSONResponse({"content": model.detokenize(tokens)})
 
     async def chat_completions(request: Request) -> Response:
         authorize(request)
         req = parse_chat(await json_body(request))
         model = ready_model(req.model)
+        ids, grammar, tools = await prepare_chat(model, req)
+        fmt = ChatFormat(f"chatcmpl-{secrets.token_hex(12)}", int(time.time()), config.model_id,
+                         req.stream and req.include_usage, req.sampling.logprobs is not None)
+        return await generate(request, model, ids, req, fmt, grammar, tools)
+
+    async def prepare_chat(model: Model, req: ChatRequest) -> tuple[list[int], Grammar | None, bool]:
+        """The prompt ids of a chat, the constraint on its answer, and whether that answer
+        is parsed for tool calls (``tool_choice`` "none" leaves the tools out)."""
+        conversation = [dict(m) for m in req.messages]
+        tools = req.tools if req.tools is not None and req.tools.choice != "none" else None
+        if tools is not None:
+            conversation = tool_calls.messages(conversation, tools)
         try:
-            ids = await run_in_threadpool(model.chat_ids, [dict(m) for m in req.messages])
+            ids = await run_in_threadpool(model.chat_ids, conversation)
         except ChatTemplateError as e:
             raise RequestError(str(e), "messages") from None
-        fmt = ChatFormat(f"chatcmpl-{secrets.token_hex(12)}", int(time.time()), config.model_id,
-                         req.stream and req.include_usage)
-        return await generate(request, model, ids, req, fmt)
+        grammar = tool_calls.grammar(tools) if tools is not None else req.sampling.grammar
+        return ids, grammar, tools is not None
 
     async def completions(request: Request) -> Response:
         authorize(request)
@@ -259,18 +356,33 @@ def create_app(
                                    f"{bad[:5]}", "prompt")
             ids = list(req.prompt)
         fmt = CompletionFormat(f"cmpl-{secrets.token_hex(12)}", int(time.time()), config.model_id,
-                               req.stream and req.include_usage)
-        return await generate(request, model, ids, req, fmt)
+                               req.stream and req.include_usage, req.sampling.logprobs is not None)
+        return await generate(request, model, ids, req, fmt, req.sampling.grammar)
 
-    async def generate(request: Request, model: Model, ids: list[int],
-                       req: ChatRequest | CompletionRequest, fmt: ChatFormat) -> Response:
-        job = Job(ids, req.sampling.params(len(ids), model.n_ctx))
+    async def start(model: Model, ids: list[int], sampling: Sampling,
+                    grammar: Grammar | None = None) -> Job:
+        """Queue the generation of ``ids`` (its constraint compiled first: a 400 if bad)."""
+        params = sampling.params(len(ids), model.n_ctx)
+        bad = [t for t, _ in params.logit_bias if t >= model.vocab_size]
+        if bad:
+            raise RequestError(f"'logit_bias' names tokens outside [0, {model.vocab_size}): {bad[:5]}",
+                               "logit_bias")
+        constraint = None
+        if grammar is not None:
+            try:
+                constraint = await run_in_threadpool(model.constraint, grammar.kind, grammar.text)
+            except GrammarError as e:
+                raise RequestError(str(e), grammar.param) from None
+        return submit(Job(ids, params, constraint))
+
+    def submit(job: Job) -> Job:
         if state.closed or state.runner is None:
             raise RequestError("the server is shutting down", None, 503, None, "server_error")
         state.runner.submit(job)
-        if req.stream:
-            return StreamingResponse(sse(job, fmt), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return job
+
+    async def outcome(request: Request, job: Job) -> tuple[list[Piece], Done]:
+        """The job's pieces and its Done, once it ends; a client that leaves cancels it."""
         events: list[Piece | Done | Failed] = []
         async with anyio.create_task_group() as tg:
             tg.start_soon(cancel_on_disconnect, request, job)
@@ -284,21 +396,45 @@ def create_app(
         if isinstance(last, Failed):
             raise failure(last)
         assert isinstance(last, Done)
-        text = "".join(p.text for p in pieces if isinstance(p, Piece))
-        return JSONResponse(fmt.reply(text, last.finish_reason, last.prompt_tokens,
-                                      last.completion_tokens))
+        return pieces, last
 
-    async def sse(job: Job, fmt: ChatFormat) -> AsyncIterator[bytes]:
+    async def generate(request: Request, model: Model, ids: list[int],
+                       req: ChatRequest | CompletionRequest, fmt: ChatFormat,
+                       grammar: Grammar | None = None, tools: bool = False) -> Response:
+        """Run the request; with ``tools`` the answer is parsed whole (content or calls)."""
+        job = await start(model, ids, req.sampling, grammar)
+        if req.stream:
+            return StreamingResponse(sse(job, fmt, tools), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        pieces, last = await outcome(request, job)
+        text = "".join(p.text for p in pieces)
+        entries = [e for p in pieces for e in p.logprobs]
+        content, calls, finish = text, [], last.finish_reason
+        if tools:
+            content, calls = tool_calls.parse(text)
+            finish = "tool_calls" if calls else finish
+        return JSONResponse(fmt.reply(content, finish, last.prompt_tokens, last.completion_tokens,
+                                      entries, calls))
+
+    async def sse(job: Job, fmt: ChatFormat, tools: bool = False) -> AsyncIterator[bytes]:
         # Starlette cancels this generator when the client disconnects; `finally` then
         # tells the worker to stop before its next token.
+        held = []  # with tools: the answer, parsed once whole
         try:
             if (first := fmt.first_chunk()) is not None:
                 yield _data(first)
             async for event in job.events():
-                if isinstance(event, Piece):
-                    yield _data(fmt.chunk(event.text))
+                if isinstance(event, Piece) and tools:
+                    held.append(event.text)
+                elif isinstance(event, Piece):
+                    yield _data(fmt.chunk(event.text, entries=event.logprobs))
                 elif isinstance(event, Done):
-                    yield _data(fmt.chunk(finish=event.finish_reason))
+                    finish = event.finish_reason
+                    if tools:
+                        content, calls = tool_calls.parse("".join(held))
+                        finish = "tool_calls" if calls else finish
+                        yield _data(fmt.chunk(content, tool_calls=calls))
+                    yield _data(fmt.chunk(finish=finish))
                     if fmt.include_usage:
                         yield _data(fmt.usage_chunk(event.prompt_tokens, event.completion_tokens))
                 else:
@@ -315,6 +451,11 @@ def create_app(
             Route("/v1/models/{name:path}", get_model),
             Route("/v1/chat/completions", chat_completions, methods=["POST"]),
             Route("/v1/completions", completions, methods=["POST"]),
+            Route("/v1/embeddings", embeddings, methods=["POST"]),
+            Route("/tokenize", tokenize, methods=["POST"]),
+            Route("/detokenize", detokenize, methods=["POST"]),
+            *ollama.routes(ollama.Api(config.model_id, authorize, ready_model, json_body, start,
+                                      outcome, embed, pooling, prepare_chat, failure)),
         ],
         middleware=[Middleware(_CountRequests, metrics=state.metrics)],
         exception_handlers={

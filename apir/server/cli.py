@@ -29,6 +29,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=8080, help="port to listen on (default: 8080)")
     p.add_argument("--api-key", default=env.API_KEY.get(), metavar="KEY",
                    help="require 'Authorization: Bearer KEY' on /v1/* (env APIR_API_KEY)")
+    p.add_argument("--alias", action="append", default=[], metavar="NAME",
+                   help="another model name requests may use (repeatable)")
+    p.add_argument("--any-model-name", action="store_true",
+                   help="serve the model whatever name a request gives (as llama-server does)")
+    p.add_argument("--pooling", choices=("mean", "cls", "last"),
+                   help="how /v1/embeddings pools hidden states (default: the model's own "
+                        "pooling type; a generative model has none)")
     add_backend(p)
     p.set_defaults(func=cmd_serve)
 
@@ -49,6 +56,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             model=run.model, backend=run.target, device=run.device,
             ctx_size=run.ctx_size, remote=run.remote, token_file=run.token_file,
             api_key=args.api_key or None, host=args.bind, port=args.port,
+            aliases=tuple(args.alias), any_model_name=args.any_model_name, pooling=args.pooling,
         )
         failed: list[Exception] = []
 

@@ -15,18 +15,21 @@ import asyncio
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
 from ..engine import Model, SamplingParams
+from ..engine.model import Constraint, Token
 from .metrics import Metrics
 
 
 @dataclass(frozen=True)
 class Piece:
-    """Generated text, stop strings already cut out."""
+    """Generated text, stop strings already cut out; with logprobs asked for, the entries
+    (OpenAI chat's shape) of the tokens generated since the previous piece."""
 
     text: str
+    logprobs: tuple[dict, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -34,6 +37,7 @@ class Done:
     finish_reason: str  # "stop" (end token or stop string), "length", or "cancelled"
     prompt_tokens: int
     completion_tokens: int
+    result: object = None  # what a work job's function returned
 
 
 @dataclass(frozen=True)
@@ -47,9 +51,13 @@ Event = Piece | Done | Failed
 class Job:
     """One generation request, created on the event loop that will read its events."""
 
-    def __init__(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
+    def __init__(self, prompt_ids: Sequence[int], params: SamplingParams | None,
+                 constraint: Constraint | None = None,
+                 work: Callable[[Model], object] | None = None) -> None:
+        """A generation of ``params`` from ``prompt_ids``; or, with ``work``, that function
+        run on the model in the queue's turn (an embedding: it writes the KV cache too)."""
         self.prompt_ids = list(prompt_ids)
-        self.params = params
+        self.params, self.constraint, self.work = params, constraint, work
         self._loop = asyncio.get_running_loop()
         self._events: asyncio.Queue[Event] = asyncio.Queue()
         self._cancel = threading.Event()
@@ -142,7 +150,10 @@ class Runner:
                 continue  # cancelled while queued: it has emitted its Done
             self._current = job
             try:
-                job.emit(self._run(job))
+                if job.work is not None:
+                    job.emit(Done("stop", len(job.prompt_ids), 0, job.work(self.model)))
+                else:
+                    job.emit(self._run(job))
             except Exception as e:  # a failed generation fails its request, not the server
                 job.emit(Failed(e))
             finally:
@@ -156,12 +167,15 @@ class Runner:
         hold = max((len(s) for s in params.stop), default=1) - 1
         text, sent, count = "", 0, 0
         finish, first = None, None
-        ids = self.model.generate_ids(job.prompt_ids, params)
+        entries: list[dict] = []  # logprobs not yet sent
+        ids = self.model.generate_tokens(job.prompt_ids, params, job.constraint)
         try:
-            for tid in ids:
+            for token in ids:
                 count += 1
                 first = first or time.perf_counter()
-                text += decoder.feed(tid)
+                text += decoder.feed(token.id)
+                if token.logprob is not None:
+                    entries.append(self._entry(token))
                 cut = _find_stop(text, params.stop, sent)
                 if cut >= 0:
                     text, finish = text[:cut], "stop"
@@ -170,8 +184,8 @@ class Runner:
                     finish = "cancelled"
                     break
                 if len(text) - hold > sent:
-                    job.emit(Piece(text[sent : len(text) - hold]))
-                    sent = len(text) - hold
+                    job.emit(Piece(text[sent : len(text) - hold], tuple(entries)))
+                    sent, entries = len(text) - hold, []
             else:
                 text += decoder.flush()
                 cut = _find_stop(text, params.stop, sent)
@@ -184,9 +198,17 @@ class Runner:
             decode_seconds = time.perf_counter() - first if first else 0.0
             self.metrics.generation(len(job.prompt_ids), count, decode_seconds,
                                     cancelled=finish == "cancelled")
-        if finish != "cancelled" and len(text) > sent:
-            job.emit(Piece(text[sent:]))
+        if finish != "cancelled" and (len(text) > sent or entries):
+            job.emit(Piece(text[sent:], tuple(entries)))
         return Done(finish, len(job.prompt_ids), count)
+
+    def _entry(self, token: Token) -> dict:
+        """A token's logprobs as OpenAI's chat ``logprobs.content`` entry."""
+        def one(tid: int, logprob: float) -> dict:
+            data = self.model.tokenizer.token_bytes(tid) if tid < self.model.tokenizer.vocab_size else b""
+            return {"token": data.decode("utf-8", "replace"), "logprob": logprob, "bytes": list(data)}
+
+        return {**one(token.id, token.logprob), "top_logprobs": [one(*t) for t in token.top]}
 
 
 def _find_stop(text: str, stops: Sequence[str], start: int) -> int:

@@ -176,6 +176,28 @@ def sample_greedy(logits: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
     return argmax(logits.float())
 
 
+def penalize(logits: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor,
+             mask: torch.Tensor) -> torch.Tensor:
+    """Op.PENALIZE: the repetition penalty, the bias, then the bitmask (no host sync)."""
+    x = logits.float()
+    x = torch.where(x > 0, x / scale, x * scale) + bias
+    v = torch.arange(x.shape[-1], device=x.device)
+    allowed = (mask[v // 32] >> (v % 32).int()) & 1
+    return x.masked_fill(allowed == 0, -math.inf)
+
+
+def logprobs(logits: torch.Tensor, token: torch.Tensor, k: int) -> torch.Tensor:
+    """Op.LOGPROBS: the sampled token's log-softmax and the k best, as (logprob, id) rows."""
+    v = logits.shape[-1]
+    rows = logits.reshape(-1, v).float()
+    lp = torch.log_softmax(rows, dim=-1)
+    tok = token.reshape(-1, 1).long().clamp(0, v - 1)
+    top = torch.sort(rows, dim=-1, descending=True, stable=True).indices[:, :k]
+    ids = torch.cat([tok, top], dim=-1)
+    out = torch.stack([lp.gather(-1, ids), ids.float()], dim=-1)
+    return out.reshape(*logits.shape[:-1], k + 1, 2)
+
+
 def view(x: torch.Tensor, axis: int, start: int, length: int) -> torch.Tensor:
     n = x.shape[axis]
     if not -n <= start < n:  # on the T axis only known now; must not wrap around
@@ -208,6 +230,8 @@ KERNELS: dict = {
     Op.CONCAT: lambda a, b, axis: torch.cat([a, b], dim=axis),
     Op.ARGMAX: argmax,
     Op.SAMPLE: sample,
+    Op.PENALIZE: penalize,
+    Op.LOGPROBS: logprobs,
 }
 
 # Accelerators: no kernel may synchronise with the host.
