@@ -1,0 +1,142 @@
+"""Products with weights kept as their GGUF blocks: the raw bytes are the only copy.
+
+    y (M, N) f32 = qmatmul(x (M, K), raw, qtype, n=N, k=K)
+
+``raw`` is 1-D uint8 holding W (N, K) exactly as in the file: N rows of K / block_size
+blocks (see qkernels for the layouts). Two paths, chosen by the rows of x and the device:
+
+- M <= FUSED_ROWS on CUDA: one Triton kernel reads every weight byte once and dequantizes
+  in registers (``qkernels._qgemv_kernel``). No memory beyond the (M, N) result.
+- otherwise (prefill, or a CPU host): W is dequantized a tile of rows at a time into a
+  scratch of at most SCRATCH_BYTES (f16 by a Triton kernel on CUDA, f32 by the torch
+  decoders of ``dequant`` on a CPU) and multiplied densely; the scratch is freed after.
+
+Block choices are a fixed function of the type and shape, so every process computes the
+same bits. Triton comes with CUDA builds of PyTorch; without it only the CPU path exists.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from apir.graph.dtypes import DType
+
+from . import dequant
+
+try:
+    import triton
+
+    from . import qkernels
+except ImportError:  # CPU-only PyTorch
+    triton = qkernels = None
+
+# x with at most this many rows is multiplied by the fused kernel (a decode step's rows)
+FUSED_ROWS = 8
+# dequantized rows of one tile of the prefill path, in bytes
+SCRATCH_BYTES = 64 << 20
+
+# ggml type id -> (elements per block, bytes per block), as gguf.GGML_QUANT_SIZES
+_SIZES: dict[int, tuple[int, int]] = (
+    {q: lay[:2] for q, lay in qkernels.LAYOUTS.items()} if qkernels is not None
+    else {int(d): (d.block_size, d.type_size) for d in dequant.SUPPORTED if d.is_quantized})
+# types the CPU path decodes: those with a torch decoder in ``dequant``
+_TORCH = {int(d) for d in dequant.SUPPORTED if d.is_quantized}
+
+
+def fused_blocks(qtype: int, n: int) -> tuple[int, int, int]:
+    """(BLOCK_N, NB blocks per step, num_warps) of the fused kernel for ``qtype``, ``n`` rows."""
+    block_size = qkernels.LAYOUTS[qtype][0]
+    return (8 if n >= 12288 else 4), max(1, 512 // block_size), 4
+
+
+if qkernels is not None:
+
+    def _launch_gemv(x: torch.Tensor, raw: torch.Tensor, qtype: int, n: int, k: int) -> torch.Tensor:
+        # x (M, K) f32 contiguous -> (M, N) f32
+        bs, ts, nsub = qkernels.LAYOUTS[qtype]
+        y = torch.empty((x.shape[0], n), device=x.device, dtype=torch.float32)
+        block_n, nb, warps = fused_blocks(qtype, n)
+        qkernels._qgemv_kernel[(x.shape[0], triton.cdiv(n, block_n))](
+            x, raw, y, n, k, QT=qtype, BS=bs, TS=ts, NSUB=nsub, BLOCK_N=block_n, NB=nb,
+            num_warps=warps)
+        return y
+
+    def _launch_dequant(raw: torch.Tensor, qtype: int, n: int, k: int,
+                        dtype: torch.dtype) -> torch.Tensor:
+        # raw: the bytes of n whole rows -> (n, k) of dtype
+        bs, ts, nsub = qkernels.LAYOUTS[qtype]
+        out = torch.empty((n, k), device=raw.device, dtype=dtype)
+        block_n, nb = 8, max(1, 256 // bs)
+        qkernels._dequant_kernel[(triton.cdiv(n, block_n), triton.cdiv(k // bs, nb))](
+            raw, out, n, k, QT=qtype, BS=bs, TS=ts, NSUB=nsub, BLOCK_N=block_n, NB=nb,
+            num_warps=4, enable_fp_fusion=False)  # d*q - m rounded twice, as gguf-py does
+        return out
+
+    # Opaque custom ops, not triton_ops, for the reason gemv.py gives (Inductor compiles a
+    # triton_op's kernel per call site while tracing); the launches are recorded into a
+    # step's CUDA graph like any other.
+    @torch.library.custom_op("apir::qgemv", mutates_args=())
+    def _qgemv(x: torch.Tensor, raw: torch.Tensor, qtype: int, n: int, k: int) -> torch.Tensor:
+        return _launch_gemv(x, raw, qtype, n, k)
+
+    @_qgemv.register_fake
+    def _(x: torch.Tensor, raw: torch.Tensor, qtype: int, n: int, k: int) -> torch.Tensor:
+        return x.new_empty((x.shape[0], n), dtype=torch.float32)
+
+    @torch.library.custom_op("apir::qdequant", mutates_args=())
+    def _qdequant(raw: torch.Tensor, qtype: int, n: int, k: int) -> torch.Tensor:
+        return _launch_dequant(raw, qtype, n, k, torch.float16)
+
+    @_qdequant.register_fake
+    def _(raw: torch.Tensor, qtype: int, n: int, k: int) -> torch.Tensor:
+        return raw.new_empty((n, k), dtype=torch.float16)
+
+
+def _check(x: torch.Tensor, raw: torch.Tensor, qtype: int, n: int, k: int) -> str | None:
+    """Why ``qmatmul`` cannot take these arguments, or None."""
+    if qtype not in _SIZES:
+        return f"type {qtype} is not a supported block type"
+    if not x.is_cuda and (qtype not in _TORCH or not x.is_floating_point()):
+        return f"type {qtype} has no CPU decoder"
+    bs, ts = _SIZES[qtype]
+    if n <= 0 or k <= 0 or k % bs:
+        return f"K={k} must be a positive multiple of {bs}"
+    if raw.dtype != torch.uint8 or raw.dim() != 1 or raw.numel() != n * (k // bs) * ts:
+        return f"raw must be 1-D uint8 of {n * (k // bs) * ts} bytes, got {raw.dtype} {tuple(raw.shape)}"
+    if x.dim() != 2 or x.shape[1] != k or x.device != raw.device:
+        return f"x must be (M, {k}) on {raw.device}, got {tuple(x.shape)} on {x.device}"
+    if raw.is_cuda and (qkernels is None or raw.data_ptr() % 4):
+        return "raw must start 4-byte aligned on a CUDA device with Triton"
+    return None
+
+
+def usable(x: torch.Tensor, raw: torch.Tensor, qtype: int, n: int, k: int) -> bool:
+    """Whether ``qmatmul(x, raw, qtype, n, k)`` applies."""
+    return _check(x, raw, int(qtype), n, k) is None
+
+
+def qmatmul(x: torch.Tensor, raw: torch.Tensor, qtype: int | DType, n: int, k: int) -> torch.Tensor:
+    """x (M, K) @ W.T in f32 for W (N, K) held as GGUF blocks of ggml type ``qtype`` in ``raw``.
+
+    Raises ValueError where ``usable`` is False.
+    """
+    qtype = int(qtype)
+    why = _check(x, raw, qtype, n, k)
+    if why is not None:
+        raise ValueError(f"qmatmul: {why}")
+    if x.is_cuda and x.shape[0] <= FUSED_ROWS:
+        return _qgemv(x.float().contiguous(), raw, qtype, n, k)
+    ts = _SIZES[qtype][1] * (k // _SIZES[qtype][0])  # bytes per row
+    wdtype = torch.float16 if x.is_cuda else torch.float32
+    rows = max(1, SCRATCH_BYTES // (k * wdtype.itemsize))
+    xs = x.to(wdtype)  # rounded as the dense path rounds x to its f16 weights
+    y = torch.empty((x.shape[0], n), device=x.device, dtype=torch.float32)
+    for r0 in range(0, n, rows):
+        r1 = min(n, r0 + rows)
+        tile = raw[r0 * ts : r1 * ts]
+        if x.is_cuda:
+            w = _qdequant(tile, qtype, r1 - r0, k)
+        else:
+            w = dequant.dequantize(tile, DType(qtype), (r1 - r0, k))
+        y[:, r0:r1] = torch.matmul(xs, w.T)
+    return y
