@@ -41,18 +41,19 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-# ggml type id -> (elements per block BS, bytes per block TS, sub-chunks per block NSUB)
-LAYOUTS: dict[int, tuple[int, int, int]] = {
-    2: (32, 18, 1),  # Q4_0
-    3: (32, 20, 1),  # Q4_1
-    6: (32, 22, 1),  # Q5_0
-    7: (32, 24, 1),  # Q5_1
-    8: (32, 34, 1),  # Q8_0
-    10: (256, 84, 16),  # Q2_K
-    11: (256, 110, 16),  # Q3_K
-    12: (256, 144, 8),  # Q4_K
-    13: (256, 176, 8),  # Q5_K
-    14: (256, 210, 16),  # Q6_K
+# ggml type id -> (elements per block BS, bytes per block TS, sub-chunks per block NSUB,
+# and the (A, B) shape of a sub-chunk's values in one block)
+LAYOUTS: dict[int, tuple[int, int, int, int, int]] = {
+    2: (32, 18, 1, 8, 4),  # Q4_0
+    3: (32, 20, 1, 4, 8),  # Q4_1
+    6: (32, 22, 1, 8, 4),  # Q5_0
+    7: (32, 24, 1, 4, 8),  # Q5_1
+    8: (32, 34, 1, 16, 2),  # Q8_0
+    10: (256, 84, 16, 4, 4),  # Q2_K
+    11: (256, 110, 16, 8, 2),  # Q3_K
+    12: (256, 144, 8, 8, 4),  # Q4_K
+    13: (256, 176, 8, 8, 4),  # Q5_K
+    14: (256, 210, 16, 8, 2),  # Q6_K
 }
 
 
@@ -75,56 +76,55 @@ def _f16(blk, off: tl.constexpr):
 
 @triton.jit
 def _words(blk, off: tl.constexpr, n: tl.constexpr, ty: tl.constexpr, W: tl.constexpr):
-    # n consecutive W-byte words of type ty from byte ``off``: (BN, NB, n, 1) uint32
+    # n consecutive W-byte words of type ty from byte ``off`` of the (BN, NB, 1, 1) blocks
+    # ``blk``: (BN, NB, n, 1) uint32
     i = tl.arange(0, n)[:, None]
-    return _ld(blk[:, :, None, None], off + i * W, ty).to(tl.uint32)
+    return _ld(blk, off + i * W, ty).to(tl.uint32)
 
 
 @triton.jit
-def _nib32(blk, qs: tl.constexpr, ty: tl.constexpr, W: tl.constexpr):
-    # the 16 qs bytes of a 32-element type, from byte ``qs``, as words of ty: the quants
-    # (BN, NB, 16/W, 2W) and their elements (16/W, 2W); slot s is nibble s % 2 of byte s // 2
+def _nib32(blk, qs: tl.constexpr, ty: tl.constexpr, W: tl.constexpr, s: tl.constexpr):
+    # slot s (nibble s % 2 of byte s // 2) of the 16/W words of ty holding the 16 qs bytes of
+    # a 32-element type from byte ``qs``: the quants (BN, NB, 16/W, 1) and elements (16/W, 1)
     w = _words(blk, qs, 16 // W, ty, W)
-    s = tl.arange(0, 2 * W)[None, :]
     e = tl.arange(0, 16 // W)[:, None] * W + s // 2 + 16 * (s % 2)
     return (w >> (4 * s)) & 0xF, e
 
 
 @triton.jit
-def _q4_0(blk):
-    q, e = _nib32(blk, 2, tl.uint16, 2)
-    return _u2f(q, 8) * _f16(blk, 0)[:, :, None, None], e
+def _q4_0(blk, s: tl.constexpr):
+    q, e = _nib32(blk, 2, tl.uint16, 2, s)
+    return _u2f(q, 8) * _f16(blk, 0), e
 
 
 @triton.jit
-def _q4_1(blk):
-    q, e = _nib32(blk, 4, tl.uint32, 4)
-    return _u2f(q, 0) * _f16(blk, 0)[:, :, None, None] + _f16(blk, 2)[:, :, None, None], e
+def _q4_1(blk, s: tl.constexpr):
+    q, e = _nib32(blk, 4, tl.uint32, 4, s)
+    return _u2f(q, 0) * _f16(blk, 0) + _f16(blk, 2), e
 
 
 @triton.jit
-def _q5_0(blk):
-    q, e = _nib32(blk, 6, tl.uint16, 2)
+def _q5_0(blk, s: tl.constexpr):
+    q, e = _nib32(blk, 6, tl.uint16, 2, s)
     qh = _ld(blk, 2, tl.uint16).to(tl.uint32) | (_ld(blk, 4, tl.uint16).to(tl.uint32) << 16)
-    q = q | (((qh[:, :, None, None] >> e) & 1) << 4)
-    return _u2f(q, 16) * _f16(blk, 0)[:, :, None, None], e
+    q = q | (((qh >> e) & 1) << 4)
+    return _u2f(q, 16) * _f16(blk, 0), e
 
 
 @triton.jit
-def _q5_1(blk):
-    q, e = _nib32(blk, 8, tl.uint32, 4)
-    q = q | (((_ld(blk, 4, tl.uint32)[:, :, None, None] >> e) & 1) << 4)
-    return _u2f(q, 0) * _f16(blk, 0)[:, :, None, None] + _f16(blk, 2)[:, :, None, None], e
+def _q5_1(blk, s: tl.constexpr):
+    q, e = _nib32(blk, 8, tl.uint32, 4, s)
+    q = q | (((_ld(blk, 4, tl.uint32) >> e) & 1) << 4)
+    return _u2f(q, 0) * _f16(blk, 0) + _f16(blk, 2), e
 
 
 @triton.jit
-def _q8_0(blk):
-    # 16 u16 words of two int8 each; q ^ 0x80 is q + 128 as an unsigned byte
+def _q8_0(blk, t: tl.constexpr):
+    # byte t of 16 u16 words of two int8 each; q ^ 0x80 is q + 128 as an unsigned byte
     w = _words(blk, 2, 16, tl.uint16, 2)
-    t = tl.arange(0, 2)[None, :]
     q = ((w >> (8 * t)) & 0xFF) ^ 0x80
     e = tl.arange(0, 16)[:, None] * 2 + t
-    return _u2f(q, 128) * _f16(blk, 0)[:, :, None, None], e
+    return _u2f(q, 128) * _f16(blk, 0), e
 
 
 @triton.jit
@@ -137,16 +137,15 @@ def _k_scale(blk, c: tl.constexpr):
         lo = _ld(blk, 12, tl.uint32) >> (8 * (c - 4))
         sc = (lo & 0xF) | (((_ld(blk, 4, tl.uint32) >> (8 * (c - 4) + 6)) & 3) << 4)
         mn = ((lo >> 4) & 0xF) | (((_ld(blk, 8, tl.uint32) >> (8 * (c - 4) + 6)) & 3) << 4)
-    d = (_f16(blk, 0) * sc.to(tl.float32))[:, :, None, None]
-    m = (_f16(blk, 2) * mn.to(tl.float32))[:, :, None, None]
+    d = (_f16(blk, 0) * sc.to(tl.float32))
+    m = (_f16(blk, 2) * mn.to(tl.float32))
     return d, m
 
 
 @triton.jit
-def _q4_k(blk, c: tl.constexpr):
+def _q4_k(blk, c: tl.constexpr, t: tl.constexpr):
     # sub-block c = nibble c % 2 of qs[32 (c // 2) + j]: 8 u32 words x 4 bytes
     w = _words(blk, 16 + 32 * (c // 2), 8, tl.uint32, 4)
-    t = tl.arange(0, 4)[None, :]
     q = (w >> (8 * t + 4 * (c % 2))) & 0xF
     e = 32 * c + tl.arange(0, 8)[:, None] * 4 + t
     d, m = _k_scale(blk, c)
@@ -154,10 +153,9 @@ def _q4_k(blk, c: tl.constexpr):
 
 
 @triton.jit
-def _q5_k(blk, c: tl.constexpr):
+def _q5_k(blk, c: tl.constexpr, t: tl.constexpr):
     w = _words(blk, 48 + 32 * (c // 2), 8, tl.uint32, 4)
     h = _words(blk, 16, 8, tl.uint32, 4)
-    t = tl.arange(0, 4)[None, :]
     q = ((w >> (8 * t + 4 * (c % 2))) & 0xF) | (((h >> (8 * t + c)) & 1) << 4)
     e = 32 * c + tl.arange(0, 8)[:, None] * 4 + t
     d, m = _k_scale(blk, c)
@@ -165,38 +163,36 @@ def _q5_k(blk, c: tl.constexpr):
 
 
 @triton.jit
-def _q6_k(blk, c: tl.constexpr):
+def _q6_k(blk, c: tl.constexpr, t: tl.constexpr):
     # c = 8h + 2r + g: elements 128h + 32r + 16g + (0..15), one int8 scale (number c)
     h: tl.constexpr = c // 8
     r: tl.constexpr = (c // 2) % 4
     g: tl.constexpr = c % 2
     lo = _words(blk, 64 * h + 32 * (r % 2) + 16 * g, 8, tl.uint16, 2)
     hi = _words(blk, 128 + 32 * h + 16 * g, 8, tl.uint16, 2)
-    t = tl.arange(0, 2)[None, :]
     q = ((lo >> (8 * t + 4 * (r // 2))) & 0xF) | (((hi >> (8 * t + 2 * r)) & 3) << 4)
     e = 16 * c + tl.arange(0, 8)[:, None] * 2 + t
     d = _f16(blk, 208) * _ld(blk, 192 + c, tl.int8).to(tl.float32)
-    return _u2f(q, 32) * d[:, :, None, None], e
+    return _u2f(q, 32) * d, e
 
 
 @triton.jit
-def _q2_k(blk, c: tl.constexpr):
+def _q2_k(blk, c: tl.constexpr, t: tl.constexpr):
     # c = 8h + 2s + g: elements 128h + 32s + 16g + (0..15), bits 2s.. of qs[32h + 16g + j]
     h: tl.constexpr = c // 8
     s: tl.constexpr = (c // 2) % 4
     g: tl.constexpr = c % 2
     w = _words(blk, 16 + 32 * h + 16 * g, 4, tl.uint32, 4)
-    t = tl.arange(0, 4)[None, :]
     q = (w >> (8 * t + 2 * s)) & 3
     e = 16 * c + tl.arange(0, 4)[:, None] * 4 + t
     sc = _ld(blk, c, tl.uint8).to(tl.uint32)
-    d = (_f16(blk, 80) * (sc & 0xF).to(tl.float32))[:, :, None, None]
-    m = (_f16(blk, 82) * (sc >> 4).to(tl.float32))[:, :, None, None]
+    d = (_f16(blk, 80) * (sc & 0xF).to(tl.float32))
+    m = (_f16(blk, 82) * (sc >> 4).to(tl.float32))
     return d * _u2f(q, 0) - m, e
 
 
 @triton.jit
-def _q3_k(blk, c: tl.constexpr):
+def _q3_k(blk, c: tl.constexpr, t: tl.constexpr):
     # c = 8h + 2s + g as Q2_K; high bit = bit 4h + s of hmask[16g + j]; scale number c:
     # low 4 bits = nibble c // 8 of scales[c % 8], high 2 = bits 2 (c // 4).. of scales[8 + c % 4]
     h: tl.constexpr = c // 8
@@ -204,45 +200,45 @@ def _q3_k(blk, c: tl.constexpr):
     g: tl.constexpr = c % 2
     w = _words(blk, 32 + 32 * h + 16 * g, 8, tl.uint16, 2)
     hm = _words(blk, 16 * g, 8, tl.uint16, 2)
-    t = tl.arange(0, 2)[None, :]
     q = ((w >> (8 * t + 2 * s)) & 3) | (((hm >> (8 * t + 4 * h + s)) & 1) << 2)
     e = 16 * c + tl.arange(0, 8)[:, None] * 2 + t
     lo = (_ld(blk, 96 + c % 8, tl.uint8).to(tl.int32) >> (4 * (c // 8))) & 0xF
     hi = (_ld(blk, 104 + c % 4, tl.uint8).to(tl.int32) >> (2 * (c // 4))) & 3
     d = _f16(blk, 108) * ((lo | (hi << 4)) - 32).to(tl.float32)
-    return _u2f(q, 4) * d[:, :, None, None], e
+    return _u2f(q, 4) * d, e
 
 
 @triton.jit
-def _sub(QT: tl.constexpr, blk, c: tl.constexpr):
-    """Sub-chunk c of the (BN, NB) blocks at byte pointers ``blk``: values (BN, NB, A, B) f32
-    and their elements within the block (A, B)."""
+def _sub(QT: tl.constexpr, blk, c: tl.constexpr, s: tl.constexpr):
+    """Slot s of sub-chunk c of the (BN, NB, 1, 1) blocks at byte pointers ``blk``: values
+    (BN, NB, A, 1) f32 and their elements within the block (A, 1)."""
     if QT == 2:
-        v, e = _q4_0(blk)
+        v, e = _q4_0(blk, s)
     elif QT == 3:
-        v, e = _q4_1(blk)
+        v, e = _q4_1(blk, s)
     elif QT == 6:
-        v, e = _q5_0(blk)
+        v, e = _q5_0(blk, s)
     elif QT == 7:
-        v, e = _q5_1(blk)
+        v, e = _q5_1(blk, s)
     elif QT == 8:
-        v, e = _q8_0(blk)
+        v, e = _q8_0(blk, s)
     elif QT == 10:
-        v, e = _q2_k(blk, c)
+        v, e = _q2_k(blk, c, s)
     elif QT == 11:
-        v, e = _q3_k(blk, c)
+        v, e = _q3_k(blk, c, s)
     elif QT == 12:
-        v, e = _q4_k(blk, c)
+        v, e = _q4_k(blk, c, s)
     elif QT == 13:
-        v, e = _q5_k(blk, c)
+        v, e = _q5_k(blk, c, s)
     else:
-        v, e = _q6_k(blk, c)
+        v, e = _q6_k(blk, c, s)
     return v, e
 
 
 @triton.jit
 def _qgemv_kernel(x_ptr, w_ptr, y_ptr, N, K, QT: tl.constexpr, BS: tl.constexpr,
-                  TS: tl.constexpr, NSUB: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr):
+                  TS: tl.constexpr, NSUB: tl.constexpr, A: tl.constexpr, B: tl.constexpr,
+                  BLOCK_N: tl.constexpr, NB: tl.constexpr):
     # program (m, i): y[m, i*BLOCK_N : (i+1)*BLOCK_N]; the M programs of one row tile run
     # side by side, so the tile's bytes come from DRAM once and from L2 after
     m = tl.program_id(0)
@@ -252,30 +248,36 @@ def _qgemv_kernel(x_ptr, w_ptr, y_ptr, N, K, QT: tl.constexpr, BS: tl.constexpr,
     # stream); their x is 0 and their rows are not stored
     row_ptr = w_ptr + tl.minimum(rows, N - 1).to(tl.int64) * (nblk * TS)
     x_row = x_ptr + m * K
-    acc = tl.zeros((BLOCK_N, NB), dtype=tl.float32)
+    # partial sums per position of the tile, reduced once at the end: no cross-thread
+    # traffic in the loop, and a summation order fixed by the shape
+    acc = tl.zeros((BLOCK_N, NB, A, 1), dtype=tl.float32)
     for b0 in tl.range(0, nblk, NB):
         b = b0 + tl.arange(0, NB)
-        blk = row_ptr[:, None] + tl.minimum(b, nblk - 1)[None, :] * TS
+        blk = (row_ptr[:, None] + tl.minimum(b, nblk - 1)[None, :] * TS)[:, :, None, None]
         for c in tl.static_range(NSUB):
-            v, e = _sub(QT, blk, c)
-            x = tl.load(x_row + b[:, None, None] * BS + e[None], mask=(b < nblk)[:, None, None],
-                        other=0.0)
-            acc += tl.sum(tl.sum(v * x[None], axis=3), axis=2)
-    tl.store(y_ptr + m * N + rows, tl.sum(acc, axis=1), mask=rows < N)
+            for s in tl.static_range(B):
+                v, e = _sub(QT, blk, c, s)
+                x = tl.load(x_row + b[:, None, None] * BS + e[None],
+                            mask=(b < nblk)[:, None, None], other=0.0)
+                acc += v * x[None]
+    y = tl.sum(tl.sum(tl.sum(acc, axis=3), axis=2), axis=1)
+    tl.store(y_ptr + m * N + rows, y, mask=rows < N)
 
 
 @triton.jit
 def _dequant_kernel(w_ptr, out_ptr, N, K, QT: tl.constexpr, BS: tl.constexpr, TS: tl.constexpr,
-                    NSUB: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr):
+                    NSUB: tl.constexpr, A: tl.constexpr, B: tl.constexpr, BLOCK_N: tl.constexpr,
+                    NB: tl.constexpr):
     # program (i, j): rows i*BLOCK_N.., blocks j*NB.. of W, written to out (N, K) row-major
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     b = tl.program_id(1) * NB + tl.arange(0, NB)
     nblk = K // BS
     blk = (w_ptr + tl.minimum(rows, N - 1).to(tl.int64)[:, None] * (nblk * TS)
-           + tl.minimum(b, nblk - 1)[None, :] * TS)
+           + tl.minimum(b, nblk - 1)[None, :] * TS)[:, :, None, None]
     keep = ((rows < N)[:, None] & (b < nblk)[None, :])[:, :, None, None]
     for c in tl.static_range(NSUB):
-        v, e = _sub(QT, blk, c)
-        col = (b[:, None, None] * BS + e[None])[None]
-        out = out_ptr + rows.to(tl.int64)[:, None, None, None] * K + col
-        tl.store(out, v.to(out_ptr.dtype.element_ty), mask=keep)
+        for s in tl.static_range(B):
+            v, e = _sub(QT, blk, c, s)
+            col = (b[:, None, None] * BS + e[None])[None]
+            out = out_ptr + rows.to(tl.int64)[:, None, None, None] * K + col
+            tl.store(out, v.to(out_ptr.dtype.element_ty), mask=keep)

@@ -43,32 +43,41 @@ _SIZES: dict[int, tuple[int, int]] = (
 _TORCH = {int(d) for d in dequant.SUPPORTED if d.is_quantized}
 
 
-def fused_blocks(qtype: int, n: int) -> tuple[int, int, int]:
-    """(BLOCK_N, NB blocks per step, num_warps) of the fused kernel for ``qtype``, ``n`` rows."""
-    block_size = qkernels.LAYOUTS[qtype][0]
-    return (8 if n >= 12288 else 4), max(1, 512 // block_size), 4
+def fused_blocks(qtype: int, n: int, k: int) -> tuple[int, int, int]:
+    """(BLOCK_N, NB blocks per step, num_warps) of the fused kernel for a (n, k) weight:
+    about 2048 values per sub-chunk tile (16 a thread), NB dividing the row's blocks where
+    a power of two up to 16 does (no step half past the end)."""
+    bs, _, _, a, b = qkernels.LAYOUTS[qtype]
+    nblk = k // bs
+    nb = 16
+    while nb > 1 and nblk % nb:
+        nb //= 2
+    if nblk % nb:  # odd block counts: the tile covers the row in one or more masked steps
+        nb = min(16, triton.next_power_of_2(nblk))
+    block_n = max(1, min(16, 2048 // (nb * max(32, a * b))))
+    return block_n, nb, 4
 
 
 if qkernels is not None:
 
     def _launch_gemv(x: torch.Tensor, raw: torch.Tensor, qtype: int, n: int, k: int) -> torch.Tensor:
         # x (M, K) f32 contiguous -> (M, N) f32
-        bs, ts, nsub = qkernels.LAYOUTS[qtype]
+        bs, ts, nsub, a, b = qkernels.LAYOUTS[qtype]
         y = torch.empty((x.shape[0], n), device=x.device, dtype=torch.float32)
-        block_n, nb, warps = fused_blocks(qtype, n)
+        block_n, nb, warps = fused_blocks(qtype, n, k)
         qkernels._qgemv_kernel[(x.shape[0], triton.cdiv(n, block_n))](
-            x, raw, y, n, k, QT=qtype, BS=bs, TS=ts, NSUB=nsub, BLOCK_N=block_n, NB=nb,
-            num_warps=warps)
+            x, raw, y, n, k, QT=qtype, BS=bs, TS=ts, NSUB=nsub, A=a, B=b, BLOCK_N=block_n,
+            NB=nb, num_warps=warps)
         return y
 
     def _launch_dequant(raw: torch.Tensor, qtype: int, n: int, k: int,
                         dtype: torch.dtype) -> torch.Tensor:
         # raw: the bytes of n whole rows -> (n, k) of dtype
-        bs, ts, nsub = qkernels.LAYOUTS[qtype]
+        bs, ts, nsub, a, b = qkernels.LAYOUTS[qtype]
         out = torch.empty((n, k), device=raw.device, dtype=dtype)
         block_n, nb = 8, max(1, 256 // bs)
         qkernels._dequant_kernel[(triton.cdiv(n, block_n), triton.cdiv(k // bs, nb))](
-            raw, out, n, k, QT=qtype, BS=bs, TS=ts, NSUB=nsub, BLOCK_N=block_n, NB=nb,
+            raw, out, n, k, QT=qtype, BS=bs, TS=ts, NSUB=nsub, A=a, B=b, BLOCK_N=block_n, NB=nb,
             num_warps=4, enable_fp_fusion=False)  # d*q - m rounded twice, as gguf-py does
         return out
 
