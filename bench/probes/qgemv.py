@@ -69,8 +69,8 @@ def fused(qtype, n, k, cfg=None):
     def run(x, raw):
         y = torch.empty((x.shape[0], n), device="cuda", dtype=torch.float32)
         qkernels._qgemv_kernel[(x.shape[0], triton.cdiv(n, bn))](
-            x, raw, y, n, k, QT=int(qtype), BS=bs, TS=ts, NSUB=nsub, A=a, B=b, BLOCK_N=bn, NB=nb,
-            num_warps=warps)
+            x, raw, y, n, k, QT=int(qtype), BS=bs, TS=ts, NSUB=nsub, A=a, B=b,
+            MIN=int(qtype) in qkernels.MINS, BLOCK_N=bn, NB=nb, num_warps=warps)
         return y
     return run
 

@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 # ggml type id -> (elements per block BS, bytes per block TS, sub-chunks per block NSUB,
-# and the (A, B) shape of a sub-chunk's values in one block)
+# words A and slots per word B of a sub-chunk)
 LAYOUTS: dict[int, tuple[int, int, int, int, int]] = {
     2: (32, 18, 1, 8, 4),  # Q4_0
     3: (32, 20, 1, 4, 8),  # Q4_1
@@ -55,6 +55,9 @@ LAYOUTS: dict[int, tuple[int, int, int, int, int]] = {
     13: (256, 176, 8, 8, 4),  # Q5_K
     14: (256, 210, 16, 8, 2),  # Q6_K
 }
+
+# types whose values have a min: d * q + m
+MINS = frozenset({3, 7, 10, 12, 13})
 
 
 @triton.jit
@@ -94,13 +97,14 @@ def _nib32(blk, qs: tl.constexpr, ty: tl.constexpr, W: tl.constexpr, s: tl.const
 @triton.jit
 def _q4_0(blk, s: tl.constexpr):
     q, e = _nib32(blk, 2, tl.uint16, 2, s)
-    return _u2f(q, 8) * _f16(blk, 0), e
+    d = _f16(blk, 0)
+    return _u2f(q, 8), e, d, d
 
 
 @triton.jit
 def _q4_1(blk, s: tl.constexpr):
     q, e = _nib32(blk, 4, tl.uint32, 4, s)
-    return _u2f(q, 0) * _f16(blk, 0) + _f16(blk, 2), e
+    return _u2f(q, 0), e, _f16(blk, 0), _f16(blk, 2)
 
 
 @triton.jit
@@ -108,14 +112,15 @@ def _q5_0(blk, s: tl.constexpr):
     q, e = _nib32(blk, 6, tl.uint16, 2, s)
     qh = _ld(blk, 2, tl.uint16).to(tl.uint32) | (_ld(blk, 4, tl.uint16).to(tl.uint32) << 16)
     q = q | (((qh >> e) & 1) << 4)
-    return _u2f(q, 16) * _f16(blk, 0), e
+    d = _f16(blk, 0)
+    return _u2f(q, 16), e, d, d
 
 
 @triton.jit
 def _q5_1(blk, s: tl.constexpr):
     q, e = _nib32(blk, 8, tl.uint32, 4, s)
     q = q | (((_ld(blk, 4, tl.uint32) >> e) & 1) << 4)
-    return _u2f(q, 0) * _f16(blk, 0) + _f16(blk, 2), e
+    return _u2f(q, 0), e, _f16(blk, 0), _f16(blk, 2)
 
 
 @triton.jit
@@ -124,12 +129,14 @@ def _q8_0(blk, t: tl.constexpr):
     w = _words(blk, 2, 16, tl.uint16, 2)
     q = ((w >> (8 * t)) & 0xFF) ^ 0x80
     e = tl.arange(0, 16)[:, None] * 2 + t
-    return _u2f(q, 128) * _f16(blk, 0), e
+    d = _f16(blk, 0)
+    return _u2f(q, 128), e, d, d
 
 
 @triton.jit
 def _k_scale(blk, c: tl.constexpr):
-    # Q4_K / Q5_K: 6-bit scale and min of sub-block c, from the 12 bytes at 4 (3 u32 words)
+    # Q4_K / Q5_K: d * scale and -dmin * min of sub-block c; the 6-bit scales and mins are
+    # in the 12 bytes at 4 (3 u32 words)
     if c < 4:
         sc = (_ld(blk, 4, tl.uint32) >> (8 * c)) & 63
         mn = (_ld(blk, 8, tl.uint32) >> (8 * c)) & 63
@@ -137,8 +144,8 @@ def _k_scale(blk, c: tl.constexpr):
         lo = _ld(blk, 12, tl.uint32) >> (8 * (c - 4))
         sc = (lo & 0xF) | (((_ld(blk, 4, tl.uint32) >> (8 * (c - 4) + 6)) & 3) << 4)
         mn = ((lo >> 4) & 0xF) | (((_ld(blk, 8, tl.uint32) >> (8 * (c - 4) + 6)) & 3) << 4)
-    d = (_f16(blk, 0) * sc.to(tl.float32))
-    m = (_f16(blk, 2) * mn.to(tl.float32))
+    d = _f16(blk, 0) * sc.to(tl.float32)
+    m = -(_f16(blk, 2) * mn.to(tl.float32))
     return d, m
 
 
@@ -149,7 +156,7 @@ def _q4_k(blk, c: tl.constexpr, t: tl.constexpr):
     q = (w >> (8 * t + 4 * (c % 2))) & 0xF
     e = 32 * c + tl.arange(0, 8)[:, None] * 4 + t
     d, m = _k_scale(blk, c)
-    return d * _u2f(q, 0) - m, e
+    return _u2f(q, 0), e, d, m
 
 
 @triton.jit
@@ -159,7 +166,7 @@ def _q5_k(blk, c: tl.constexpr, t: tl.constexpr):
     q = ((w >> (8 * t + 4 * (c % 2))) & 0xF) | (((h >> (8 * t + c)) & 1) << 4)
     e = 32 * c + tl.arange(0, 8)[:, None] * 4 + t
     d, m = _k_scale(blk, c)
-    return d * _u2f(q, 0) - m, e
+    return _u2f(q, 0), e, d, m
 
 
 @triton.jit
@@ -173,7 +180,7 @@ def _q6_k(blk, c: tl.constexpr, t: tl.constexpr):
     q = ((lo >> (8 * t + 4 * (r // 2))) & 0xF) | (((hi >> (8 * t + 2 * r)) & 3) << 4)
     e = 16 * c + tl.arange(0, 8)[:, None] * 2 + t
     d = _f16(blk, 208) * _ld(blk, 192 + c, tl.int8).to(tl.float32)
-    return _u2f(q, 32) * d, e
+    return _u2f(q, 32), e, d, d
 
 
 @triton.jit
@@ -186,9 +193,9 @@ def _q2_k(blk, c: tl.constexpr, t: tl.constexpr):
     q = (w >> (8 * t + 2 * s)) & 3
     e = 16 * c + tl.arange(0, 4)[:, None] * 4 + t
     sc = _ld(blk, c, tl.uint8).to(tl.uint32)
-    d = (_f16(blk, 80) * (sc & 0xF).to(tl.float32))
-    m = (_f16(blk, 82) * (sc >> 4).to(tl.float32))
-    return d * _u2f(q, 0) - m, e
+    d = _f16(blk, 80) * (sc & 0xF).to(tl.float32)
+    m = -(_f16(blk, 82) * (sc >> 4).to(tl.float32))
+    return _u2f(q, 0), e, d, m
 
 
 @triton.jit
@@ -205,40 +212,42 @@ def _q3_k(blk, c: tl.constexpr, t: tl.constexpr):
     lo = (_ld(blk, 96 + c % 8, tl.uint8).to(tl.int32) >> (4 * (c // 8))) & 0xF
     hi = (_ld(blk, 104 + c % 4, tl.uint8).to(tl.int32) >> (2 * (c // 4))) & 3
     d = _f16(blk, 108) * ((lo | (hi << 4)) - 32).to(tl.float32)
-    return _u2f(q, 4) * d, e
+    return _u2f(q, 4), e, d, d
 
 
 @triton.jit
 def _sub(QT: tl.constexpr, blk, c: tl.constexpr, s: tl.constexpr):
-    """Slot s of sub-chunk c of the (BN, NB, 1, 1) blocks at byte pointers ``blk``: values
-    (BN, NB, A, 1) f32 and their elements within the block (A, 1)."""
+    """Slot s of sub-chunk c of the (BN, NB, 1, 1) blocks at byte pointers ``blk``: quants q
+    (BN, NB, A, 1) f32 (the type's offset taken off), their elements within the block (A, 1),
+    and the scale d and min m (BN, NB, 1, 1) of the sub-chunk: the values are d * q + m
+    (m is meaningless for types without a min: MIN is False)."""
     if QT == 2:
-        v, e = _q4_0(blk, s)
+        q, e, d, m = _q4_0(blk, s)
     elif QT == 3:
-        v, e = _q4_1(blk, s)
+        q, e, d, m = _q4_1(blk, s)
     elif QT == 6:
-        v, e = _q5_0(blk, s)
+        q, e, d, m = _q5_0(blk, s)
     elif QT == 7:
-        v, e = _q5_1(blk, s)
+        q, e, d, m = _q5_1(blk, s)
     elif QT == 8:
-        v, e = _q8_0(blk, s)
+        q, e, d, m = _q8_0(blk, s)
     elif QT == 10:
-        v, e = _q2_k(blk, c, s)
+        q, e, d, m = _q2_k(blk, c, s)
     elif QT == 11:
-        v, e = _q3_k(blk, c, s)
+        q, e, d, m = _q3_k(blk, c, s)
     elif QT == 12:
-        v, e = _q4_k(blk, c, s)
+        q, e, d, m = _q4_k(blk, c, s)
     elif QT == 13:
-        v, e = _q5_k(blk, c, s)
+        q, e, d, m = _q5_k(blk, c, s)
     else:
-        v, e = _q6_k(blk, c, s)
-    return v, e
+        q, e, d, m = _q6_k(blk, c, s)
+    return q, e, d, m
 
 
 @triton.jit
 def _qgemv_kernel(x_ptr, w_ptr, y_ptr, N, K, QT: tl.constexpr, BS: tl.constexpr,
                   TS: tl.constexpr, NSUB: tl.constexpr, A: tl.constexpr, B: tl.constexpr,
-                  BLOCK_N: tl.constexpr, NB: tl.constexpr):
+                  MIN: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr):
     # program (m, i): y[m, i*BLOCK_N : (i+1)*BLOCK_N]; the M programs of one row tile run
     # side by side, so the tile's bytes come from DRAM once and from L2 after
     m = tl.program_id(0)
@@ -255,20 +264,31 @@ def _qgemv_kernel(x_ptr, w_ptr, y_ptr, N, K, QT: tl.constexpr, BS: tl.constexpr,
         b = b0 + tl.arange(0, NB)
         blk = (row_ptr[:, None] + tl.minimum(b, nblk - 1)[None, :] * TS)[:, :, None, None]
         for c in tl.static_range(NSUB):
+            # sum over a sub-chunk's slots of q x (and of x, for the min), then one scaling:
+            # sum (d q + m) x = d sum q x + m sum x
+            qx = tl.zeros((BLOCK_N, NB, A, 1), dtype=tl.float32)
+            xs = tl.zeros((NB, A, 1), dtype=tl.float32)
             for s in tl.static_range(B):
-                v, e = _sub(QT, blk, c, s)
+                q, e, d, mn = _sub(QT, blk, c, s)
                 x = tl.load(x_row + b[:, None, None] * BS + e[None],
                             mask=(b < nblk)[:, None, None], other=0.0)
-                acc += v * x[None]
+                qx += q * x[None]
+                if MIN:
+                    xs += x
+            if MIN:
+                acc += d * qx + mn * xs[None]
+            else:
+                acc += d * qx
     y = tl.sum(tl.sum(tl.sum(acc, axis=3), axis=2), axis=1)
     tl.store(y_ptr + m * N + rows, y, mask=rows < N)
 
 
 @triton.jit
 def _dequant_kernel(w_ptr, out_ptr, N, K, QT: tl.constexpr, BS: tl.constexpr, TS: tl.constexpr,
-                    NSUB: tl.constexpr, A: tl.constexpr, B: tl.constexpr, BLOCK_N: tl.constexpr,
-                    NB: tl.constexpr):
-    # program (i, j): rows i*BLOCK_N.., blocks j*NB.. of W, written to out (N, K) row-major
+                    NSUB: tl.constexpr, A: tl.constexpr, B: tl.constexpr, MIN: tl.constexpr,
+                    BLOCK_N: tl.constexpr, NB: tl.constexpr):
+    # program (i, j): rows i*BLOCK_N.., blocks j*NB.. of W, written to out (N, K) row-major,
+    # each value rounded as gguf-py rounds it (d * q, then + m; built without FP fusion)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     b = tl.program_id(1) * NB + tl.arange(0, NB)
     nblk = K // BS
@@ -277,7 +297,8 @@ def _dequant_kernel(w_ptr, out_ptr, N, K, QT: tl.constexpr, BS: tl.constexpr, TS
     keep = ((rows < N)[:, None] & (b < nblk)[None, :])[:, :, None, None]
     for c in tl.static_range(NSUB):
         for s in tl.static_range(B):
-            v, e = _sub(QT, blk, c, s)
+            q, e, d, mn = _sub(QT, blk, c, s)
+            v = d * q + mn if MIN else d * q
             col = (b[:, None, None] * BS + e[None])[None]
             out = out_ptr + rows.to(tl.int64)[:, None, None, None] * K + col
             tl.store(out, v.to(out_ptr.dtype.element_ty), mask=keep)
