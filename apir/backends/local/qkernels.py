@@ -38,8 +38,15 @@ Layouts (all little-endian; x = value of an element, q its quant):
 
 from __future__ import annotations
 
+import os
+
+import torch
 import triton
 import triton.language as tl
+
+# PTX inline assembly (``_byte``) is for NVIDIA GPUs: not under Triton's CPU interpreter,
+# not on ROCm, where the same kernels take the plain shift-and-mask route
+ASM = os.environ.get("TRITON_INTERPRET") != "1" and torch.version.hip is None
 
 # ggml type id -> (elements per block BS, bytes per block TS, sub-chunks per block NSUB,
 # words A and slots per word B of a sub-chunk)
@@ -61,9 +68,40 @@ MINS = frozenset({3, 7, 10, 12, 13})
 
 
 @triton.jit
-def _u2f(q, off: tl.constexpr):
-    # q (uint32 < 2**23) - off as f32, exactly, with one OR and one subtraction
-    return (q | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + off)
+def _byte(w, t: tl.constexpr, ASM: tl.constexpr):
+    # 0x4B0000XX, XX = byte t of the uint32 w: the bits of the f32 2**23 + XX. On a GPU a
+    # byte permute (PRMT) per value, the four of a word in one asm block that the calls for
+    # t = 0..3 share (it is pure, so it is emitted once); shift, mask and OR would cost three
+    # integer ops a value, and those bound a 4-bit product (Hopper issues half as many
+    # integer as f32 ops a clock)
+    if ASM:
+        r0, r1, r2, r3 = tl.inline_asm_elementwise(
+            """{
+            .reg .b32 m;
+            mov.b32 m, 0x4B000000;
+            prmt.b32 $0, $4, m, 0x7540;
+            prmt.b32 $1, $4, m, 0x7541;
+            prmt.b32 $2, $4, m, 0x7542;
+            prmt.b32 $3, $4, m, 0x7543;
+            }""", "=r,=r,=r,=r,r", [w], dtype=(tl.uint32, tl.uint32, tl.uint32, tl.uint32),
+            is_pure=True, pack=1)
+        if t == 0:
+            r = r0
+        elif t == 1:
+            r = r1
+        elif t == 2:
+            r = r2
+        else:
+            r = r3
+    else:
+        r = ((w >> (8 * t)) & 0xFF) | 0x4B000000
+    return r
+
+
+@triton.jit
+def _val(bits, off: tl.constexpr):
+    # 2**23 + q as f32 bits (from _byte, maybe with more bits ORed in) -> q - off, exactly
+    return bits.to(tl.float32, bitcast=True) - (8388608.0 + off)
 
 
 @triton.jit
@@ -86,51 +124,51 @@ def _words(blk, off: tl.constexpr, n: tl.constexpr, ty: tl.constexpr, W: tl.cons
 
 
 @triton.jit
-def _nib32(blk, qs: tl.constexpr, ty: tl.constexpr, W: tl.constexpr, s: tl.constexpr):
+def _nib32(blk, qs: tl.constexpr, ty: tl.constexpr, W: tl.constexpr, s: tl.constexpr,
+           ASM: tl.constexpr):
     # slot s (nibble s % 2 of byte s // 2) of the 16/W words of ty holding the 16 qs bytes of
-    # a 32-element type from byte ``qs``: the quants (BN, NB, 16/W, 1) and elements (16/W, 1)
-    w = _words(blk, qs, 16 // W, ty, W)
+    # a 32-element type from byte ``qs``: the quants as _byte bits (BN, NB, 16/W, 1) and
+    # their elements (16/W, 1)
+    w = (_words(blk, qs, 16 // W, ty, W) >> (4 * (s % 2))) & 0x0F0F0F0F
     e = tl.arange(0, 16 // W)[:, None] * W + s // 2 + 16 * (s % 2)
-    return (w >> (4 * s)) & 0xF, e
+    return _byte(w, s // 2, ASM), e
 
 
 @triton.jit
-def _q4_0(blk, s: tl.constexpr):
-    q, e = _nib32(blk, 2, tl.uint16, 2, s)
+def _q4_0(blk, s: tl.constexpr, ASM: tl.constexpr):
+    q, e = _nib32(blk, 2, tl.uint16, 2, s, ASM)
     d = _f16(blk, 0)
-    return _u2f(q, 8), e, d, d
+    return _val(q, 8), e, d, d
 
 
 @triton.jit
-def _q4_1(blk, s: tl.constexpr):
-    q, e = _nib32(blk, 4, tl.uint32, 4, s)
-    return _u2f(q, 0), e, _f16(blk, 0), _f16(blk, 2)
+def _q4_1(blk, s: tl.constexpr, ASM: tl.constexpr):
+    q, e = _nib32(blk, 4, tl.uint32, 4, s, ASM)
+    return _val(q, 0), e, _f16(blk, 0), _f16(blk, 2)
 
 
 @triton.jit
-def _q5_0(blk, s: tl.constexpr):
-    q, e = _nib32(blk, 6, tl.uint16, 2, s)
+def _q5_0(blk, s: tl.constexpr, ASM: tl.constexpr):
+    q, e = _nib32(blk, 6, tl.uint16, 2, s, ASM)
     qh = _ld(blk, 2, tl.uint16).to(tl.uint32) | (_ld(blk, 4, tl.uint16).to(tl.uint32) << 16)
-    q = q | (((qh >> e) & 1) << 4)
     d = _f16(blk, 0)
-    return _u2f(q, 16), e, d, d
+    return _val(q | (((qh >> e) & 1) << 4), 16), e, d, d
 
 
 @triton.jit
-def _q5_1(blk, s: tl.constexpr):
-    q, e = _nib32(blk, 8, tl.uint32, 4, s)
+def _q5_1(blk, s: tl.constexpr, ASM: tl.constexpr):
+    q, e = _nib32(blk, 8, tl.uint32, 4, s, ASM)
     q = q | (((_ld(blk, 4, tl.uint32) >> e) & 1) << 4)
-    return _u2f(q, 0), e, _f16(blk, 0), _f16(blk, 2)
+    return _val(q, 0), e, _f16(blk, 0), _f16(blk, 2)
 
 
 @triton.jit
-def _q8_0(blk, t: tl.constexpr):
+def _q8_0(blk, t: tl.constexpr, ASM: tl.constexpr):
     # byte t of 16 u16 words of two int8 each; q ^ 0x80 is q + 128 as an unsigned byte
-    w = _words(blk, 2, 16, tl.uint16, 2)
-    q = ((w >> (8 * t)) & 0xFF) ^ 0x80
+    w = _words(blk, 2, 16, tl.uint16, 2) ^ 0x8080
     e = tl.arange(0, 16)[:, None] * 2 + t
     d = _f16(blk, 0)
-    return _u2f(q, 128), e, d, d
+    return _val(_byte(w, t, ASM), 128), e, d, d
 
 
 @triton.jit
@@ -150,104 +188,101 @@ def _k_scale(blk, c: tl.constexpr):
 
 
 @triton.jit
-def _q4_k(blk, c: tl.constexpr, t: tl.constexpr):
+def _q4_k(blk, c: tl.constexpr, t: tl.constexpr, ASM: tl.constexpr):
     # sub-block c = nibble c % 2 of qs[32 (c // 2) + j]: 8 u32 words x 4 bytes
-    w = _words(blk, 16 + 32 * (c // 2), 8, tl.uint32, 4)
-    q = (w >> (8 * t + 4 * (c % 2))) & 0xF
+    w = (_words(blk, 16 + 32 * (c // 2), 8, tl.uint32, 4) >> (4 * (c % 2))) & 0x0F0F0F0F
     e = 32 * c + tl.arange(0, 8)[:, None] * 4 + t
     d, m = _k_scale(blk, c)
-    return _u2f(q, 0), e, d, m
+    return _val(_byte(w, t, ASM), 0), e, d, m
 
 
 @triton.jit
-def _q5_k(blk, c: tl.constexpr, t: tl.constexpr):
-    w = _words(blk, 48 + 32 * (c // 2), 8, tl.uint32, 4)
-    h = _words(blk, 16, 8, tl.uint32, 4)
-    q = ((w >> (8 * t + 4 * (c % 2))) & 0xF) | (((h >> (8 * t + c)) & 1) << 4)
+def _q5_k(blk, c: tl.constexpr, t: tl.constexpr, ASM: tl.constexpr):
+    w = (_words(blk, 48 + 32 * (c // 2), 8, tl.uint32, 4) >> (4 * (c % 2))) & 0x0F0F0F0F
+    h = (_words(blk, 16, 8, tl.uint32, 4) >> c) & 0x01010101
     e = 32 * c + tl.arange(0, 8)[:, None] * 4 + t
     d, m = _k_scale(blk, c)
-    return _u2f(q, 0), e, d, m
+    return _val(_byte(w | (h << 4), t, ASM), 0), e, d, m
 
 
 @triton.jit
-def _q6_k(blk, c: tl.constexpr, t: tl.constexpr):
+def _q6_k(blk, c: tl.constexpr, t: tl.constexpr, ASM: tl.constexpr):
     # c = 8h + 2r + g: elements 128h + 32r + 16g + (0..15), one int8 scale (number c)
     h: tl.constexpr = c // 8
     r: tl.constexpr = (c // 2) % 4
     g: tl.constexpr = c % 2
     lo = _words(blk, 64 * h + 32 * (r % 2) + 16 * g, 8, tl.uint16, 2)
     hi = _words(blk, 128 + 32 * h + 16 * g, 8, tl.uint16, 2)
-    q = ((lo >> (8 * t + 4 * (r // 2))) & 0xF) | (((hi >> (8 * t + 2 * r)) & 3) << 4)
+    w = ((lo >> (4 * (r // 2))) & 0x0F0F) | (((hi >> (2 * r)) & 0x0303) << 4)
     e = 16 * c + tl.arange(0, 8)[:, None] * 2 + t
     d = _f16(blk, 208) * _ld(blk, 192 + c, tl.int8).to(tl.float32)
-    return _u2f(q, 32), e, d, d
+    return _val(_byte(w, t, ASM), 32), e, d, d
 
 
 @triton.jit
-def _q2_k(blk, c: tl.constexpr, t: tl.constexpr):
+def _q2_k(blk, c: tl.constexpr, t: tl.constexpr, ASM: tl.constexpr):
     # c = 8h + 2s + g: elements 128h + 32s + 16g + (0..15), bits 2s.. of qs[32h + 16g + j]
     h: tl.constexpr = c // 8
     s: tl.constexpr = (c // 2) % 4
     g: tl.constexpr = c % 2
-    w = _words(blk, 16 + 32 * h + 16 * g, 4, tl.uint32, 4)
-    q = (w >> (8 * t + 2 * s)) & 3
+    w = (_words(blk, 16 + 32 * h + 16 * g, 4, tl.uint32, 4) >> (2 * s)) & 0x03030303
     e = 16 * c + tl.arange(0, 4)[:, None] * 4 + t
     sc = _ld(blk, c, tl.uint8).to(tl.uint32)
     d = _f16(blk, 80) * (sc & 0xF).to(tl.float32)
     m = -(_f16(blk, 82) * (sc >> 4).to(tl.float32))
-    return _u2f(q, 0), e, d, m
+    return _val(_byte(w, t, ASM), 0), e, d, m
 
 
 @triton.jit
-def _q3_k(blk, c: tl.constexpr, t: tl.constexpr):
+def _q3_k(blk, c: tl.constexpr, t: tl.constexpr, ASM: tl.constexpr):
     # c = 8h + 2s + g as Q2_K; high bit = bit 4h + s of hmask[16g + j]; scale number c:
     # low 4 bits = nibble c // 8 of scales[c % 8], high 2 = bits 2 (c // 4).. of scales[8 + c % 4]
     h: tl.constexpr = c // 8
     s: tl.constexpr = (c // 2) % 4
     g: tl.constexpr = c % 2
-    w = _words(blk, 32 + 32 * h + 16 * g, 8, tl.uint16, 2)
-    hm = _words(blk, 16 * g, 8, tl.uint16, 2)
-    q = ((w >> (8 * t + 2 * s)) & 3) | (((hm >> (8 * t + 4 * h + s)) & 1) << 2)
+    w = (_words(blk, 32 + 32 * h + 16 * g, 8, tl.uint16, 2) >> (2 * s)) & 0x0303
+    hm = (_words(blk, 16 * g, 8, tl.uint16, 2) >> (4 * h + s)) & 0x0101
     e = 16 * c + tl.arange(0, 8)[:, None] * 2 + t
     lo = (_ld(blk, 96 + c % 8, tl.uint8).to(tl.int32) >> (4 * (c // 8))) & 0xF
     hi = (_ld(blk, 104 + c % 4, tl.uint8).to(tl.int32) >> (2 * (c // 4))) & 3
     d = _f16(blk, 108) * ((lo | (hi << 4)) - 32).to(tl.float32)
-    return _u2f(q, 4), e, d, d
+    return _val(_byte(w | (hm << 2), t, ASM), 4), e, d, d
 
 
 @triton.jit
-def _sub(QT: tl.constexpr, blk, c: tl.constexpr, s: tl.constexpr):
+def _sub(QT: tl.constexpr, blk, c: tl.constexpr, s: tl.constexpr, ASM: tl.constexpr):
     """Slot s of sub-chunk c of the (BN, NB, 1, 1) blocks at byte pointers ``blk``: quants q
     (BN, NB, A, 1) f32 (the type's offset taken off), their elements within the block (A, 1),
     and the scale d and min m (BN, NB, 1, 1) of the sub-chunk: the values are d * q + m
     (m is meaningless for types without a min: MIN is False)."""
     if QT == 2:
-        q, e, d, m = _q4_0(blk, s)
+        q, e, d, m = _q4_0(blk, s, ASM)
     elif QT == 3:
-        q, e, d, m = _q4_1(blk, s)
+        q, e, d, m = _q4_1(blk, s, ASM)
     elif QT == 6:
-        q, e, d, m = _q5_0(blk, s)
+        q, e, d, m = _q5_0(blk, s, ASM)
     elif QT == 7:
-        q, e, d, m = _q5_1(blk, s)
+        q, e, d, m = _q5_1(blk, s, ASM)
     elif QT == 8:
-        q, e, d, m = _q8_0(blk, s)
+        q, e, d, m = _q8_0(blk, s, ASM)
     elif QT == 10:
-        q, e, d, m = _q2_k(blk, c, s)
+        q, e, d, m = _q2_k(blk, c, s, ASM)
     elif QT == 11:
-        q, e, d, m = _q3_k(blk, c, s)
+        q, e, d, m = _q3_k(blk, c, s, ASM)
     elif QT == 12:
-        q, e, d, m = _q4_k(blk, c, s)
+        q, e, d, m = _q4_k(blk, c, s, ASM)
     elif QT == 13:
-        q, e, d, m = _q5_k(blk, c, s)
+        q, e, d, m = _q5_k(blk, c, s, ASM)
     else:
-        q, e, d, m = _q6_k(blk, c, s)
+        q, e, d, m = _q6_k(blk, c, s, ASM)
     return q, e, d, m
 
 
 @triton.jit
 def _qgemv_kernel(x_ptr, w_ptr, y_ptr, N, K, QT: tl.constexpr, BS: tl.constexpr,
                   TS: tl.constexpr, NSUB: tl.constexpr, A: tl.constexpr, B: tl.constexpr,
-                  MIN: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr):
+                  MIN: tl.constexpr, ASM: tl.constexpr, BLOCK_N: tl.constexpr,
+                  NB: tl.constexpr):
     # program (m, i): y[m, i*BLOCK_N : (i+1)*BLOCK_N]; the M programs of one row tile run
     # side by side, so the tile's bytes come from DRAM once and from L2 after
     m = tl.program_id(0)
@@ -269,7 +304,7 @@ def _qgemv_kernel(x_ptr, w_ptr, y_ptr, N, K, QT: tl.constexpr, BS: tl.constexpr,
             qx = tl.zeros((BLOCK_N, NB, A, 1), dtype=tl.float32)
             xs = tl.zeros((NB, A, 1), dtype=tl.float32)
             for s in tl.static_range(B):
-                q, e, d, mn = _sub(QT, blk, c, s)
+                q, e, d, mn = _sub(QT, blk, c, s, ASM)
                 x = tl.load(x_row + b[:, None, None] * BS + e[None],
                             mask=(b < nblk)[:, None, None], other=0.0)
                 qx += q * x[None]
@@ -286,7 +321,7 @@ def _qgemv_kernel(x_ptr, w_ptr, y_ptr, N, K, QT: tl.constexpr, BS: tl.constexpr,
 @triton.jit
 def _dequant_kernel(w_ptr, out_ptr, N, K, QT: tl.constexpr, BS: tl.constexpr, TS: tl.constexpr,
                     NSUB: tl.constexpr, A: tl.constexpr, B: tl.constexpr, MIN: tl.constexpr,
-                    BLOCK_N: tl.constexpr, NB: tl.constexpr):
+                    ASM: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr):
     # program (i, j): rows i*BLOCK_N.., blocks j*NB.. of W, written to out (N, K) row-major,
     # each value rounded as gguf-py rounds it (d * q, then + m; built without FP fusion)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -297,7 +332,7 @@ def _dequant_kernel(w_ptr, out_ptr, N, K, QT: tl.constexpr, BS: tl.constexpr, TS
     keep = ((rows < N)[:, None] & (b < nblk)[None, :])[:, :, None, None]
     for c in tl.static_range(NSUB):
         for s in tl.static_range(B):
-            q, e, d, mn = _sub(QT, blk, c, s)
+            q, e, d, mn = _sub(QT, blk, c, s, ASM)
             v = d * q + mn if MIN else d * q
             col = (b[:, None, None] * BS + e[None])[None]
             out = out_ptr + rows.to(tl.int64)[:, None, None, None] * K + col

@@ -67,7 +67,7 @@ if qkernels is not None:
         block_n, nb, warps = fused_blocks(qtype, n, k)
         qkernels._qgemv_kernel[(x.shape[0], triton.cdiv(n, block_n))](
             x, raw, y, n, k, QT=qtype, BS=bs, TS=ts, NSUB=nsub, A=a, B=b,
-            MIN=qtype in qkernels.MINS, BLOCK_N=block_n, NB=nb, num_warps=warps)
+            MIN=qtype in qkernels.MINS, ASM=qkernels.ASM, BLOCK_N=block_n, NB=nb, num_warps=warps)
         return y
 
     def _launch_dequant(raw: torch.Tensor, qtype: int, n: int, k: int,
@@ -78,7 +78,7 @@ if qkernels is not None:
         block_n, nb = 8, max(1, 256 // bs)
         qkernels._dequant_kernel[(triton.cdiv(n, block_n), triton.cdiv(k // bs, nb))](
             raw, out, n, k, QT=qtype, BS=bs, TS=ts, NSUB=nsub, A=a, B=b,
-            MIN=qtype in qkernels.MINS, BLOCK_N=block_n, NB=nb,
+            MIN=qtype in qkernels.MINS, ASM=qkernels.ASM, BLOCK_N=block_n, NB=nb,
             num_warps=4, enable_fp_fusion=False)  # d*q - m rounded twice, as gguf-py does
         return out
 
