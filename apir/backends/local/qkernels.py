@@ -117,9 +117,9 @@ def _f16(blk, off: tl.constexpr):
 
 @triton.jit
 def _words(blk, off: tl.constexpr, n: tl.constexpr, ty: tl.constexpr, W: tl.constexpr):
-    # n consecutive W-byte words of type ty from byte ``off`` of the (BN, NB, 1, 1) blocks
-    # ``blk``: (BN, NB, n, 1) uint32
-    i = tl.arange(0, n)[:, None]
+    # n consecutive W-byte words of type ty from byte ``off`` of the (1, BN, NB) blocks
+    # ``blk``: (n, BN, NB) uint32
+    i = tl.arange(0, n)[:, None, None]
     return _ld(blk, off + i * W, ty).to(tl.uint32)
 
 
@@ -127,10 +127,10 @@ def _words(blk, off: tl.constexpr, n: tl.constexpr, ty: tl.constexpr, W: tl.cons
 def _nib32(blk, qs: tl.constexpr, ty: tl.constexpr, W: tl.constexpr, s: tl.constexpr,
            ASM: tl.constexpr):
     # slot s (nibble s % 2 of byte s // 2) of the 16/W words of ty holding the 16 qs bytes of
-    # a 32-element type from byte ``qs``: the quants as _byte bits (BN, NB, 16/W, 1) and
-    # their elements (16/W, 1)
+    # a 32-element type from byte ``qs``: the quants as _byte bits (16/W, BN, NB) and
+    # their elements (16/W, 1, 1)
     w = (_words(blk, qs, 16 // W, ty, W) >> (4 * (s % 2))) & 0x0F0F0F0F
-    e = tl.arange(0, 16 // W)[:, None] * W + s // 2 + 16 * (s % 2)
+    e = tl.arange(0, 16 // W)[:, None, None] * W + s // 2 + 16 * (s % 2)
     return _byte(w, s // 2, ASM), e
 
 
@@ -166,7 +166,7 @@ def _q5_1(blk, s: tl.constexpr, ASM: tl.constexpr):
 def _q8_0(blk, t: tl.constexpr, ASM: tl.constexpr):
     # byte t of 16 u16 words of two int8 each; q ^ 0x80 is q + 128 as an unsigned byte
     w = _words(blk, 2, 16, tl.uint16, 2) ^ 0x8080
-    e = tl.arange(0, 16)[:, None] * 2 + t
+    e = tl.arange(0, 16)[:, None, None] * 2 + t
     d = _f16(blk, 0)
     return _val(_byte(w, t, ASM), 128), e, d, d
 
@@ -191,7 +191,7 @@ def _k_scale(blk, c: tl.constexpr):
 def _q4_k(blk, c: tl.constexpr, t: tl.constexpr, ASM: tl.constexpr):
     # sub-block c = nibble c % 2 of qs[32 (c // 2) + j]: 8 u32 words x 4 bytes
     w = (_words(blk, 16 + 32 * (c // 2), 8, tl.uint32, 4) >> (4 * (c % 2))) & 0x0F0F0F0F
-    e = 32 * c + tl.arange(0, 8)[:, None] * 4 + t
+    e = 32 * c + tl.arange(0, 8)[:, None, None] * 4 + t
     d, m = _k_scale(blk, c)
     return _val(_byte(w, t, ASM), 0), e, d, m
 
@@ -200,7 +200,7 @@ def _q4_k(blk, c: tl.constexpr, t: tl.constexpr, ASM: tl.constexpr):
 def _q5_k(blk, c: tl.constexpr, t: tl.constexpr, ASM: tl.constexpr):
     w = (_words(blk, 48 + 32 * (c // 2), 8, tl.uint32, 4) >> (4 * (c % 2))) & 0x0F0F0F0F
     h = (_words(blk, 16, 8, tl.uint32, 4) >> c) & 0x01010101
-    e = 32 * c + tl.arange(0, 8)[:, None] * 4 + t
+    e = 32 * c + tl.arange(0, 8)[:, None, None] * 4 + t
     d, m = _k_scale(blk, c)
     return _val(_byte(w | (h << 4), t, ASM), 0), e, d, m
 
@@ -214,7 +214,7 @@ def _q6_k(blk, c: tl.constexpr, t: tl.constexpr, ASM: tl.constexpr):
     lo = _words(blk, 64 * h + 32 * (r % 2) + 16 * g, 8, tl.uint16, 2)
     hi = _words(blk, 128 + 32 * h + 16 * g, 8, tl.uint16, 2)
     w = ((lo >> (4 * (r // 2))) & 0x0F0F) | (((hi >> (2 * r)) & 0x0303) << 4)
-    e = 16 * c + tl.arange(0, 8)[:, None] * 2 + t
+    e = 16 * c + tl.arange(0, 8)[:, None, None] * 2 + t
     d = _f16(blk, 208) * _ld(blk, 192 + c, tl.int8).to(tl.float32)
     return _val(_byte(w, t, ASM), 32), e, d, d
 
@@ -226,7 +226,7 @@ def _q2_k(blk, c: tl.constexpr, t: tl.constexpr, ASM: tl.constexpr):
     s: tl.constexpr = (c // 2) % 4
     g: tl.constexpr = c % 2
     w = (_words(blk, 16 + 32 * h + 16 * g, 4, tl.uint32, 4) >> (2 * s)) & 0x03030303
-    e = 16 * c + tl.arange(0, 4)[:, None] * 4 + t
+    e = 16 * c + tl.arange(0, 4)[:, None, None] * 4 + t
     sc = _ld(blk, c, tl.uint8).to(tl.uint32)
     d = _f16(blk, 80) * (sc & 0xF).to(tl.float32)
     m = -(_f16(blk, 82) * (sc >> 4).to(tl.float32))
@@ -242,7 +242,7 @@ def _q3_k(blk, c: tl.constexpr, t: tl.constexpr, ASM: tl.constexpr):
     g: tl.constexpr = c % 2
     w = (_words(blk, 32 + 32 * h + 16 * g, 8, tl.uint16, 2) >> (2 * s)) & 0x0303
     hm = (_words(blk, 16 * g, 8, tl.uint16, 2) >> (4 * h + s)) & 0x0101
-    e = 16 * c + tl.arange(0, 8)[:, None] * 2 + t
+    e = 16 * c + tl.arange(0, 8)[:, None, None] * 2 + t
     lo = (_ld(blk, 96 + c % 8, tl.uint8).to(tl.int32) >> (4 * (c // 8))) & 0xF
     hi = (_ld(blk, 104 + c % 4, tl.uint8).to(tl.int32) >> (2 * (c // 4))) & 3
     d = _f16(blk, 108) * ((lo | (hi << 4)) - 32).to(tl.float32)
@@ -251,9 +251,9 @@ def _q3_k(blk, c: tl.constexpr, t: tl.constexpr, ASM: tl.constexpr):
 
 @triton.jit
 def _sub(QT: tl.constexpr, blk, c: tl.constexpr, s: tl.constexpr, ASM: tl.constexpr):
-    """Slot s of sub-chunk c of the (BN, NB, 1, 1) blocks at byte pointers ``blk``: quants q
-    (BN, NB, A, 1) f32 (the type's offset taken off), their elements within the block (A, 1),
-    and the scale d and min m (BN, NB, 1, 1) of the sub-chunk: the values are d * q + m
+    """Slot s of sub-chunk c of the (1, BN, NB) blocks at byte pointers ``blk``: quants q
+    (A, BN, NB) f32 (the type's offset taken off), their elements within the block (A, 1, 1),
+    and the scale d and min m (1, BN, NB) of the sub-chunk: the values are d * q + m
     (m is meaningless for types without a min: MIN is False)."""
     if QT == 2:
         q, e, d, m = _q4_0(blk, s, ASM)
@@ -282,9 +282,13 @@ def _sub(QT: tl.constexpr, blk, c: tl.constexpr, s: tl.constexpr, ASM: tl.conste
 def _qgemv_kernel(x_ptr, w_ptr, y_ptr, N, K, QT: tl.constexpr, BS: tl.constexpr,
                   TS: tl.constexpr, NSUB: tl.constexpr, A: tl.constexpr, B: tl.constexpr,
                   MIN: tl.constexpr, ASM: tl.constexpr, BLOCK_N: tl.constexpr,
-                  NB: tl.constexpr):
+                  NB: tl.constexpr, XROWS: tl.constexpr):
     # program (m, i): y[m, i*BLOCK_N : (i+1)*BLOCK_N]; the M programs of one row tile run
-    # side by side, so the tile's bytes come from DRAM once and from L2 after
+    # side by side, so the tile's bytes come from DRAM once and from L2 after.
+    # Tiles are (A words, BLOCK_N rows, NB blocks): threads run along blocks, then rows, so a
+    # thread holds all the words of its blocks and computes each scale once. Where rows
+    # spread over threads too (XROWS), x is read as an (A, BLOCK_N, NB) tile, so that it
+    # lands in the threads that use it rather than going through shared memory each time
     m = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     nblk = K // BS
@@ -294,27 +298,29 @@ def _qgemv_kernel(x_ptr, w_ptr, y_ptr, N, K, QT: tl.constexpr, BS: tl.constexpr,
     x_row = x_ptr + m * K
     # partial sums per position of the tile, reduced once at the end: no cross-thread
     # traffic in the loop, and a summation order fixed by the shape
-    acc = tl.zeros((BLOCK_N, NB, A, 1), dtype=tl.float32)
+    acc = tl.zeros((A, BLOCK_N, NB), dtype=tl.float32)
     for b0 in tl.range(0, nblk, NB):
         b = b0 + tl.arange(0, NB)
-        blk = (row_ptr[:, None] + tl.minimum(b, nblk - 1)[None, :] * TS)[:, :, None, None]
+        blk = (row_ptr[:, None] + tl.minimum(b, nblk - 1)[None, :] * TS)[None, :, :]
         for c in tl.static_range(NSUB):
             # sum over a sub-chunk's slots of q x (and of x, for the min), then one scaling:
             # sum (d q + m) x = d sum q x + m sum x
-            qx = tl.zeros((BLOCK_N, NB, A, 1), dtype=tl.float32)
-            xs = tl.zeros((NB, A, 1), dtype=tl.float32)
+            qx = tl.zeros((A, BLOCK_N, NB), dtype=tl.float32)
+            xs = tl.zeros((A, BLOCK_N if XROWS else 1, NB), dtype=tl.float32)
             for s in tl.static_range(B):
                 q, e, d, mn = _sub(QT, blk, c, s, ASM)
-                x = tl.load(x_row + b[:, None, None] * BS + e[None],
-                            mask=(b < nblk)[:, None, None], other=0.0)
-                qx += q * x[None]
+                xi = b[None, None, :] * BS + e
+                if XROWS:
+                    xi += tl.zeros((1, BLOCK_N, 1), dtype=tl.int32)
+                x = tl.load(x_row + xi, mask=(b < nblk)[None, None, :], other=0.0)
+                qx += q * x
                 if MIN:
                     xs += x
             if MIN:
-                acc += d * qx + mn * xs[None]
+                acc += d * qx + mn * xs
             else:
                 acc += d * qx
-    y = tl.sum(tl.sum(tl.sum(acc, axis=3), axis=2), axis=1)
+    y = tl.sum(tl.sum(acc, axis=0), axis=1)  # in-thread first
     tl.store(y_ptr + m * N + rows, y, mask=rows < N)
 
 
@@ -328,12 +334,11 @@ def _dequant_kernel(w_ptr, out_ptr, N, K, QT: tl.constexpr, BS: tl.constexpr, TS
     b = tl.program_id(1) * NB + tl.arange(0, NB)
     nblk = K // BS
     blk = (w_ptr + tl.minimum(rows, N - 1).to(tl.int64)[:, None] * (nblk * TS)
-           + tl.minimum(b, nblk - 1)[None, :] * TS)[:, :, None, None]
-    keep = ((rows < N)[:, None] & (b < nblk)[None, :])[:, :, None, None]
+           + tl.minimum(b, nblk - 1)[None, :] * TS)[None, :, :]
+    keep = (rows < N)[None, :, None] & (b < nblk)[None, None, :]
     for c in tl.static_range(NSUB):
         for s in tl.static_range(B):
             q, e, d, mn = _sub(QT, blk, c, s, ASM)
             v = d * q + mn if MIN else d * q
-            col = (b[:, None, None] * BS + e[None])[None]
-            out = out_ptr + rows.to(tl.int64)[:, None, None, None] * K + col
+            out = out_ptr + rows.to(tl.int64)[None, :, None] * K + b[None, None, :] * BS + e
             tl.store(out, v.to(out_ptr.dtype.element_ty), mask=keep)

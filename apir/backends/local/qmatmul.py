@@ -44,18 +44,15 @@ _TORCH = {int(d) for d in dequant.SUPPORTED if d.is_quantized}
 
 
 def fused_blocks(qtype: int, n: int, k: int) -> tuple[int, int, int]:
-    """(BLOCK_N, NB blocks per step, num_warps) of the fused kernel for a (n, k) weight:
-    about 2048 values per sub-chunk tile (16 a thread), NB dividing the row's blocks where
-    a power of two up to 16 does (no step half past the end)."""
-    bs, _, _, a, b = qkernels.LAYOUTS[qtype]
-    nblk = k // bs
-    nb = 16
+    """(BLOCK_N, NB blocks per step, num_warps) of the fused kernel for a (n, k) weight: a
+    (row, block) pair for each of the 128 threads of 4 warps, NB the largest power of two up
+    to 128 dividing the row's blocks (no step half past the end), at least 2 rows (the rows
+    of a thread share its x) and at most 16."""
+    nblk = k // qkernels.LAYOUTS[qtype][0]
+    nb = 128
     while nb > 1 and nblk % nb:
         nb //= 2
-    if nblk % nb:  # odd block counts: the tile covers the row in one or more masked steps
-        nb = min(16, triton.next_power_of_2(nblk))
-    block_n = max(1, min(16, 2048 // (nb * max(32, a * b))))
-    return block_n, nb, 4
+    return max(2, min(16, 128 // nb)), nb, 4
 
 
 if qkernels is not None:
@@ -67,7 +64,8 @@ if qkernels is not None:
         block_n, nb, warps = fused_blocks(qtype, n, k)
         qkernels._qgemv_kernel[(x.shape[0], triton.cdiv(n, block_n))](
             x, raw, y, n, k, QT=qtype, BS=bs, TS=ts, NSUB=nsub, A=a, B=b,
-            MIN=qtype in qkernels.MINS, ASM=qkernels.ASM, BLOCK_N=block_n, NB=nb, num_warps=warps)
+            MIN=qtype in qkernels.MINS, ASM=qkernels.ASM, BLOCK_N=block_n, NB=nb,
+            XROWS=nb < 32 * warps, num_warps=warps)
         return y
 
     def _launch_dequant(raw: torch.Tensor, qtype: int, n: int, k: int,
@@ -75,7 +73,7 @@ if qkernels is not None:
         # raw: the bytes of n whole rows -> (n, k) of dtype
         bs, ts, nsub, a, b = qkernels.LAYOUTS[qtype]
         out = torch.empty((n, k), device=raw.device, dtype=dtype)
-        block_n, nb = 8, max(1, 256 // bs)
+        block_n, nb = 2, 64
         qkernels._dequant_kernel[(triton.cdiv(n, block_n), triton.cdiv(k // bs, nb))](
             raw, out, n, k, QT=qtype, BS=bs, TS=ts, NSUB=nsub, A=a, B=b,
             MIN=qtype in qkernels.MINS, ASM=qkernels.ASM, BLOCK_N=block_n, NB=nb,
