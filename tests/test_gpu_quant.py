@@ -8,7 +8,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 from gguf import quants
-from test_qmatmul import SCALES, check, random_weight, shapes
+from test_qmatmul import SCALES, check_products, random_weight
 
 from apir.backends.local import qmatmul as qm
 
@@ -22,30 +22,26 @@ def _cuda(a: np.ndarray) -> torch.Tensor:
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_fused_decode_rows_match_gguf(qtype):
-    for i, (_, n, k) in enumerate(shapes(qtype)):
-        raw = random_weight(qtype, n, k, seed=i)
-        for m in (1, 3, qm.FUSED_ROWS):
-            x = np.random.default_rng(100 + i).standard_normal((m, k)).astype(np.float32)
-            y = qm.qmatmul(_cuda(x), _cuda(raw), qtype, n, k)
-            check(y.cpu(), x, raw, qtype, n, k, rel=1e-5)
+    def product(x, raw, n, k):
+        assert x.shape[0] <= qm.FUSED_ROWS  # the fused kernel's path
+        return qm.qmatmul(_cuda(x), _cuda(raw), qtype, n, k)
+    check_products(qtype, product, rel=1e-5, rows=(1, 3, qm.FUSED_ROWS))
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_prefill_rows_match_gguf(qtype, monkeypatch):
     # 17 rows take the dequantize + matmul path; a scratch of 192 B makes it tile N (1 to 3 rows)
     monkeypatch.setattr(qm, "SCRATCH_BYTES", 3 * 64 * 2)
-    for i, (_, n, k) in enumerate(shapes(qtype)):
-        raw = random_weight(qtype, n, k, seed=i)
-        x = np.random.default_rng(100 + i).standard_normal((17, k)).astype(np.float32)
-        y = qm.qmatmul(_cuda(x), _cuda(raw), qtype, n, k)
-        # x and W are rounded to f16 before cuBLAS multiplies them
-        check(y.cpu(), x, raw, qtype, n, k, rel=2e-3)
+    def product(x, raw, n, k):
+        return qm.qmatmul(_cuda(x), _cuda(raw), qtype, n, k)
+    # x and W are rounded to f16 before cuBLAS multiplies them
+    check_products(qtype, product, rel=2e-3, rows=(17,))
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_dequant_kernel_is_bit_exact_on_cuda(qtype):
-    for i, (_, n, k) in enumerate(shapes(qtype)):
-        raw = random_weight(qtype, n, k, seed=i)
+    for n, k in [(13, 96), (5, 768)] if quants.GGML_QUANT_SIZES[qtype][0] == 32 else [(13, 256), (5, 768)]:
+        raw = random_weight(qtype, n, k, seed=n)
         got = qm._launch_dequant(_cuda(raw), int(qtype), n, k, torch.float32)
         np.testing.assert_array_equal(got.cpu().numpy(), quants.dequantize(raw.reshape(n, -1), qtype))
 

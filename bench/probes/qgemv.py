@@ -14,6 +14,7 @@ import sys
 
 import torch
 import triton
+from gemv import time_us  # bench/probes/gemv.py, beside this file
 from gguf import GGMLQuantizationType as Q
 
 from apir.backends.local import dequant, qkernels
@@ -35,29 +36,6 @@ def random_raw(qtype, n, k):
     for off in SCALES[qtype]:
         raw[:, off:off + 2] = (torch.rand(raw.shape[0], 1, device="cuda") * 0.02 - 0.01).half().view(torch.uint8)
     return raw.reshape(-1)
-
-
-def time_us(fn, x, ws, reps=20):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            for w in ws:
-                fn(x, w)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for w in ws:
-            fn(x, w)
-    for _ in range(3):
-        g.replay()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(reps):
-        g.replay()
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b) * 1000 / reps / len(ws)
 
 
 def fused(qtype, n, k, cfg=None):

@@ -221,11 +221,10 @@ def _q6_k(blk, c: tl.constexpr, t: tl.constexpr, ASM: tl.constexpr):
 
 @triton.jit
 def _q2_k(blk, c: tl.constexpr, t: tl.constexpr, ASM: tl.constexpr):
-    # c = 8h + 2s + g: elements 128h + 32s + 16g + (0..15), bits 2s.. of qs[32h + 16g + j]
-    h: tl.constexpr = c // 8
-    s: tl.constexpr = (c // 2) % 4
-    g: tl.constexpr = c % 2
-    w = (_words(blk, 16 + 32 * h + 16 * g, 4, tl.uint32, 4) >> (2 * s)) & 0x03030303
+    # c = 8h + 2s + g: elements 128h + 32s + 16g + (0..15) are bits 2s.. of qs[32h + 16g + j]
+    # (qs from byte 16), with scale byte c
+    qs: tl.constexpr = 16 + 32 * (c // 8) + 16 * (c % 2)
+    w = (_words(blk, qs, 4, tl.uint32, 4) >> (2 * ((c // 2) % 4))) & 0x03030303
     e = 16 * c + tl.arange(0, 4)[:, None, None] * 4 + t
     sc = _ld(blk, c, tl.uint8).to(tl.uint32)
     d = _f16(blk, 80) * (sc & 0xF).to(tl.float32)
@@ -235,13 +234,12 @@ def _q2_k(blk, c: tl.constexpr, t: tl.constexpr, ASM: tl.constexpr):
 
 @triton.jit
 def _q3_k(blk, c: tl.constexpr, t: tl.constexpr, ASM: tl.constexpr):
-    # c = 8h + 2s + g as Q2_K; high bit = bit 4h + s of hmask[16g + j]; scale number c:
-    # low 4 bits = nibble c // 8 of scales[c % 8], high 2 = bits 2 (c // 4).. of scales[8 + c % 4]
-    h: tl.constexpr = c // 8
-    s: tl.constexpr = (c // 2) % 4
-    g: tl.constexpr = c % 2
-    w = (_words(blk, 32 + 32 * h + 16 * g, 8, tl.uint16, 2) >> (2 * s)) & 0x0303
-    hm = (_words(blk, 16 * g, 8, tl.uint16, 2) >> (4 * h + s)) & 0x0101
+    # c = 8h + 2s + g as Q2_K (qs from byte 32); the high bit = bit 4h + s = c // 2 of
+    # hmask[16g + j]; scale c: low 4 bits = nibble c // 8 of scales[c % 8], high 2 = bits
+    # 2 (c // 4).. of scales[8 + c % 4]
+    qs: tl.constexpr = 32 + 32 * (c // 8) + 16 * (c % 2)
+    w = (_words(blk, qs, 8, tl.uint16, 2) >> (2 * ((c // 2) % 4))) & 0x0303
+    hm = (_words(blk, 16 * (c % 2), 8, tl.uint16, 2) >> (c // 2)) & 0x0101
     e = 16 * c + tl.arange(0, 8)[:, None, None] * 2 + t
     lo = (_ld(blk, 96 + c % 8, tl.uint8).to(tl.int32) >> (4 * (c // 8))) & 0xF
     hi = (_ld(blk, 104 + c % 4, tl.uint8).to(tl.int32) >> (2 * (c // 4))) & 3
