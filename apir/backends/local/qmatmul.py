@@ -44,15 +44,21 @@ _TORCH = {int(d) for d in dequant.SUPPORTED if d.is_quantized}
 
 
 def fused_blocks(qtype: int, n: int, k: int) -> tuple[int, int, int]:
-    """(BLOCK_N, NB blocks per step, num_warps) of the fused kernel for a (n, k) weight: a
-    (row, block) pair for each of the 128 threads of 4 warps, NB the largest power of two up
-    to 128 dividing the row's blocks (no step half past the end), at least 2 rows (the rows
-    of a thread share its x) and at most 16."""
-    nblk = k // qkernels.LAYOUTS[qtype][0]
+    """(BLOCK_N, NB blocks per step, num_warps) of the fused kernel for a (n, k) weight.
+
+    A (row, block) pair for each of the 128 threads of 4 warps: NB the largest power of two
+    up to 128 dividing the row's blocks (no step half past the end), then rows up to 128
+    values a thread (64 for Q8_0, whose words hold 2 values, not 4 to 8), at least 2 (a
+    thread's rows share its x). Chosen from the sm_90 builds' instruction and register
+    counts; bench/probes/qgemv.py --sweep times the alternatives.
+    """
+    bs = qkernels.LAYOUTS[qtype][0]
+    nblk = k // bs
     nb = 128
     while nb > 1 and nblk % nb:
         nb //= 2
-    return max(2, min(16, 128 // nb)), nb, 4
+    per_thread = 64 if qtype == 8 else 128
+    return max(2, min(16, per_thread * 128 // (nb * bs))), nb, 4
 
 
 if qkernels is not None:
