@@ -8,7 +8,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 from gguf import quants
-from test_qmatmul import SCALES, check_products, random_weight
+from test_qmatmul import SCALES, check_products, check_stacked, random_weight
 
 from apir.backends.local import qmatmul as qm
 
@@ -44,6 +44,13 @@ def test_dequant_kernel_is_bit_exact_on_cuda(qtype):
         raw = random_weight(qtype, n, k, seed=n)
         got = qm._launch_dequant(_cuda(raw), int(qtype), n, k, torch.float32)
         np.testing.assert_array_equal(got.cpu().numpy(), quants.dequantize(raw.reshape(n, -1), qtype))
+
+
+@pytest.mark.parametrize("m", [1, 17])
+def test_stacked_weights_of_mixed_types_on_cuda(m):
+    def product(x, parts):
+        return qm.qmatmul_stacked(_cuda(x), [(_cuda(r), t, n) for r, t, n in parts], 512)
+    check_stacked(product, m, rel=1e-5 if m <= qm.FUSED_ROWS else 2e-3)
 
 
 def test_8b_shapes_are_deterministic_and_graph_capturable():

@@ -81,6 +81,30 @@ def test_cpu_path_tiles_rows_within_the_scratch(monkeypatch):
     check(y, x, raw, Q.Q8_0, 10, 64, rel=1e-5)
 
 
+def stacked_case(m: int):
+    """x and three weights of different types (a Q4_K_M q/k/v) with K=512, and the
+    reference product with them stacked along N."""
+    parts = [(Q.Q4_K, 7), (Q.Q6_K, 3), (Q.Q8_0, 5)]
+    raws = [random_weight(t, n, 512, seed=n) for t, n in parts]
+    x = np.random.default_rng(9).standard_normal((m, 512)).astype(np.float32)
+    refs = [reference(x, raw, t, n, 512) for raw, (t, n) in zip(raws, parts)]
+    want, scale = (np.concatenate(r, axis=1) for r in zip(*refs))
+    return x, [(raw, t, n) for raw, (t, n) in zip(raws, parts)], want, scale
+
+
+def check_stacked(product, m: int, rel: float):
+    x, parts, want, scale = stacked_case(m)
+    y = product(x, parts).cpu().numpy().astype(np.float64)
+    assert y.shape == want.shape
+    assert (np.abs(y - want) <= rel * scale + 1e-6).all()
+
+
+def test_stacked_weights_of_mixed_types_multiply_as_one():
+    def product(x, parts):
+        return qm.qmatmul_stacked(torch.from_numpy(x), [(torch.from_numpy(r), t, n) for r, t, n in parts], 512)
+    check_stacked(product, 3, rel=1e-5)
+
+
 def test_bad_arguments_are_refused_with_the_reason():
     raw = torch.from_numpy(random_weight(Q.Q4_0, 4, 64, seed=0))
     x = torch.zeros(1, 64)
@@ -115,6 +139,15 @@ def test_fused_kernel_with_a_block_per_thread_matches_gguf(qtype, k):
     x = np.random.default_rng(6).standard_normal((2, k)).astype(np.float32)
     y = qm._launch_gemv(torch.from_numpy(x), torch.from_numpy(raw), int(qtype), 3, k)
     check(y, x, raw, qtype, 3, k, rel=1e-5)
+
+
+@needs_triton
+def test_fused_kernel_writes_stacked_weights_into_one_result():
+    def product(x, parts):
+        raws, qtypes, ns = zip(*parts)
+        return qm._qgemv(torch.from_numpy(x), [torch.from_numpy(r) for r in raws],
+                         [int(t) for t in qtypes], list(ns), 512)
+    check_stacked(product, 2, rel=1e-5)
 
 
 @needs_triton

@@ -47,7 +47,7 @@ def fused(qtype, n, k, cfg=None):
     def run(x, raw):
         y = torch.empty((x.shape[0], n), device="cuda", dtype=torch.float32)
         qkernels._qgemv_kernel[(x.shape[0], triton.cdiv(n, bn))](
-            x, raw, y, n, k, QT=int(qtype), BS=bs, TS=ts, NSUB=nsub, A=a, B=b,
+            x, raw, y, n, k, n, QT=int(qtype), BS=bs, TS=ts, NSUB=nsub, A=a, B=b,
             MIN=int(qtype) in qkernels.MINS, ASM=qkernels.ASM, BLOCK_N=bn, NB=nb,
             XROWS=nb < 32 * warps, num_warps=warps)
         return y

@@ -277,11 +277,11 @@ def _sub(QT: tl.constexpr, blk, c: tl.constexpr, s: tl.constexpr, ASM: tl.conste
 
 
 @triton.jit
-def _qgemv_kernel(x_ptr, w_ptr, y_ptr, N, K, QT: tl.constexpr, BS: tl.constexpr,
+def _qgemv_kernel(x_ptr, w_ptr, y_ptr, N, K, LDY, QT: tl.constexpr, BS: tl.constexpr,
                   TS: tl.constexpr, NSUB: tl.constexpr, A: tl.constexpr, B: tl.constexpr,
                   MIN: tl.constexpr, ASM: tl.constexpr, BLOCK_N: tl.constexpr,
                   NB: tl.constexpr, XROWS: tl.constexpr):
-    # program (m, i): y[m, i*BLOCK_N : (i+1)*BLOCK_N]; the M programs of one row tile run
+    # program (m, i): y[m, i*BLOCK_N : (i+1)*BLOCK_N] (y's rows LDY apart); the M programs of one row tile run
     # side by side, so the tile's bytes come from DRAM once and from L2 after.
     # Tiles are (A words, BLOCK_N rows, NB blocks): threads run along blocks, then rows, so a
     # thread holds all the words of its blocks and computes each scale once. Where rows
@@ -319,7 +319,7 @@ def _qgemv_kernel(x_ptr, w_ptr, y_ptr, N, K, QT: tl.constexpr, BS: tl.constexpr,
             else:
                 acc += d * qx
     y = tl.sum(tl.sum(acc, axis=0), axis=1)  # in-thread first
-    tl.store(y_ptr + m * N + rows, y, mask=rows < N)
+    tl.store(y_ptr + m * LDY + rows, y, mask=rows < N)
 
 
 @triton.jit

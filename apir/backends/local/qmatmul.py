@@ -1,6 +1,7 @@
 """Products with weights kept as their GGUF blocks: the raw bytes are the only copy.
 
     y (M, N) f32 = qmatmul(x (M, K), raw, qtype, n=N, k=K)
+    y (M, N1 + N2 ..) f32 = qmatmul_stacked(x, [(raw1, qtype1, N1), (raw2, qtype2, N2) ..], k=K)
 
 ``raw`` is 1-D uint8 holding W (N, K) exactly as in the file: N rows of K / block_size
 blocks (see qkernels for the layouts). Two paths, chosen by the rows of x and the device:
@@ -16,6 +17,8 @@ same bits. Triton comes with CUDA builds of PyTorch; without it only the CPU pat
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
@@ -63,13 +66,15 @@ def fused_blocks(qtype: int, n: int, k: int) -> tuple[int, int, int]:
 
 if qkernels is not None:
 
-    def _launch_gemv(x: torch.Tensor, raw: torch.Tensor, qtype: int, n: int, k: int) -> torch.Tensor:
-        # x (M, K) f32 contiguous -> (M, N) f32
+    def _launch_gemv(x: torch.Tensor, raw: torch.Tensor, qtype: int, n: int, k: int,
+                     y: torch.Tensor | None = None) -> torch.Tensor:
+        # x (M, K) f32 contiguous -> y (M, N) f32, written into ``y`` (rows unit-strided)
         bs, ts, nsub, a, b = qkernels.LAYOUTS[qtype]
-        y = torch.empty((x.shape[0], n), device=x.device, dtype=torch.float32)
+        if y is None:
+            y = torch.empty((x.shape[0], n), device=x.device, dtype=torch.float32)
         block_n, nb, warps = fused_blocks(qtype, n, k)
         qkernels._qgemv_kernel[(x.shape[0], triton.cdiv(n, block_n))](
-            x, raw, y, n, k, QT=qtype, BS=bs, TS=ts, NSUB=nsub, A=a, B=b,
+            x, raw, y, n, k, y.stride(0), QT=qtype, BS=bs, TS=ts, NSUB=nsub, A=a, B=b,
             MIN=qtype in qkernels.MINS, ASM=qkernels.ASM, BLOCK_N=block_n, NB=nb,
             XROWS=nb < 32 * warps, num_warps=warps)
         return y
@@ -90,12 +95,20 @@ if qkernels is not None:
     # triton_op's kernel per call site while tracing); the launches are recorded into a
     # step's CUDA graph like any other.
     @torch.library.custom_op("apir::qgemv", mutates_args=())
-    def _qgemv(x: torch.Tensor, raw: torch.Tensor, qtype: int, n: int, k: int) -> torch.Tensor:
-        return _launch_gemv(x, raw, qtype, n, k)
+    def _qgemv(x: torch.Tensor, raws: list[torch.Tensor], qtypes: list[int], ns: list[int],
+               k: int) -> torch.Tensor:
+        # the weights stacked along N: one launch each, into its columns of one result
+        y = torch.empty((x.shape[0], sum(ns)), device=x.device, dtype=torch.float32)
+        off = 0
+        for raw, qtype, n in zip(raws, qtypes, ns):
+            _launch_gemv(x, raw, qtype, n, k, y[:, off : off + n])
+            off += n
+        return y
 
     @_qgemv.register_fake
-    def _(x: torch.Tensor, raw: torch.Tensor, qtype: int, n: int, k: int) -> torch.Tensor:
-        return x.new_empty((x.shape[0], n), dtype=torch.float32)
+    def _(x: torch.Tensor, raws: list[torch.Tensor], qtypes: list[int], ns: list[int],
+          k: int) -> torch.Tensor:
+        return x.new_empty((x.shape[0], sum(ns)), dtype=torch.float32)
 
     @torch.library.custom_op("apir::qdequant", mutates_args=())
     def _qdequant(raw: torch.Tensor, qtype: int, n: int, k: int) -> torch.Tensor:
@@ -134,23 +147,37 @@ def qmatmul(x: torch.Tensor, raw: torch.Tensor, qtype: int | DType, n: int, k: i
 
     Raises ValueError where ``usable`` is False.
     """
-    qtype = int(qtype)
-    why = _check(x, raw, qtype, n, k)
-    if why is not None:
-        raise ValueError(f"qmatmul: {why}")
+    return qmatmul_stacked(x, [(raw, qtype, n)], k)
+
+
+def qmatmul_stacked(x: torch.Tensor, parts: Sequence[tuple[torch.Tensor, int | DType, int]],
+                    k: int) -> torch.Tensor:
+    """x (M, K) @ W.T in f32 for W the weights ``parts`` = [(raw, qtype, N_i)] stacked along
+    N (a fused q/k/v or gate/up product), each kept where it is, in its own type: (M, sum N_i).
+
+    Raises ValueError where ``usable`` is False for a part.
+    """
+    parts = [(raw, int(qtype), n) for raw, qtype, n in parts]
+    for raw, qtype, n in parts:
+        why = _check(x, raw, qtype, n, k)
+        if why is not None:
+            raise ValueError(f"qmatmul: {why}")
     if x.is_cuda and x.shape[0] <= FUSED_ROWS:
-        return _qgemv(x.float().contiguous(), raw, qtype, n, k)
-    ts = _SIZES[qtype][1] * (k // _SIZES[qtype][0])  # bytes per row
+        return _qgemv(x.float().contiguous(), *map(list, zip(*parts)), k)
     wdtype = torch.float16 if x.is_cuda else torch.float32
     rows = max(1, SCRATCH_BYTES // (k * wdtype.itemsize))
     xs = x.to(wdtype)  # rounded as the dense path rounds x to its f16 weights
-    y = torch.empty((x.shape[0], n), device=x.device, dtype=torch.float32)
-    for r0 in range(0, n, rows):
-        r1 = min(n, r0 + rows)
-        tile = raw[r0 * ts : r1 * ts]
-        if x.is_cuda:
-            w = _qdequant(tile, qtype, r1 - r0, k)
-        else:
-            w = dequant.dequantize(tile, DType(qtype), (r1 - r0, k))
-        y[:, r0:r1] = torch.matmul(xs, w.T)
+    y = torch.empty((x.shape[0], sum(n for _, _, n in parts)), device=x.device, dtype=torch.float32)
+    off = 0
+    for raw, qtype, n in parts:
+        ts = _SIZES[qtype][1] * (k // _SIZES[qtype][0])  # bytes per row
+        for r0 in range(0, n, rows):
+            r1 = min(n, r0 + rows)
+            tile = raw[r0 * ts : r1 * ts]
+            if x.is_cuda:
+                w = _qdequant(tile, qtype, r1 - r0, k)
+            else:
+                w = dequant.dequantize(tile, DType(qtype), (r1 - r0, k))
+            y[:, off + r0 : off + r1] = torch.matmul(xs, w.T)
+        off += n
     return y
