@@ -119,8 +119,12 @@ def _f16(blk, off: tl.constexpr):
 def _words(blk, off: tl.constexpr, n: tl.constexpr, ty: tl.constexpr, W: tl.constexpr):
     # n consecutive W-byte words of type ty from byte ``off`` of the (1, BN, NB) blocks
     # ``blk``: (n, BN, NB) uint32
-    i = tl.arange(0, n)[:, None, None]
-    return _ld(blk, off + i * W, ty).to(tl.uint32)
+    # The words are adjacent, but at 2- or 4-byte alignment no wider load can take them, and
+    # left known, some Triton versions (3.6) lay the threads along them, so that a thread
+    # holds one word of many blocks (scales recomputed for each); stated unknown
+    # (contiguity 1), every axis ties and the threads run along the blocks
+    i = tl.max_contiguous(tl.arange(0, n)[:, None, None] * W + off, [1, 1, 1])
+    return _ld(blk, i, ty).to(tl.uint32)
 
 
 @triton.jit
