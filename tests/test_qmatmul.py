@@ -132,8 +132,8 @@ def test_fused_kernel_matches_gguf(qtype):
 @pytest.mark.parametrize(("qtype", "k"), [(Q.Q4_0, 4096), (Q.Q8_0, 8192), (Q.Q6_K, 32768)],
                          ids=lambda v: getattr(v, "name", v))
 def test_fused_kernel_with_a_block_per_thread_matches_gguf(qtype, k):
-    # 128+ blocks a row: the tile holds a row's 128 blocks across the threads and its
-    # rows in registers (XROWS off), the layout of 8B-sized weights
+    # 128+ blocks a row: a tile of 128 blocks of each of its rows, the case of 8B-sized
+    # weights
     assert qm.fused_blocks(int(qtype), 3, k)[1] == 128
     raw = random_weight(qtype, 3, k, seed=5)
     x = np.random.default_rng(6).standard_normal((2, k)).astype(np.float32)

@@ -49,7 +49,7 @@ def fused(qtype, n, k, cfg=None):
         qkernels._qgemv_kernel[(x.shape[0], triton.cdiv(n, bn))](
             x, raw, y, n, k, n, QT=int(qtype), BS=bs, TS=ts, NSUB=nsub, A=a, B=b,
             MIN=int(qtype) in qkernels.MINS, ASM=qkernels.ASM, BLOCK_N=bn, NB=nb,
-            XROWS=nb < 32 * warps, num_warps=warps)
+            num_warps=warps)
         return y
     return run
 

@@ -49,19 +49,19 @@ _TORCH = {int(d) for d in dequant.SUPPORTED if d.is_quantized}
 def fused_blocks(qtype: int, n: int, k: int) -> tuple[int, int, int]:
     """(BLOCK_N, NB blocks per step, num_warps) of the fused kernel for a (n, k) weight.
 
-    A (row, block) pair for each of the 128 threads of 4 warps: NB the largest power of two
-    up to 128 dividing the row's blocks (no step half past the end), then rows up to 128
-    values a thread (64 for Q8_0, whose words hold 2 values, not 4 to 8), at least 2 (a
-    thread's rows share its x). Chosen from the sm_90 builds' instruction and register
-    counts; bench/probes/qgemv.py --sweep times the alternatives.
+    NB is the largest power of two up to 128 dividing the row's blocks (no step half past
+    the end); then rows for about 128 values a thread, and at least one (row, block) pair
+    for each thread (fewer warps where a row has few blocks). From the sm_90 builds (Triton
+    3.6 and 3.9): 7 to 9 instructions a value, 32 to 96 registers, no spills;
+    bench/probes/qgemv.py --sweep times the alternatives.
     """
     bs = qkernels.LAYOUTS[qtype][0]
     nblk = k // bs
     nb = 128
     while nb > 1 and nblk % nb:
         nb //= 2
-    per_thread = 64 if qtype == 8 else 128
-    return max(2, min(16, per_thread * 128 // (nb * bs))), nb, 4
+    block_n = max(1, min(32, max(16384 // (nb * bs), 128 // nb)))
+    return block_n, nb, max(1, min(4, block_n * nb // 32))
 
 
 if qkernels is not None:
@@ -76,7 +76,7 @@ if qkernels is not None:
         qkernels._qgemv_kernel[(x.shape[0], triton.cdiv(n, block_n))](
             x, raw, y, n, k, y.stride(0), QT=qtype, BS=bs, TS=ts, NSUB=nsub, A=a, B=b,
             MIN=qtype in qkernels.MINS, ASM=qkernels.ASM, BLOCK_N=block_n, NB=nb,
-            XROWS=nb < 32 * warps, num_warps=warps)
+            num_warps=warps)
         return y
 
     def _launch_dequant(raw: torch.Tensor, qtype: int, n: int, k: int,
