@@ -1,0 +1,119 @@
+"""Decode products from GGUF blocks on a GPU: apir's fused kernel (qmatmul, M=1) against the
+f16 gemv of gemv.py on the same shape, against dequantizing (torch decoders of dequant.py, or
+apir's Triton dequantize kernel) into an f16 scratch then a matmul. Each call reads a different
+weight copy (as a decode step's layers do), inside one CUDA graph. Prints µs per call and the
+effective read rate: the weight's bytes in its own format (GGUF blocks, or f16) per second.
+
+    python3 bench/probes/qgemv.py [Q4_0 Q8_0 ...] [--rows M] [--sweep]
+
+--sweep also times the fused kernel over a grid of (BLOCK_N, NB, warps) and prints the best
+next to the one apir.backends.local.qmatmul.fused_blocks picks.
+"""
+
+import sys
+
+import torch
+import triton
+from gemv import time_us  # bench/probes/gemv.py, beside this file
+from gguf import GGMLQuantizationType as Q
+
+from apir.backends.local import dequant, qkernels
+from apir.backends.local.gemv import _gemv_kernel, blocks
+from apir.backends.local.qmatmul import _launch_dequant, _launch_gemv, fused_blocks
+from apir.graph.dtypes import DType
+
+# (N, K) of an 8B llama's decode products: q/o, gate/up, down, output; and a 135M vocabulary
+SHAPES = [(4096, 4096), (14336, 4096), (4096, 14336), (128256, 4096), (49152, 576)]
+TYPES = [Q.Q4_0, Q.Q8_0, Q.Q4_K, Q.Q6_K, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q5_K, Q.Q2_K, Q.Q3_K]
+# byte offsets of each type's f16 scales (kept finite so the products can be compared)
+SCALES = {Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q5_0: (0,), Q.Q5_1: (0, 2), Q.Q8_0: (0,),
+          Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
+
+
+def random_raw(qtype, n, k):
+    bs, ts = qkernels.LAYOUTS[int(qtype)][:2]
+    raw = torch.randint(0, 256, (n * k // bs, ts), dtype=torch.uint8, device="cuda")
+    for off in SCALES[qtype]:
+        raw[:, off:off + 2] = (torch.rand(raw.shape[0], 1, device="cuda") * 0.02 - 0.01).half().view(torch.uint8)
+    return raw.reshape(-1)
+
+
+def fused(qtype, n, k, cfg=None):
+    if cfg is None:
+        return lambda x, raw: _launch_gemv(x, raw, int(qtype), n, k)
+    bn, nb, warps = cfg
+    bs, ts, nsub, a, b = qkernels.LAYOUTS[int(qtype)]
+
+    def run(x, raw):
+        y = torch.empty((x.shape[0], n), device="cuda", dtype=torch.float32)
+        qkernels._qgemv_kernel[(x.shape[0], triton.cdiv(n, bn))](
+            x, raw, y, n, k, n, QT=int(qtype), BS=bs, TS=ts, NSUB=nsub, A=a, B=b,
+            MIN=int(qtype) in qkernels.MINS, ASM=qkernels.ASM, BLOCK_N=bn, NB=nb,
+            num_warps=warps)
+        return y
+    return run
+
+
+def gemv16(n, k):
+    bn, bk, wp, st = blocks(n, k)
+
+    def run(x, w):
+        y = torch.empty(n, device="cuda", dtype=torch.float32)
+        _gemv_kernel[(triton.cdiv(n, bn),)](x, w, y, n, k, BLOCK_N=bn, BLOCK_K=bk, num_warps=wp, num_stages=st)
+        return y
+    return run
+
+
+def triton_dq_mm(qtype, n, k):
+    # the prefill path at M rows: Triton dequantize to an f16 scratch, then cuBLAS
+    return lambda x, raw: torch.matmul(x.half(), _launch_dequant(raw, int(qtype), n, k, torch.float16).T)
+
+
+def torch_dq_mm(qtype, n, k):
+    # today's executor: dequant.py's torch decoders, then cuBLAS
+    return lambda x, raw: torch.matmul(x.half(), dequant.dequantize(raw, DType(int(qtype)), (n, k)).half().T)
+
+
+def main(types, rows, sweep):
+    torch.manual_seed(0)
+    for n, k in SHAPES:
+        f16_ws = [torch.randn(n, k, device="cuda", dtype=torch.float16) for _ in range(max(2, min(64, (512 << 20) // (n * k * 2))))]
+        x16 = torch.randn(k, device="cuda", dtype=torch.float16)
+        us = time_us(gemv16(n, k), x16, f16_ws)
+        print(f"N={n} K={k} f16 gemv {us:.2f} µs {n * k * 2 / us / 1e6:.2f} TB/s", flush=True)
+        del f16_ws
+        for qtype in types:
+            bs, ts = qkernels.LAYOUTS[int(qtype)][:2]
+            if k % bs:
+                continue
+            nbytes = n * k // bs * ts
+            ws = [random_raw(qtype, n, k) for _ in range(max(2, min(64, (512 << 20) // nbytes)))]
+            x = torch.randn(rows, k, device="cuda")
+            want = x.double() @ dequant.dequantize(ws[0], DType(int(qtype)), (n, k)).double().T \
+                if int(qtype) in {int(d) for d in dequant.SUPPORTED} else None
+            got = fused(qtype, n, k)(x, ws[0])
+            if want is not None:
+                err = ((got.double() - want).abs().max() / want.abs().max()).item()
+                assert err < 1e-4, (qtype.name, n, k, err)
+            res = {f"fused{fused_blocks(int(qtype), n, k)}": time_us(fused(qtype, n, k), x, ws)}
+            if sweep:
+                best = None
+                for cfg in [(bn, nb, wp) for bn in (1, 2, 4, 8, 16) for nb in (1, 2, 4, 8, 16, 32)
+                            for wp in (2, 4, 8) if 512 <= bn * nb * bs <= 16384]:
+                    t = time_us(fused(qtype, n, k, cfg), x, ws, reps=10)
+                    if best is None or t < best[0]:
+                        best = (t, cfg)
+                res[f"best{best[1]}"] = best[0]
+            res["triton-dq+mm"] = time_us(triton_dq_mm(qtype, n, k), x, ws[:2])
+            if want is not None:
+                res["torch-dq+mm"] = time_us(torch_dq_mm(qtype, n, k), x, ws[:2])
+            line = " | ".join(f"{name} {t:.2f} µs {nbytes / t / 1e6:.2f} TB/s" for name, t in res.items())
+            print(f"  {qtype.name} M={rows} ({nbytes / 1e6:.1f} MB): {line}", flush=True)
+            del ws
+
+
+if __name__ == "__main__":
+    args = sys.argv[1:]
+    rows = int(args[args.index("--rows") + 1]) if "--rows" in args else 1
+    chosen = [t for t in TYPES if t.name in args] or TYPES
+    main(chosen, rows, "--sweep" in args)

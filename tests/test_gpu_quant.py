@@ -1,0 +1,85 @@
+"""Products from GGUF blocks on CUDA (run on a GPU host: pytest -m gpu tests/test_gpu_quant.py):
+the fused decode kernel and the dequantize-then-matmul path of qmatmul against gguf-py."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf import quants
+from test_qmatmul import SCALES, check_products, check_stacked, random_weight
+
+from apir.backends.local import qmatmul as qm
+
+pytestmark = pytest.mark.gpu
+TYPES = list(SCALES)
+
+
+def _cuda(a: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(a).cuda()
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_fused_decode_rows_match_gguf(qtype):
+    def product(x, raw, n, k):
+        assert x.shape[0] <= qm.FUSED_ROWS  # the fused kernel's path
+        return qm.qmatmul(_cuda(x), _cuda(raw), qtype, n, k)
+    check_products(qtype, product, rel=1e-5, rows=(1, 3, qm.FUSED_ROWS))
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_prefill_rows_match_gguf(qtype, monkeypatch):
+    # 17 rows take the dequantize + matmul path; a scratch of 192 B makes it tile N (1 to 3 rows)
+    monkeypatch.setattr(qm, "SCRATCH_BYTES", 3 * 64 * 2)
+    def product(x, raw, n, k):
+        return qm.qmatmul(_cuda(x), _cuda(raw), qtype, n, k)
+    # x and W are rounded to f16 before cuBLAS multiplies them
+    check_products(qtype, product, rel=2e-3, rows=(17,))
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_dequant_kernel_is_bit_exact_on_cuda(qtype):
+    for n, k in [(13, 96), (5, 768)] if quants.GGML_QUANT_SIZES[qtype][0] == 32 else [(13, 256), (5, 768)]:
+        raw = random_weight(qtype, n, k, seed=n)
+        got = qm._launch_dequant(_cuda(raw), int(qtype), n, k, torch.float32)
+        np.testing.assert_array_equal(got.cpu().numpy(), quants.dequantize(raw.reshape(n, -1), qtype))
+
+
+@pytest.mark.parametrize("m", [1, 17])
+def test_stacked_weights_of_mixed_types_on_cuda(m):
+    def product(x, parts):
+        return qm.qmatmul_stacked(_cuda(x), [(_cuda(r), t, n) for r, t, n in parts], 512)
+    check_stacked(product, m, rel=1e-5 if m <= qm.FUSED_ROWS else 2e-3)
+
+
+def test_8b_shapes_are_deterministic_and_graph_capturable():
+    for qtype in (Q.Q4_0, Q.Q8_0, Q.Q4_K, Q.Q6_K):
+        n, k = 4096, 14336
+        raw = _cuda(random_weight(qtype, n, k, seed=1))
+        x = torch.randn(1, k, device="cuda")
+        first = qm.qmatmul(x, raw, qtype, n, k)
+        out = torch.empty_like(first)
+        g = torch.cuda.CUDAGraph()
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            qm.qmatmul(x, raw, qtype, n, k)  # compile outside the capture
+        torch.cuda.current_stream().wait_stream(s)
+        with torch.cuda.graph(g):
+            out.copy_(qm.qmatmul(x, raw, qtype, n, k))
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(first, out), qtype.name
+        w = torch.from_numpy(quants.dequantize(raw.cpu().numpy().reshape(n, -1), qtype)).cuda()
+        want = x.double() @ w.double().T
+        assert ((first.double() - want).abs().max() / want.abs().max()).item() < 1e-5, qtype.name
+
+
+def test_misaligned_raw_is_refused_on_cuda():
+    buf = torch.zeros(2 + 4 * 18 * 2, dtype=torch.uint8, device="cuda")
+    raw = buf[2:]  # 2-byte aligned only
+    x = torch.zeros(1, 64, device="cuda")
+    assert not qm.usable(x, raw, Q.Q4_0, 4, 64)
+    with pytest.raises(ValueError, match="4-byte aligned"):
+        qm.qmatmul(x, raw, Q.Q4_0, 4, 64)

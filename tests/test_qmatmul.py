@@ -1,0 +1,159 @@
+"""Products from GGUF blocks (apir.backends.local.qmatmul) against gguf.quants.dequantize
+followed by a float64 numpy product, on random blocks and odd shapes.
+
+The Triton kernels run on a CPU under Triton's interpreter: with triton installed,
+TRITON_INTERPRET=1 pytest tests/test_qmatmul.py (the shared venv has no triton: skipped).
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf import quants
+
+from apir.backends.local import qmatmul as qm
+
+# byte offsets of the f16 scales (d, m, dmin) in each type's block
+SCALES = {Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q5_0: (0,), Q.Q5_1: (0, 2), Q.Q8_0: (0,),
+          Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
+TORCH_TYPES = [t for t in SCALES if int(t) in qm._TORCH]
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1" and qm.qkernels is not None
+needs_triton = pytest.mark.skipif(
+    not INTERPRET, reason="needs triton and TRITON_INTERPRET=1 to run the kernels on a CPU")
+
+
+def random_weight(qtype: Q, n: int, k: int, seed: int) -> np.ndarray:
+    """(n, k) of qtype as raw bytes: random quants, finite f16 scales in [-0.1, 0.1)."""
+    bs, ts = quants.GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, (n * k // bs, ts), dtype=np.uint8)
+    for off in SCALES[qtype]:
+        blocks[:, off : off + 2] = rng.uniform(-0.1, 0.1, (len(blocks), 1)).astype(np.float16).view(np.uint8)
+    return blocks.reshape(-1)
+
+
+def reference(x: np.ndarray, raw: np.ndarray, qtype: Q, n: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """x @ W.T in float64 and the bound |x| @ |W|.T that scales the allowed error."""
+    w = quants.dequantize(raw.reshape(n, -1), qtype).astype(np.float64)
+    return x.astype(np.float64) @ w.T, np.abs(x.astype(np.float64)) @ np.abs(w).T
+
+
+def check(y: torch.Tensor, x: np.ndarray, raw: np.ndarray, qtype: Q, n: int, k: int, rel: float):
+    want, scale = reference(x, raw, qtype, n, k)
+    assert y.dtype == torch.float32 and tuple(y.shape) == want.shape
+    err = np.abs(y.numpy().astype(np.float64) - want)
+    assert (err <= rel * scale + 1e-6).all(), (qtype.name, float((err / (scale + 1e-30)).max()))
+
+
+# K a multiple of the block but not of 256 (32-element types), N not a multiple of a row tile
+SHAPES_32 = [(1, 13, 96), (3, 9, 64), (17, 5, 160)]
+SHAPES_256 = [(1, 13, 256), (3, 9, 512), (17, 5, 768)]
+
+
+def check_products(qtype: Q, product, rel: float, rows: tuple[int, ...] = ()):
+    """``product(x, raw, n, k)`` (numpy in, a tensor (M, N) out) against gguf-py over the
+    type's shapes, with their M or each of ``rows``."""
+    shapes = SHAPES_32 if quants.GGML_QUANT_SIZES[qtype][0] == 32 else SHAPES_256
+    for i, (m, n, k) in enumerate(shapes):
+        raw = random_weight(qtype, n, k, seed=i)
+        for mm in rows or (m,):
+            x = np.random.default_rng(100 + i).standard_normal((mm, k)).astype(np.float32)
+            check(product(x, raw, n, k).cpu(), x, raw, qtype, n, k, rel)
+
+
+@pytest.mark.parametrize("qtype", TORCH_TYPES, ids=lambda t: t.name)
+def test_cpu_path_matches_gguf(qtype):
+    def product(x, raw, n, k):
+        return qm.qmatmul(torch.from_numpy(x), torch.from_numpy(raw), qtype, n, k)
+    check_products(qtype, product, rel=1e-5)
+
+
+def test_cpu_path_tiles_rows_within_the_scratch(monkeypatch):
+    # a scratch of 3 rows of K=64 f32: the 10 rows go through 4 tiles, same product
+    monkeypatch.setattr(qm, "SCRATCH_BYTES", 3 * 64 * 4)
+    raw = random_weight(Q.Q8_0, 10, 64, seed=7)
+    x = np.random.default_rng(8).standard_normal((2, 64)).astype(np.float32)
+    y = qm.qmatmul(torch.from_numpy(x), torch.from_numpy(raw), Q.Q8_0, 10, 64)
+    check(y, x, raw, Q.Q8_0, 10, 64, rel=1e-5)
+
+
+def stacked_case(m: int):
+    """x and three weights of different types (a Q4_K_M q/k/v) with K=512, and the
+    reference product with them stacked along N."""
+    parts = [(Q.Q4_K, 7), (Q.Q6_K, 3), (Q.Q8_0, 5)]
+    raws = [random_weight(t, n, 512, seed=n) for t, n in parts]
+    x = np.random.default_rng(9).standard_normal((m, 512)).astype(np.float32)
+    refs = [reference(x, raw, t, n, 512) for raw, (t, n) in zip(raws, parts)]
+    want, scale = (np.concatenate(r, axis=1) for r in zip(*refs))
+    return x, [(raw, t, n) for raw, (t, n) in zip(raws, parts)], want, scale
+
+
+def check_stacked(product, m: int, rel: float):
+    x, parts, want, scale = stacked_case(m)
+    y = product(x, parts).cpu().numpy().astype(np.float64)
+    assert y.shape == want.shape
+    assert (np.abs(y - want) <= rel * scale + 1e-6).all()
+
+
+def test_stacked_weights_of_mixed_types_multiply_as_one():
+    def product(x, parts):
+        return qm.qmatmul_stacked(torch.from_numpy(x), [(torch.from_numpy(r), t, n) for r, t, n in parts], 512)
+    check_stacked(product, 3, rel=1e-5)
+
+
+def test_bad_arguments_are_refused_with_the_reason():
+    raw = torch.from_numpy(random_weight(Q.Q4_0, 4, 64, seed=0))
+    x = torch.zeros(1, 64)
+    assert qm.usable(x, raw, Q.Q4_0, 4, 64)
+    with pytest.raises(ValueError, match="raw must be 1-D uint8 of 144 bytes"):
+        qm.qmatmul(x, raw[:-1], Q.Q4_0, 4, 64)
+    with pytest.raises(ValueError, match="K=48 must be a positive multiple of 32"):
+        qm.qmatmul(torch.zeros(1, 48), raw, Q.Q4_0, 4, 48)
+    with pytest.raises(ValueError, match=r"x must be \(M, 64\)"):
+        qm.qmatmul(torch.zeros(1, 32), raw, Q.Q4_0, 4, 64)
+    with pytest.raises(ValueError, match="type 1 is not a supported block type"):
+        qm.qmatmul(x, raw, 1, 4, 64)
+    assert not qm.usable(x, raw, Q.F16, 4, 64)
+
+
+@needs_triton
+@pytest.mark.parametrize("qtype", list(SCALES), ids=lambda t: t.name)
+def test_fused_kernel_matches_gguf(qtype):
+    def product(x, raw, n, k):
+        return qm._launch_gemv(torch.from_numpy(x), torch.from_numpy(raw), int(qtype), n, k)
+    check_products(qtype, product, rel=1e-5)
+
+
+@needs_triton
+@pytest.mark.parametrize(("qtype", "k"), [(Q.Q4_0, 4096), (Q.Q8_0, 8192), (Q.Q6_K, 32768)],
+                         ids=lambda v: getattr(v, "name", v))
+def test_fused_kernel_with_a_block_per_thread_matches_gguf(qtype, k):
+    # 128+ blocks a row: a tile of 128 blocks of each of its rows, the case of 8B-sized
+    # weights
+    assert qm.fused_blocks(int(qtype), 3, k)[1] == 128
+    raw = random_weight(qtype, 3, k, seed=5)
+    x = np.random.default_rng(6).standard_normal((2, k)).astype(np.float32)
+    y = qm._launch_gemv(torch.from_numpy(x), torch.from_numpy(raw), int(qtype), 3, k)
+    check(y, x, raw, qtype, 3, k, rel=1e-5)
+
+
+@needs_triton
+def test_fused_kernel_writes_stacked_weights_into_one_result():
+    def product(x, parts):
+        raws, qtypes, ns = zip(*parts)
+        return qm._qgemv(torch.from_numpy(x), [torch.from_numpy(r) for r in raws],
+                         [int(t) for t in qtypes], list(ns), 512)
+    check_stacked(product, 2, rel=1e-5)
+
+
+@needs_triton
+@pytest.mark.parametrize("qtype", list(SCALES), ids=lambda t: t.name)
+def test_dequant_kernel_is_bit_exact(qtype):
+    for n, k in [(13, 96), (5, 768)] if quants.GGML_QUANT_SIZES[qtype][0] == 32 else [(13, 256), (5, 768)]:
+        raw = random_weight(qtype, n, k, seed=n)
+        got = qm._launch_dequant(torch.from_numpy(raw), int(qtype), n, k, torch.float32)
+        np.testing.assert_array_equal(got.numpy(), quants.dequantize(raw.reshape(n, -1), qtype))
