@@ -86,7 +86,7 @@ def test_every_op_that_takes_a_quantized_weight_takes_it_as_blocks():
     w = np.random.default_rng(1).standard_normal((6, 64)).astype(np.float32)
     raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q5_0)
     dense = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q5_0)
-    blocks = Blocks(torch.from_numpy(raw.reshape(-1).copy()), DType.Q5_0, (6, 64))
+    blocks = Blocks(torch.from_numpy(raw.reshape(-1).copy()), int(DType.Q5_0), (6, 64))
     ids = torch.tensor([[5, 0], [5, 2]], dtype=torch.int32)
     np.testing.assert_array_equal(KERNELS[Op.GET_ROWS](blocks, ids).numpy(), dense[ids.numpy()])
     x = torch.ones((2, 64))

@@ -165,7 +165,7 @@ class LocalBackend(Executor):
         """A WEIGHT as uploaded, no copy: its blocks, or a view of its bytes (offsets are
         ALIGNMENT-aligned, so every view is aligned)."""
         if node.dtype.is_quantized:
-            return kernels.Blocks(self._raw(node), node.dtype, node.shape)
+            return kernels.Blocks(self._raw(node), int(node.dtype), node.shape)
         return self._raw(node).view(TORCH_DTYPES[node.dtype]).view(node.shape)
 
     def _fused_weight(self, step: FusedMatmul) -> torch.Tensor | tuple:

@@ -27,7 +27,7 @@ class Blocks:
     its bytes in the buffer (N rows of K / block_size blocks), the only copy."""
 
     raw: torch.Tensor
-    dtype: DType
+    qtype: int  # the DType's ggml id (a plain int, for torch.compile's tracing)
     shape: tuple[int, int]
 
 
@@ -44,9 +44,9 @@ def qproduct(x: torch.Tensor, parts: tuple[Blocks, ...]) -> torch.Tensor:
         # the fused decode kernel, as qmatmul_stacked calls it (buffer offsets are 32-byte
         # aligned, so its argument checks hold by construction), traceable by torch.compile
         y = qmatmul._qgemv(x2.float().contiguous(), [p.raw for p in parts],
-                           [int(p.dtype) for p in parts], [p.shape[0] for p in parts], k)
+                           [p.qtype for p in parts], [p.shape[0] for p in parts], k)
     else:
-        y = _stacked(x2, [(p.raw, p.dtype, p.shape[0]) for p in parts], k)
+        y = _stacked(x2, [(p.raw, p.qtype, p.shape[0]) for p in parts], k)
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
@@ -80,7 +80,7 @@ def get_rows(table: torch.Tensor | Blocks, ids: torch.Tensor) -> torch.Tensor:
     if isinstance(table, Blocks):
         n, k = table.shape
         rows = table.raw.view(n, -1)[ids.long().reshape(-1)]  # (R, bytes per row)
-        return dequantize(rows.reshape(-1), table.dtype, (*ids.shape, k))
+        return dequantize(rows.reshape(-1), DType(table.qtype), (*ids.shape, k))
     return table[ids.long()].float()
 
 
