@@ -124,6 +124,11 @@ COMPILE = EnvVar(
     "all = prefill chunks too: ~1.5x faster prefill on an H200, a compile per chunk length "
     "and sampling mode, which apir serve does before it reports ready)",
 )
+DEQUANT_CACHE = EnvVar(
+    "APIR_DEQUANT_CACHE", "0",
+    "host: 1 = keep dequantized copies of quantized and F16 weights (faster on a CPU host, "
+    "several times the memory); 0 = every weight held once, as in the GGUF",
+)
 SPIN_US = EnvVar(
     "APIR_SPIN_US", None,
     "guest and host: busy-poll this many microseconds for the next frame before sleeping "
@@ -159,7 +164,7 @@ CONFIG = EnvVar(
 
 ALL = (
     CONFIG, MODEL, BACKEND, DEVICE, CTX_SIZE, THREADS, REMOTE, TOKEN, TOKEN_FILE, HOST_LISTEN, API_KEY,
-    CACHE_DIR, HF_ENDPOINT, HF_TOKEN, BENCH_HISTORY, CUDA_GRAPHS, COMPILE, SPIN_US,
+    CACHE_DIR, HF_ENDPOINT, HF_TOKEN, BENCH_HISTORY, CUDA_GRAPHS, COMPILE, DEQUANT_CACHE, SPIN_US,
 )
 
 _cached: tuple[tuple, dict[str, str]] = ((), {})  # (path, mtime, size) -> parsed values

@@ -100,7 +100,7 @@ def test_synthetic_weights_are_valid_and_finite(dtype: str) -> None:
     assert f.nbytes == sum(t.data.nbytes for t in f.tensors.values())
 
 
-@pytest.mark.parametrize("spec", ["llama-3b", "llama-1b:q4_k", "gpt2"])
+@pytest.mark.parametrize("spec", ["llama-3b", "llama-1b:q3_k", "gpt2"])
 def test_unknown_synthetic_spec_is_a_bench_error(spec: str) -> None:
     with pytest.raises(BenchError, match=spec.split(":")[-1]):
         parse_spec(spec)

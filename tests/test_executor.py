@@ -37,7 +37,7 @@ def test_llama_blocks_fuse_qkv_and_gate_up(tiny):
         a = model.args
         qkv = next(s for s in fused if len(s.members) == 3)
         assert qkv.widths == (a.n_head * a.head_dim, a.n_head_kv * a.head_dim, a.n_head_kv * a.head_dim)
-        # the separate weights are not kept beside the concatenated ones
+        # fused weights are read by their products alone (no separate reads of them)
         unread = [s for s in prog.steps if isinstance(s, Leaf) and not s.read]
         assert len(unread) == 3 * 5
 
@@ -291,6 +291,11 @@ def test_the_executor_runs_as_its_config_says_not_as_the_environment_does(tmp_pa
     assert ExecutorConfig.from_env() == ExecutorConfig(cuda_graphs=False, compile="all")
     monkeypatch.setenv("APIR_COMPILE", "0")
     assert ExecutorConfig.from_env().compile == "off"
+    assert not ExecutorConfig.from_env().dequant_cache  # weights held once unless asked
+    monkeypatch.setenv("APIR_DEQUANT_CACHE", "1")
+    assert ExecutorConfig.from_env().dequant_cache
+    with LocalBackend("cpu") as b:
+        assert not b.dequant_cache
     with LocalBackend("cpu") as b:
         assert (b.compile_prefill, b.cuda_graphs) == (False, False)  # cpu: never captured
     with LocalBackend("cpu", config=ExecutorConfig(compile="all")) as b:

@@ -20,7 +20,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from apir.backends import create_backend, numpy_ref  # noqa: E402
-from apir.backends.base import Backend  # noqa: E402
+from apir.backends.base import Backend, ExecutorConfig  # noqa: E402
 from apir.backends.local import kernels as local_kernels  # noqa: E402
 from apir.graph import OPS, Alias, DType, GraphBuilder, Op, SampleArgs, T, Value  # noqa: E402
 from apir.graph.dtypes import NUMPY_DTYPES  # noqa: E402
@@ -204,11 +204,13 @@ def test_alias_facts_match_the_kernels(kernels: dict) -> None:
     assert {Op.CONTIGUOUS, Op.RESHAPE} <= {op for op in aliasing if OPS[op].alias is Alias.MAYBE}
 
 
-@pytest.mark.parametrize("name", BACKENDS)
+@pytest.mark.parametrize("name", [*BACKENDS, "local-cached"])
 def test_rewritten_weights_are_read_again(name: str) -> None:
-    """The executors cache weights dequantized (and, on local, two products' weights
-    concatenated); a write to their buffer makes the next compute read them again."""
-    be = make_backend(name)
+    """The executors cache weights dequantized (local only with its dequant cache, and then
+    two products' weights concatenated; by default it reads the buffer's bytes); a write
+    to their buffer makes the next compute read them again."""
+    cached = ExecutorConfig(dequant_cache=True)
+    be = create_backend("local", device="cpu", config=cached) if name == "local-cached" else make_backend(name)
     h = be.alloc_buffer(2 * 64)  # two F16 (4, 8) weights
     g = GraphBuilder()
     x = g.input("x", (T, 8))
@@ -218,7 +220,7 @@ def test_rewritten_weights_are_read_again(name: str) -> None:
         be.set_tensor(h, 0, np.full((2, 4, 8), value, np.float16))
         for out in be.compute(gid, {"x": np.ones((1, 8), np.float32)}):
             np.testing.assert_array_equal(out, np.full((1, 4), 8 * value, np.float32))
-    assert be._weights
+    assert bool(be._weights) == (name != "local")
     be.free_buffer(h)
     assert be._weights == {}  # freed with their buffer
 

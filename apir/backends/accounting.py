@@ -35,6 +35,7 @@ class Ledger:
         self.peak = 0  # the most ``buffers`` has been
         self.extra = 0  # derived weight forms + graph metadata
         self.derived: dict[tuple, int] = {}  # derived forms' bytes by weight (see graph_charge)
+        self.derives = True  # the executor caches derived weight forms (False: reads them as stored)
 
     def check(self, extra: int, what: str) -> None:
         limit, used = self.limits.max_memory, self.buffers + self.extra
@@ -60,7 +61,7 @@ class Ledger:
         total with its metadata), for ``add_graph`` once it is compiled."""
         # keyed as the executors key their cached forms: (handle, offset, dtype, shape)
         keys = {(*n.attrs, n.dtype, n.shape) for n in graph.nodes if n.op is Op.WEIGHT}
-        derived = {k: derived_nbytes(k[2], k[3]) for k in keys - self.derived.keys()}
+        derived = {k: derived_nbytes(k[2], k[3]) for k in keys - self.derived.keys() if self.derives}
         total = sum(derived.values()) + GRAPH_NODE_BYTES * len(graph.nodes)
         self.check(total, f"registering a graph of {len(graph.nodes)} nodes")
         return derived, total

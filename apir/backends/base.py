@@ -65,6 +65,10 @@ class ExecutorConfig:
     cuda_graphs: bool = True  # replay steps from captured CUDA graphs (CUDA devices only)
     # torch.compile captured steps: "decode" steps only, "all" prefill chunks too, or "off"
     compile: str = "decode"
+    # keep dequantized f32/f16 copies of quantized and 16-bit weights beside their buffer
+    # bytes (the faster CPU path before qmatmul, at up to 8x the weights' memory); off, every
+    # weight is held once, as uploaded, and products compute from its blocks
+    dequant_cache: bool = False
 
     def __post_init__(self) -> None:
         if self.compile not in COMPILE_MODES:
@@ -72,11 +76,13 @@ class ExecutorConfig:
 
     @classmethod
     def from_env(cls) -> ExecutorConfig:
-        """APIR_CUDA_GRAPHS and APIR_COMPILE (environment, then the user config file)."""
+        """APIR_CUDA_GRAPHS, APIR_COMPILE and APIR_DEQUANT_CACHE (environment, then the
+        user config file)."""
         from .. import env
 
         mode = env.COMPILE.get() or "1"
-        return cls(env.CUDA_GRAPHS.get() != "0", {"0": "off", "all": "all"}.get(mode, "decode"))
+        return cls(env.CUDA_GRAPHS.get() != "0", {"0": "off", "all": "all"}.get(mode, "decode"),
+                   env.DEQUANT_CACHE.get() == "1")
 
 
 DEFAULT_EXECUTOR = ExecutorConfig()

@@ -105,7 +105,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         f"(default: {DEFAULT_MODEL})")
     p.add_argument("--synthetic", action="append", metavar="SHAPE[:TYPE]",
                    help="random weights of a real shape, no download: llama-135m, llama-1b, "
-                        "llama-8b (llama-tiny for tests), TYPE f16 (default), bf16, q8_0; "
+                        "llama-8b (llama-tiny for tests), TYPE f16 (default), bf16, f32, q8_0, q4_0, q6_k, "
+                        "q4_k (a Q4_K_M-like mix); "
                         "repeatable or comma-separated for a size sweep")
     p.add_argument("-p", "--n-prompt", type=_ints, default=[512], metavar="N[,N...]",
                    help="prompt tokens of the ppN tests (default 512; 0 = none)")

@@ -20,6 +20,7 @@ FIELDS = (
     "cpu_info", "n_cpus", "model", "model_type", "model_size", "model_params", "synthetic",
     "backend", "device", "device_kind", "n_ctx", "n_prompt", "n_gen", "test", "n_reps",
     "avg_ns", "stddev_ns", "avg_ts", "stddev_ts", "samples_ns", "samples_ts", "pct_native",
+    "gpu_memory",
 )
 FORMATS = ("md", "json", "jsonl", "csv")
 
@@ -86,7 +87,7 @@ def render(records: Sequence[dict], fmt: str) -> str:
         w = csv.DictWriter(buf, fieldnames=FIELDS, extrasaction="ignore", lineterminator="\n")
         w.writeheader()
         for r in records:
-            w.writerow({k: json.dumps(v) if isinstance(v, list) else v for k, v in r.items()})
+            w.writerow({k: json.dumps(v) if isinstance(v, (list, dict)) else v for k, v in r.items()})
         return buf.getvalue()
     raise BenchError(f"unknown output format {fmt!r}: choose one of {', '.join(FORMATS)}")
 

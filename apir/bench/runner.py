@@ -32,7 +32,10 @@ import numpy as np
 
 from .. import __version__
 from ..backends import Backend
+from ..backends.executor import Executor
+from ..backends.remote import RemoteBackend, host_status
 from ..engine.model import Model
+from ..errors import ApirError
 from ..flags import RunConfig, model_path
 from ..models.gguf_file import GGUFFile
 from ..models.resolve import DEFAULT_CACHE_DIR, KNOWN_MODELS
@@ -193,8 +196,26 @@ def measure(model: Model, test: BenchTest, prompt: Sequence[int]) -> float:
     return time.perf_counter() - t0
 
 
+def resident_memory(be: Backend) -> dict | None:
+    """What the backend's host holds for the model after the tests: {"allocated", "peak"}
+    bytes (its buffers: weights, KV cache, compute; plus derived weight copies an executor
+    charges), from the executor itself, or for a remote backend from the host's status of
+    its session; None where that cannot be read (a tcp host wants its token)."""
+    if isinstance(be, Executor):
+        derived = sum(be.ledger.derived.values())
+        return {"allocated": be.allocated_bytes() + derived, "peak": be.peak_bytes + derived}
+    if isinstance(be, RemoteBackend):
+        try:
+            sessions = host_status(str(be.address)).sessions
+        except (ApirError, OSError):
+            return None
+        mine = [s for s in sessions if s.session == be.session]
+        return {"allocated": mine[0].allocated, "peak": mine[0].peak} if mine else None
+    return None
+
+
 def _record(meta: dict, model: str, f, backend: str, dev, test: BenchTest, n_ctx: int,
-            seconds: list[float]) -> dict:
+            seconds: list[float], memory: dict | None) -> dict:
     ts = [test.n / s for s in seconds]
     ns = [round(s * 1e9) for s in seconds]
     return {
@@ -219,6 +240,7 @@ def _record(meta: dict, model: str, f, backend: str, dev, test: BenchTest, n_ctx
         "samples_ns": ns,
         "samples_ts": ts,
         "pct_native": None,
+        "gpu_memory": memory,  # resident_memory: {"allocated", "peak"} bytes, or None
     }
 
 
@@ -276,8 +298,9 @@ def _run_source(config: BenchConfig, source: Source, meta: dict, log: Log) -> li
                     s = measure(m, test, prompt)
                     seconds.setdefault((b, test.name), []).append(s)
                     log(f"{name} {test.name} {b}: rep {rep + 1}/{config.reps} {test.n / s:,.2f} t/s")
+        memory = {b: resident_memory(be) for b, be in backends.items()}
         return [
-            _record(meta, name, f, b, devices[b], test, n_ctx, seconds[(b, test.name)])
+            _record(meta, name, f, b, devices[b], test, n_ctx, seconds[(b, test.name)], memory[b])
             for test in tests
             for b in models
         ]

@@ -6,8 +6,13 @@ tokenizer (``reader`` is None): a benchmark feeds token ids directly.
 
 Weights are cheap to make: one random block of valid values per dtype (1 MiB) is tiled
 into a pool as large as the largest tensor, and every tensor is a zero-copy view of the
-pool's first bytes. The values are small (std ~0.02) and finite; Q8_0 blocks carry
-finite f16 scales. Norm weights are ones in F32, as GGUF stores them.
+pool's first bytes. The values are small (std ~0.02) and finite: block types get random
+quant bytes under fixed f16 scales. Norm weights are ones in F32, as GGUF stores them.
+
+``q4_k`` is a Q4_K_M-like mix, as llama.cpp's quantize makes it: Q6_K for the output (the
+token embedding when tied) and for attn_v / ffn_down in the layers ``use_more_bits``
+picks (about half), Q4_K elsewhere; a K-type tensor whose rows are not whole 256-element
+blocks falls back as llama.cpp's does (Q4_K -> Q5_0, Q6_K -> Q8_0).
 """
 
 from __future__ import annotations
@@ -83,7 +88,23 @@ SHAPES: dict[str, Shape] = {
         Shape("llama-8b", "Llama-3-8B", 32, 4096, 32, 8, 14336, 128256, 128, 500000.0, False, 8192),
     )
 }
-WEIGHT_DTYPES = {"f16": DType.F16, "bf16": DType.BF16, "q8_0": DType.Q8_0, "f32": DType.F32}
+WEIGHT_DTYPES = {"f16": DType.F16, "bf16": DType.BF16, "q8_0": DType.Q8_0, "f32": DType.F32,
+                 "q4_0": DType.Q4_0, "q4_k": DType.Q4_K, "q6_k": DType.Q6_K}
+# per block type: byte offsets of its f16 scales (d, dmin), and d for values of std ~WEIGHT_STD
+# when every other byte is random (quants uniform; K sub-scales ~32, Q6_K's int8 ones ~74)
+SCALES: dict[DType, tuple[tuple[int, ...], float]] = {
+    DType.Q4_0: ((0,), WEIGHT_STD / 4.6),
+    DType.Q5_0: ((0,), WEIGHT_STD / 9.2),
+    DType.Q8_0: ((0,), WEIGHT_STD / 74.0),
+    DType.Q4_K: ((0, 2), WEIGHT_STD / (32 * 4.6)),
+    DType.Q6_K: ((208,), WEIGHT_STD / (74 * 18.5)),
+}
+K_FALLBACK = {DType.Q4_K: DType.Q5_0, DType.Q6_K: DType.Q8_0}  # rows not whole 256-blocks
+
+
+def use_more_bits(layer: int, n_layer: int) -> bool:
+    """llama.cpp's choice of the layers whose attn_v / ffn_down get more bits in *_K_M."""
+    return layer < n_layer // 8 or layer >= 7 * n_layer // 8 or (layer - n_layer // 8) % 3 == 2
 
 
 def parse_spec(spec: str) -> tuple[Shape, DType]:
@@ -102,12 +123,12 @@ def parse_spec(spec: str) -> tuple[Shape, DType]:
 def random_block(dtype: DType, nbytes: int, seed: int = 0) -> np.ndarray:
     """About ``nbytes`` of valid random ``dtype`` data (whole elements/blocks), as uint8."""
     rng = np.random.default_rng(seed)
-    if dtype is DType.Q8_0:
-        n_blocks = max(1, nbytes // dtype.type_size)
-        # (d f16 | qs[32] int8) per block; |qs| <= 127 has std ~73, so d makes std ~WEIGHT_STD
-        d = np.full((n_blocks, 1), WEIGHT_STD / 73.0, np.float16).view(np.uint8)
-        qs = rng.integers(-127, 128, (n_blocks, 32), dtype=np.int8).view(np.uint8)
-        return np.concatenate([d, qs], axis=1).reshape(-1)
+    if dtype in SCALES:
+        offsets, d = SCALES[dtype]
+        blocks = rng.integers(0, 256, (max(1, nbytes // dtype.type_size), dtype.type_size), np.uint8)
+        for off in offsets:
+            blocks[:, off : off + 2] = np.full((1, 1), d, np.float16).view(np.uint8)
+        return blocks.reshape(-1)
     n = max(1, nbytes // dtype.type_size)
     x = (rng.standard_normal(n, np.float32) * WEIGHT_STD).astype(np.float32)
     if dtype is DType.F16:
@@ -151,8 +172,17 @@ class SyntheticFile:
     def from_spec(cls, spec: str) -> SyntheticFile:
         return cls(*parse_spec(spec))
 
-    def _dtype_of(self, shape: tuple[int, ...]) -> DType:
-        return self.dtype if len(shape) == 2 else DType.F32
+    def _dtype_of(self, name: str, shape: tuple[int, ...]) -> DType:
+        if len(shape) != 2:
+            return DType.F32
+        dtype = self.dtype
+        if dtype is DType.Q4_K:  # the Q4_K_M-like mix (see the module's docstring)
+            parts = name.split(".")
+            output = name == ("token_embd.weight" if self.shape.tied else "output.weight")
+            more = parts[0] == "blk" and parts[2] in ("attn_v", "ffn_down") \
+                and use_more_bits(int(parts[1]), self.shape.n_layer)
+            dtype = DType.Q6_K if output or more else dtype
+        return K_FALLBACK.get(dtype, dtype) if shape[1] % dtype.block_size else dtype
 
     def get(self, key: str, default=None):
         return self._meta.get(key.format(arch=self.arch), default)
@@ -166,17 +196,18 @@ class SyntheticFile:
     @cached_property
     def tensors(self) -> dict[str, TensorInfo]:
         """Every tensor, made on first use (views of one random pool per dtype)."""
-        specs = self.shape.tensor_shapes()
-        largest = max(self.dtype.nbytes(s) for _, s in specs if len(s) == 2)
-        block = random_block(self.dtype, BLOCK_BYTES)
-        pool = np.tile(block, -(-largest // block.nbytes))
+        specs = [(name, shape, self._dtype_of(name, shape)) for name, shape in self.shape.tensor_shapes()]
+        largest: dict[DType, int] = {}
+        for _, shape, dtype in specs:
+            if len(shape) == 2:
+                largest[dtype] = max(largest.get(dtype, 0), dtype.nbytes(shape))
+        pools = {}
+        for dtype, size in largest.items():
+            block = random_block(dtype, BLOCK_BYTES)
+            pools[dtype] = np.tile(block, -(-size // block.nbytes))
         ones = np.ones(self.shape.n_embd, np.float32).view(np.uint8)  # every norm is n_embd wide
-        out = {}
-        for name, shape in specs:
-            dtype = self._dtype_of(shape)
-            data = pool[: dtype.nbytes(shape)] if len(shape) == 2 else ones
-            out[name] = TensorInfo(name, dtype, shape, data)
-        return out
+        return {name: TensorInfo(name, dtype, shape, pools[dtype][: dtype.nbytes(shape)] if len(shape) == 2 else ones)
+                for name, shape, dtype in specs}
 
     def tensor(self, name: str) -> TensorInfo:
         try:
@@ -191,7 +222,7 @@ class SyntheticFile:
     @property
     def nbytes(self) -> int:
         """Bytes of all weights, computed from the shapes (nothing is allocated)."""
-        return sum(self._dtype_of(s).nbytes(s) for _, s in self.shape.tensor_shapes())
+        return sum(self._dtype_of(n, s).nbytes(s) for n, s in self.shape.tensor_shapes())
 
     def quantization(self) -> str:
         return self.dtype.name

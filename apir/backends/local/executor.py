@@ -1,9 +1,15 @@
 """The host executor ("native"): PyTorch on cpu, cuda or mps.
 
 Buffers are uint8 tensors on the device. A registered graph is compiled once into a
-``Program``: a flat list of steps with their kernels and attributes resolved, and the
-weights it reads dequantized into device tensors. Compute then only binds inputs and
-walks the list.
+``Program``: a flat list of steps with their kernels and attributes resolved. Compute then
+only binds inputs and walks the list.
+
+Every weight is held once, in the buffer the guest uploaded it to: a quantized one is read
+by MATMUL and GET_ROWS straight from its GGUF blocks (``kernels.Blocks``, qmatmul), a
+16-bit or f32 one is a view of its bytes. Only a step that needs a weight as a plain
+tensor gets a dense copy, made per compute and freed after it (on a CPU that includes
+16-bit weights, which are computed in f32). ``ExecutorConfig.dequant_cache`` brings back
+cached dequantized copies (faster on a CPU, several times the memory).
 """
 
 from __future__ import annotations
@@ -79,6 +85,8 @@ class LocalBackend(Executor):
                  config: ExecutorConfig = DEFAULT_EXECUTOR) -> None:
         super().__init__(limits)
         self.torch_device = pick_device(device)
+        self.dequant_cache = config.dequant_cache
+        self.ledger.derives = config.dequant_cache  # no derived weight forms to charge otherwise
         self.cuda_graphs = config.cuda_graphs and self.torch_device.type == "cuda"
         self.compile = self.cuda_graphs and config.compile != "off"
         self.compile_prefill = config.compile == "all"
@@ -140,35 +148,61 @@ class LocalBackend(Executor):
         handle, offset = node.attrs
         return self._buffers[handle].storage[offset : offset + node.dtype.nbytes(node.shape)]
 
-    def _leaf(self, node) -> torch.Tensor:
+    def _leaf(self, node, plain: bool = True):
+        """The value a WEIGHT or STATE leaf gives its readers; ``plain``: some reader needs a
+        dense tensor (see ``Leaf.plain``), else MATMUL and GET_ROWS take it as stored."""
         if node.op is Op.STATE:
             return self._raw(node).view(TORCH_DTYPES[node.dtype]).view(node.shape)  # live view
-        if node.dtype is DType.I32:
-            return self._cached((node,), lambda: self._raw(node).view(torch.int32).view(node.shape))
-        return self._cached((node,), lambda: self._dequantized(node))
+        if node.dtype in (DType.F32, DType.I32):
+            return self._stored(node)
+        if self.dequant_cache:
+            return self._cached((node,), lambda: self._dequantized(node))
+        if plain and (node.dtype.is_quantized or self.torch_device.type == "cpu"):
+            return self._dequantized(node)  # for this compute only
+        return self._stored(node)
 
-    def _fused_weight(self, step: FusedMatmul) -> torch.Tensor:
-        """The members' weights, dequantized and concatenated along N."""
-        return self._cached(step.weights, lambda: torch.cat([self._dequantized(n) for n in step.weights]))
+    def _stored(self, node) -> torch.Tensor | kernels.Blocks:
+        """A WEIGHT as uploaded, no copy: its blocks, or a view of its bytes (offsets are
+        ALIGNMENT-aligned, so every view is aligned)."""
+        if node.dtype.is_quantized:
+            return kernels.Blocks(self._raw(node), int(node.dtype), node.shape)
+        return self._raw(node).view(TORCH_DTYPES[node.dtype]).view(node.shape)
+
+    def _fused_weight(self, step: FusedMatmul) -> torch.Tensor | tuple:
+        """The members' weights for ``kernels.fused_matmul``: one view where they lie one
+        after another in a buffer in one plain dtype (q, k, v uploaded in order), else each
+        as stored; with the dequant cache, dequantized and concatenated."""
+        ws = step.weights
+        if self.dequant_cache and any(w.dtype not in (DType.F32, DType.I32) for w in ws):
+            return self._cached(ws, lambda: torch.cat([self._dequantized(n) for n in ws]))
+        (handle, start), dtype = ws[0].attrs, ws[0].dtype
+        end = start
+        for w in ws:
+            if w.attrs != (handle, end) or w.dtype is not dtype:
+                break
+            end += dtype.nbytes(w.shape)
+        else:
+            if not dtype.is_quantized:
+                span = self._buffers[handle].storage[start:end]
+                return span.view(TORCH_DTYPES[dtype]).view(sum(step.widths), ws[0].shape[1])
+        return tuple(self._stored(w) for w in ws)
 
     def _dequantized(self, node) -> torch.Tensor:
         return dequantize(self._raw(node), node.dtype, node.shape).to(self._weight_dtype(node.dtype))
 
     def _compile(self, graph: Graph) -> Program:
         prog = compile_program(graph, self.torch_device.type != "cpu", self._weight_dtype)
-        for step in prog.steps:  # dequantize now, not on the first compute
-            if isinstance(step, FusedMatmul):
-                self._fused_weight(step)
-            elif isinstance(step, Leaf) and step.read and step.node.op is Op.WEIGHT:
-                self._leaf(step.node)
+        if self.dequant_cache:
+            self._constants(prog)  # dequantize now, not on the first compute
         return prog
 
-    def _constants(self, prog: Program) -> dict[int, torch.Tensor]:
-        """node id -> the weight or state tensor each leaf or fused product reads."""
+    def _constants(self, prog: Program) -> dict[int, object]:
+        """node id -> the weight or state each leaf or fused product reads (eagerly: per
+        compute, so per-use dense copies are freed with it; on CUDA per captured step)."""
         out = {}
         for nid, step in enumerate(prog.steps):
             if isinstance(step, Leaf) and step.read:
-                out[nid] = self._leaf(step.node)
+                out[nid] = self._leaf(step.node, step.plain)
             elif isinstance(step, FusedMatmul):
                 out[nid] = self._fused_weight(step)
         return out

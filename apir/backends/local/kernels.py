@@ -1,33 +1,87 @@
 """PyTorch implementations of the op table (the host executor's kernels).
 
 Each kernel mirrors ``apir.backends.numpy_ref`` and is tested against it. Float values
-are float32 unless a weight is kept in f16/bf16 on an accelerator, in which case MATMUL
-casts its activation to the weight's dtype and returns float32.
+are float32. A weight is the buffer's own bytes: a quantized one as ``Blocks`` (MATMUL and
+GET_ROWS, the ops that take one, compute from the blocks), a 16-bit one as an f16/bf16
+view, which MATMUL multiplies in that dtype on an accelerator (the activation rounded to
+it) and widens per use on a CPU.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from ...graph import Op, SampleArgs
+from ...graph import DType, Op, SampleArgs
 from ..base import BackendError
-from . import gemv
+from . import gemv, qmatmul
+from .dequant import dequantize
 
 
-def matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x @ w.T in f32, x rounded to the weight's dtype first (as llama.cpp's CUDA path does);
-    one row on a GPU through the streaming kernel of ``gemv``."""
+@dataclass(frozen=True)
+class Blocks:
+    """A quantized WEIGHT (N, K) held as its GGUF blocks: ``raw`` is the 1-D uint8 run of
+    its bytes in the buffer (N rows of K / block_size blocks), the only copy."""
+
+    raw: torch.Tensor
+    qtype: int  # the DType's ggml id (a plain int, for torch.compile's tracing)
+    shape: tuple[int, int]
+
+
+# Stacked products of more rows than a decode step's: the bounded-scratch path of
+# qmatmul, run eagerly (its argument checks read data pointers, which torch.compile cannot)
+_stacked = torch.compiler.disable(qmatmul.qmatmul_stacked)
+
+
+def qproduct(x: torch.Tensor, parts: tuple[Blocks, ...]) -> torch.Tensor:
+    """x (..., K) @ concat(parts).T in f32: (..., sum N_i), each part read from its blocks."""
+    k = parts[0].shape[1]
+    x2 = x.reshape(-1, k)
+    if x2.is_cuda and x2.shape[0] <= qmatmul.FUSED_ROWS and qmatmul.qkernels is not None:
+        # the fused decode kernel, as qmatmul_stacked calls it (buffer offsets are 32-byte
+        # aligned, so its argument checks hold by construction), traceable by torch.compile
+        y = qmatmul._qgemv(x2.float().contiguous(), [p.raw for p in parts],
+                           [p.qtype for p in parts], [p.shape[0] for p in parts], k)
+    else:
+        y = _stacked(x2, [(p.raw, p.qtype, p.shape[0]) for p in parts], k)
+    return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def matmul(x: torch.Tensor, w: torch.Tensor | Blocks) -> torch.Tensor:
+    """x @ w.T in f32. A 16-bit weight on an accelerator: x rounded to its dtype first (as
+    llama.cpp's CUDA path does), one row through the streaming kernel of ``gemv``; on a
+    CPU widened to f32 for this product only."""
+    if isinstance(w, Blocks):
+        return qproduct(x, (w,))
     if gemv.usable(x, w):
         return gemv.gemv(x, w)
+    if w.device.type == "cpu" and w.dtype != torch.float32:
+        w = w.float()
     return torch.matmul(x.to(w.dtype), w.T).float()
 
 
-def fused_matmul(x: torch.Tensor, w: torch.Tensor, widths: tuple[int, ...]) -> list[torch.Tensor]:
-    """Products with several weights stacked in ``w`` (rows split by ``widths``): one call."""
-    return list(matmul(x, w).split(widths, dim=-1))  # matmul's result is f32 already
+def fused_matmul(x: torch.Tensor, w: torch.Tensor | tuple, widths: tuple[int, ...]) -> list[torch.Tensor]:
+    """Products with several weights: ``w`` one tensor holding them stacked (rows split by
+    ``widths``), or a tuple of them, each where it is (all ``Blocks``: one stacked call)."""
+    if isinstance(w, tuple):
+        if not all(isinstance(p, Blocks) for p in w):
+            return [matmul(x, p) for p in w]
+        y = qproduct(x, w)
+    else:
+        y = matmul(x, w)
+    return list(y.split(widths, dim=-1))  # f32 already
+
+
+def get_rows(table: torch.Tensor | Blocks, ids: torch.Tensor) -> torch.Tensor:
+    """table[ids] in f32; from ``Blocks`` only the gathered rows' blocks are decoded."""
+    if isinstance(table, Blocks):
+        n, k = table.shape
+        rows = table.raw.view(n, -1)[ids.long().reshape(-1)]  # (R, bytes per row)
+        return dequantize(rows.reshape(-1), DType(table.qtype), (*ids.shape, k))
+    return table[ids.long()].float()
 
 
 # Attention of up to this many query rows, inside torch.compile, is written as products
@@ -208,7 +262,7 @@ def view(x: torch.Tensor, axis: int, start: int, length: int) -> torch.Tensor:
 # op -> f(*inputs, *attrs). Index operands (OpSpec.index) are checked before the kernel
 # runs, on the device's values (Step.checks) or on the host's inputs (Program.index_checks).
 KERNELS: dict = {
-    Op.GET_ROWS: lambda table, ids: table[ids.long()].float(),
+    Op.GET_ROWS: get_rows,
     Op.SET_ROWS: lambda dst, src, ids: dst.index_copy_(0, ids.long(), src.to(dst.dtype)),
     Op.MATMUL: matmul,
     Op.ADD: lambda a, b: a.float() + b.float(),

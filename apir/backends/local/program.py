@@ -2,9 +2,11 @@
 
 Compiling resolves each node's kernel and attributes once, decides which index operands
 the host checks before launch, and fuses sibling matrix products: MATMULs that read the
-same activation with weights of one dtype and width (q/k/v, gate/up) become one product
-with the weights concatenated, then split. On a GPU each small product costs a kernel
-launch whatever its width, so a llama block goes from seven products to four.
+same activation with weights of one dtype and width (q/k/v, gate/up) become one product,
+then split. On a GPU each small product costs a kernel launch whatever its width, so a
+llama block goes from seven products to four. The weights stay where they are: quantized
+ones are read from their blocks in one stacked call, 16-bit ones adjacent in their buffer
+as one view spanning them (see LocalBackend._fused_weight).
 """
 
 from __future__ import annotations
@@ -13,6 +15,9 @@ from dataclasses import dataclass, field
 
 from ...graph import OPS, DType, Graph, Op
 from .kernels import DEVICE_KERNELS, KERNELS
+
+# (op, operand): where a kernel takes a WEIGHT as stored (kernels.Blocks, a 16-bit view)
+STORED_OPERANDS = frozenset({(Op.MATMUL, 1), (Op.GET_ROWS, 0)})
 
 
 @dataclass(frozen=True)
@@ -36,12 +41,15 @@ class Input:
 @dataclass(frozen=True)
 class Leaf:
     node: object  # graph.Node of a WEIGHT or STATE
-    read: bool = True  # False: only fused products read it (their copy is concatenated)
+    read: bool = True  # False: only fused products read it
+    # some step reads it as a plain tensor, not as MATMUL's weight or GET_ROWS' table (the
+    # operands whose kernels take a weight as stored: blocks, or 16-bit on a CPU)
+    plain: bool = False
 
 
 @dataclass(frozen=True)
 class FusedMatmul:
-    """Where the first of ``members`` stood: ``x @ concat(weights).T``, split by ``widths``.
+    """Where the first of ``members`` stood: ``x @ stack(weights).T``, split by ``widths``.
     The first part is that node's value; the others wait for their nodes (``Part``)."""
 
     x: int
@@ -119,9 +127,15 @@ def compile_program(graph: Graph, accelerated: bool, weight_dtype) -> Program:
             key = node.inputs[-1] if OPS[node.op].memo else None  # pos is the last operand
             on_device = () if accelerated else OPS[node.op].index  # else: index_checks do
             steps.append(Step(node.op, table[node.op], node.inputs, node.attrs, key, on_device))
-    read = {i for s in steps if isinstance(s, Step) for i in s.inputs} | set(graph.outputs)
-    read |= {s.x for s in steps if isinstance(s, FusedMatmul)}  # the shared activation may be a leaf
-    steps = [Leaf(s.node, nid in read) if isinstance(s, Leaf) else s for nid, s in enumerate(steps)]
+    plain, stored = set(graph.outputs), set()
+    for s in steps:
+        if isinstance(s, FusedMatmul):
+            plain.add(s.x)  # the shared activation may be a leaf
+        elif isinstance(s, Step):
+            for j, i in enumerate(s.inputs):
+                (stored if (s.op, j) in STORED_OPERANDS else plain).add(i)
+    steps = [Leaf(s.node, nid in plain or nid in stored, nid in plain) if isinstance(s, Leaf) else s
+             for nid, s in enumerate(steps)]
     sample_params = tuple(
         nodes[n.inputs[1]].attrs[0] for n in nodes
         if n.op is Op.SAMPLE and nodes[n.inputs[1]].op is Op.INPUT

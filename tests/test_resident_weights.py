@@ -1,0 +1,120 @@
+"""Every weight is held once on the host: quantized ones as their GGUF blocks, 16-bit ones
+as views of the buffer they were uploaded to (issue 18). The dequantized cache exists
+only as ExecutorConfig.dequant_cache."""
+
+from __future__ import annotations
+
+import time
+
+import gguf
+import numpy as np
+import pytest
+from hosts import start_host
+from tiny_models import TinyConfig, write_tiny_gguf
+
+pytest.importorskip("torch")
+import torch  # noqa: E402
+
+import apir  # noqa: E402
+from apir.backends.base import BufferPurpose, ExecutorConfig  # noqa: E402
+from apir.backends.local import LocalBackend  # noqa: E402
+from apir.backends.local.kernels import KERNELS, Blocks  # noqa: E402
+from apir.backends.local.program import STORED_OPERANDS, FusedMatmul  # noqa: E402
+from apir.engine import SamplingParams  # noqa: E402
+from apir.graph import OPS, DType, GraphBuilder, Op, T  # noqa: E402
+
+IDS = [256, 72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100, 33]
+CACHED = ExecutorConfig(dequant_cache=True)
+GREEDY = SamplingParams(temperature=0, max_tokens=8)
+
+
+def tensor_bytes(path) -> int:
+    return sum(int(t.n_bytes) for t in gguf.GGUFReader(str(path)).tensors)
+
+
+def weight_bytes(backend: LocalBackend) -> int:
+    """What the executor holds for weights: their buffers and any derived forms it charged."""
+    bufs = sum(b.size for b in backend._buffers.values() if b.purpose is BufferPurpose.WEIGHTS)
+    return bufs + sum(backend.ledger.derived.values())
+
+
+@pytest.fixture(scope="module", params=[("Q4_0", False), ("Q8_0", True)], ids=["q4_0", "q8_0-tied"])
+def quantized(request, tmp_path_factory):
+    qtype, tied = request.param
+    cfg = TinyConfig(n_layer=2, n_embd=128, n_ff=256, head_dim=32, tied=tied)
+    return write_tiny_gguf(tmp_path_factory.mktemp("resident") / f"{qtype}.gguf", cfg, qtype)
+
+
+def test_a_quantized_gguf_is_resident_once_and_computes_as_the_cache_does(quantized):
+    want = tensor_bytes(quantized)
+    with apir.load(str(quantized), backend="local", device="cpu") as model, \
+            apir.load(str(quantized), backend=LocalBackend("cpu", config=CACHED)) as cached:
+        logits = model.logits(IDS)
+        tokens = list(model.generate_ids(IDS, GREEDY))
+        assert want <= weight_bytes(model.backend) <= 1.03 * want
+        assert model.backend._weights == {}  # no dequantized or concatenated copy
+        # the opt-in cache holds (and is charged) the f32 copies beside the blocks
+        assert weight_bytes(cached.backend) > 3 * want and cached.backend._weights
+        np.testing.assert_allclose(logits, cached.logits(IDS), rtol=1e-4, atol=1e-4)
+        assert tokens == list(cached.generate_ids(IDS, GREEDY))
+
+
+def test_the_host_reports_the_weights_once_and_remote_equals_local(quantized, tmp_path):
+    host = start_host(tmp_path)
+    try:
+        with apir.load(str(quantized), backend="local", device="cpu") as local, \
+                apir.load(str(quantized), backend="remote", remote=host.unix) as remote:
+            assert remote.logits(IDS).tobytes() == local.logits(IDS).tobytes()
+            assert list(remote.generate_ids(IDS, GREEDY)) == list(local.generate_ids(IDS, GREEDY))
+            other = local.backend.allocated_bytes() - weight_bytes(local.backend)  # KV, compute
+            deadline = time.monotonic() + 10
+            while True:
+                sessions = host.status().sessions
+                if sessions and sessions[0].allocated == local.backend.allocated_bytes():
+                    break
+                assert time.monotonic() < deadline, f"host reports {sessions}"
+                time.sleep(0.05)
+            assert sessions[0].allocated - other <= 1.03 * tensor_bytes(quantized)
+    finally:
+        host.stop()
+
+
+def test_every_op_that_takes_a_quantized_weight_takes_it_as_blocks():
+    """The op table's quantized operands are exactly those whose kernels read Blocks."""
+    takers = {op for op, spec in OPS.items() if spec.quantized and op is not Op.WEIGHT}
+    assert takers == {op for op, _ in STORED_OPERANDS}
+    w = np.random.default_rng(1).standard_normal((6, 64)).astype(np.float32)
+    raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q5_0)
+    dense = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q5_0)
+    blocks = Blocks(torch.from_numpy(raw.reshape(-1).copy()), int(DType.Q5_0), (6, 64))
+    ids = torch.tensor([[5, 0], [5, 2]], dtype=torch.int32)
+    np.testing.assert_array_equal(KERNELS[Op.GET_ROWS](blocks, ids).numpy(), dense[ids.numpy()])
+    x = torch.ones((2, 64))
+    np.testing.assert_allclose(KERNELS[Op.MATMUL](x, blocks).numpy(), np.ones((2, 64)) @ dense.T,
+                               rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("adjacent", [True, False])
+def test_fused_16_bit_weights_are_one_view_when_adjacent_else_each_in_place(adjacent):
+    rng = np.random.default_rng(2)
+    ws = [rng.standard_normal((n, 32)).astype(np.float16) for n in (4, 2, 2)]
+    with LocalBackend("cpu") as b:
+        buf = b.alloc_buffer(4096, BufferPurpose.WEIGHTS)
+        offsets = [0, 256, 384] if adjacent else [0, 512, 1024]
+        for w, off in zip(ws, offsets):
+            b.set_tensor(buf, off, w)
+        g = GraphBuilder()
+        x = g.input("x", (T, 32))
+        leaves = [g.weight(buf, off, w.shape, DType.F16) for w, off in zip(ws, offsets)]
+        gid = b.register_graph(g.build(*(g.matmul(x, w) for w in leaves)))
+        xs = rng.standard_normal((3, 32)).astype(np.float32)
+        for got, w in zip(b.compute(gid, {"x": xs}), ws):
+            np.testing.assert_allclose(got, xs @ w.astype(np.float32).T, rtol=1e-5, atol=1e-5)
+        prog = b._graphs[gid].program
+        fused = b._fused_weight(next(s for s in prog.steps if isinstance(s, FusedMatmul)))
+        storage = b._buffers[buf].storage
+        if adjacent:
+            assert fused.shape == (8, 32) and fused.data_ptr() == storage.data_ptr()
+        else:
+            assert [p.data_ptr() - storage.data_ptr() for p in fused] == offsets
+        assert b._weights == {} and b.ledger.derived == {}
