@@ -348,6 +348,9 @@ class Session:
             for arr, (offset, _) in zip(arrays, place.places):
                 self.arena.write(out_offset + offset, memoryview(np.ascontiguousarray(arr)).cast("B"))
             return b"", out_offset, size
+        if size > m.MAX_BODY:  # refused before it is built (a listing repeated, a huge read)
+            raise BackendError(f"the reply cannot be sent: its {size} bytes exceed the {m.MAX_BODY}-byte "
+                               "frame limit; read in smaller pieces or through the shared arena")
         return pack(arrays, place), -1, size
 
     def _blob_range(self, inline: bytes | memoryview, arena_offset: int, size: int,

@@ -234,8 +234,12 @@ class LocalBackend(Executor):
         return outs
 
     def _host_outputs(self, reg: Registered, outputs: list[torch.Tensor]) -> list[np.ndarray]:
-        return [_numpy(_wire(t, reg.graph.nodes[o].dtype).cpu(), reg.graph.nodes[o].dtype).copy()
-                for t, o in zip(outputs, reg.program.outputs)]
+        """One copy per output node, however often the graph lists it (see Scratch)."""
+        host: dict[int, np.ndarray] = {}
+        for t, o in zip(outputs, reg.program.outputs):
+            if o not in host:
+                host[o] = _numpy(_wire(t, reg.graph.nodes[o].dtype).cpu(), reg.graph.nodes[o].dtype).copy()
+        return [host[o] for o in reg.program.outputs]
 
     def _pending(self, reg: Registered, outputs: list[torch.Tensor]) -> Pending:
         """On CUDA the host returns as soon as the step is queued: the outputs are copied
