@@ -96,7 +96,9 @@ class Executor(Backend):
         try:
             storage = self._alloc(size)
         except (MemoryError, RuntimeError) as e:
-            raise QuotaError(f"the device cannot allocate {size} bytes: {str(e).splitlines()[0]}") from None
+            raise QuotaError(f"the host cannot allocate {size} bytes for this session: its OS memory "
+                             "limit (set from --max-memory) or the device's memory is exhausted "
+                             f"({str(e).splitlines()[0]})") from None
         self._buffers[handle] = Buffer(size, purpose, storage)
         self.ledger.add_buffer(size)
         return handle

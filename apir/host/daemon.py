@@ -53,6 +53,10 @@ class HostConfig:
     handshake_timeout: float = 5.0
     spin_us: int | None = None  # sessions busy-poll this long for frames (None: by device)
     executor: ExecutorConfig = DEFAULT_EXECUTOR  # how sessions run graphs
+    max_compute_seconds: float = 0  # a session's request may run this long (0: no limit)
+    # a worker's OS memory cap past its start, bytes (0: --max-memory plus headroom, see
+    # worker.os_memory_cap; none without --max-memory)
+    os_memory: int = 0
 
     def __post_init__(self) -> None:
         if not self.listen:
@@ -71,6 +75,8 @@ class HostConfig:
             raise ApirError(f"--max-message must be between 64K and {MAX_BODY >> 20}M")
         if not self.io_timeout > 0 or not self.handshake_timeout > 0:
             raise ApirError("--io-timeout must be positive")
+        if self.max_compute_seconds < 0 or self.os_memory < 0:
+            raise ApirError("--max-compute-seconds must not be negative")
 
 
 @dataclass
@@ -280,7 +286,8 @@ class Daemon:
         self.selector.unregister(p.sock)
         limits = Limits(self.config.max_memory, self.config.max_handles, self.config.max_graph_nodes)
         cfg = SessionConfig(self.config.device, limits, self.config.max_arena, session, p.peer,
-                            self.config.io_timeout, self.config.spin_us, self.config.executor)
+                            self.config.io_timeout, self.config.spin_us, self.config.executor,
+                            self.config.max_compute_seconds, self.config.os_memory)
         pid = os.fork()
         if pid == 0:  # the worker
             code = 0

@@ -63,6 +63,7 @@ def pick_device(device: str | None) -> torch.device:
 # a graph per length.
 CAPTURE_MAX_DECODE = 8
 CAPTURE_MAX_TOKENS = 1024
+_OUT_OF_MEMORY = "can't allocate memory"  # torch's CPU allocator failing (CUDA's: OutOfMemoryError)
 ASYNC_MAX_BYTES = 1 << 20  # outputs up to this size are copied back behind the step (_pending)
 
 
@@ -190,6 +191,8 @@ class LocalBackend(Executor):
                 except BackendError as e:
                     raise BackendError(f"{reg.graph.nodes[nid].describe(nid)}: {e}") from None
                 except (RuntimeError, ValueError, IndexError) as e:
+                    if isinstance(e, torch.OutOfMemoryError) or _OUT_OF_MEMORY in str(e):
+                        raise  # the OS limit: the host reports it as such (session.error_for)
                     raise BackendError(f"{reg.graph.nodes[nid].describe(nid)} failed: {e}") from None
             elif isinstance(step, FusedMatmul):
                 y = kernels.fused_matmul(values[step.x], constants[nid], step.widths)

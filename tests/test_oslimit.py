@@ -1,0 +1,129 @@
+"""The backstops behind accounting: each worker's OS memory limit and the per-request
+compute time limit (``--max-compute-seconds``), against a real daemon.
+
+The daemon here runs in a forked child with a HostConfig that sets the worker's OS cap
+(``os_memory``) far below ``--max-memory``, standing in for an accounting slip: what
+accounting lets through, the OS still stops, and the guest gets a QUOTA error while
+other sessions keep working.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+from rawguest import RawGuest
+from test_hostile import expect, graph, leaf, step, x_input
+from test_quota import released  # noqa: F401 - every session ends with its test
+
+from apir.backends.remote import RemoteBackend, host_status
+from apir.graph import DType, GraphBuilder, Node, Op, T
+from apir.host import daemon
+from apir.protocol import messages as m
+from apir.transport import parse_address
+
+E = m.ErrorCode
+
+
+class Forked:
+    """A daemon in a forked child, for HostConfig fields no flag sets."""
+
+    def __init__(self, tmp, **config) -> None:
+        self.unix = f"unix://{tmp / 'apir.sock'}"
+        cfg = daemon.HostConfig((parse_address(self.unix),), device="cpu", **config)
+        self.pid = os.fork()
+        if self.pid == 0:
+            try:
+                daemon.run(cfg)
+            finally:
+                os._exit(0)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                host_status(self.unix)
+                return
+            except Exception:  # noqa: BLE001 - not listening yet
+                assert time.monotonic() < deadline, "the forked daemon did not come up"
+                time.sleep(0.1)
+
+    @property
+    def proc(self):
+        return self
+
+    def poll(self):
+        return None if os.waitpid(self.pid, os.WNOHANG) == (0, 0) else 1
+
+    def wait_idle(self, timeout: float = 10.0):
+        deadline = time.monotonic() + timeout
+        while (st := host_status(self.unix)).sessions and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return st
+
+    def stop(self) -> None:
+        os.kill(self.pid, signal.SIGTERM)
+        os.waitpid(self.pid, 0)
+
+
+@pytest.fixture(scope="module")
+def host(tmp_path_factory):
+    h = Forked(tmp_path_factory.mktemp("oslimit"), max_memory=1 << 30, os_memory=64 << 20)
+    yield h
+    h.stop()
+
+
+@pytest.fixture(scope="module")
+def timed(tmp_path_factory):
+    h = Forked(tmp_path_factory.mktemp("timed"), max_memory=1 << 30, max_compute_seconds=0.25)
+    yield h
+    h.stop()
+
+
+def computes_correctly(host) -> None:
+    rng = np.random.default_rng(0)
+    w, x = rng.standard_normal((16, 32)).astype(np.float32), rng.standard_normal((3, 32)).astype(np.float32)
+    with RemoteBackend(host.unix, timeout=20) as be:
+        h = be.alloc_buffer(w.nbytes)
+        be.set_tensor(h, 0, w)
+        g = GraphBuilder()
+        (out,) = be.compute(be.register_graph(g.build(g.matmul(g.input("x", (T, 32)),
+                                                               g.weight(h, 0, (16, 32), DType.F32)))), {"x": x})
+    np.testing.assert_allclose(out, x @ w.T, rtol=1e-5, atol=1e-5)
+
+
+def test_the_os_stops_what_accounting_lets_through(host):
+    """256 MiB is within this session's 1 GiB --max-memory but not its 64 MiB OS cap: the
+    allocation, and a compute's 512 MiB intermediate, fail as QUOTA errors naming the
+    limit; the session and another one keep working."""
+    with RawGuest(host.unix) as g, RawGuest(host.unix) as other:
+        expect(g.error(m.AllocBuffer(1, 256 << 20, 0)), E.QUOTA, "cannot allocate 268435456 bytes",
+               "OS memory limit (set from --max-memory)")
+        a, b = x_input((T, 1), name="a"), x_input((1, 65536), name="b")
+        wide = Node(Op.ADD, (0, 1), (), (T, 65536), DType.F32)
+        g.ok(m.RegisterGraph(1, graph(a, b, wide, Node(Op.ARGMAX, (2,), (), (T,), DType.I32))))
+        ones = np.ones((1, 65536), np.float32)
+        expect(g.error(step(1, np.ones((2048, 1), np.float32), ones)), E.QUOTA,
+               "ran out of memory", "OS memory limit (set from --max-memory)")
+        assert g.ok(step(1, np.ones((4, 1), np.float32), ones)).data.size == 16  # still serving
+        other.ok(m.AllocBuffer(1, 1 << 20, 0))
+        computes_correctly(host)
+
+
+def test_a_compute_past_the_time_limit_ends_its_session_only(timed):
+    """A chain of 100 1024x1024 products (200 GFLOP) runs for seconds; the limit is a
+    quarter second."""
+    host = timed
+    x, w = x_input((1024, 1024)), leaf(Op.WEIGHT, (1, 0), (1024, 1024))
+    nodes = [x, w] + [Node(Op.MATMUL, (i, 1), (), (1024, 1024), DType.F32) for i in [0, *range(2, 101)]]
+    with RawGuest(host.unix) as g, RawGuest(host.unix) as other:
+        other.ok(m.AllocBuffer(1, 64, 0))
+        g.ok(m.AllocBuffer(1, 4 << 20, 0))
+        g.ok(m.RegisterGraph(2, graph(*nodes)))
+        expect(g.error(step(2, np.ones((1024, 1024), np.float32), n_tokens=0)), E.QUOTA,
+               "compute time limit (0.25 s, --max-compute-seconds)", "the session is closed")
+        assert g.closed_by_host()
+        assert isinstance(other.ok(m.Synchronize()), m.Ok)
+        computes_correctly(host)
+    assert host.wait_idle().sessions == ()
