@@ -127,3 +127,35 @@ def test_a_compute_past_the_time_limit_ends_its_session_only(timed):
         assert isinstance(other.ok(m.Synchronize()), m.Ok)
         computes_correctly(host)
     assert host.wait_idle().sessions == ()
+
+
+def test_a_worker_gets_a_cgroup_where_the_host_has_one(tmp_path, monkeypatch):
+    """On a cgroup v2 host whose daemon's parent cgroup is ours to divide, a worker moves
+    into a cgroup of its own with memory.max set (here a directory standing in for the
+    hierarchy, in a forked child: the cap is set on the calling process); the daemon reads
+    whether the kernel killed it there, and removes it."""
+    from apir.host import worker
+
+    (tmp_path / "cgroup.controllers").write_text("memory\n")
+    (tmp_path / "svc" / "apir").mkdir(parents=True)
+    monkeypatch.setattr(worker, "CGROUP", tmp_path)
+    monkeypatch.setattr(worker, "own_cgroup", lambda: "/svc/apir")
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            cap = worker.os_memory_cap(300 << 20, "cpu", 7)
+            code = 0 if cap == f"cgroup memory.max {300 << 20} bytes, RLIMIT_DATA {300 << 20} bytes past its start" else 2
+        finally:
+            os._exit(code)
+    assert os.waitpid(pid, 0)[1] == 0
+    group = tmp_path / "svc" / f"apir-{os.getpid()}-session-7"
+    assert (group / "memory.max").read_text() == f"{300 << 20}\n"
+    assert (group / "cgroup.procs").read_text() == f"{pid}\n"
+    (group / "memory.events").write_text("low 0\nhigh 0\nmax 12\noom 1\noom_kill 1\n")
+    assert worker.release_cgroup(7)
+    (group / "memory.events").write_text("oom_kill 0\n")
+    assert not worker.release_cgroup(7)
+    assert not worker.release_cgroup(8)  # none made
+    monkeypatch.setattr(worker, "own_cgroup", lambda: "/")
+    assert worker.session_cgroup(7) is None  # the root (a container's, here): never divided

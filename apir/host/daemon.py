@@ -28,7 +28,7 @@ from ..protocol.messages import HEADER, MAX_BODY, decode_body, decode_header, en
 from ..transport import Address, Connection, listen
 from .handshake import HANDSHAKE_MAX, MAX_PENDING, Gate, RateLimitedLog, check_hello, peer_key
 from .session import SessionConfig
-from .worker import run_worker
+from .worker import release_cgroup, run_worker
 
 __all__ = ["MAX_PENDING", "Daemon", "HostConfig", "run"]  # MAX_PENDING: the hostile tests' flood size
 
@@ -324,7 +324,10 @@ class Daemon:
             w = self.workers.pop(pid, None)
             if w is None:
                 continue
-            if os.WIFSIGNALED(status):
+            if release_cgroup(w.session):
+                log.warning("session %d worker was killed at its cgroup memory limit (set from "
+                            "--max-memory); its memory is released", w.session)
+            elif os.WIFSIGNALED(status):
                 log.warning("session %d worker died (signal %d); its memory is released", w.session,
                             os.WTERMSIG(status))
             elif os.WEXITSTATUS(status):

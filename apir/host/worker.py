@@ -4,10 +4,13 @@ see ``apir.transport.accept``), serve it, clean up."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import re
 import resource
 import time
+from pathlib import Path
 
 from ..protocol import PROTOCOL_VERSION, ErrorCode
 from ..protocol import messages as m
@@ -20,6 +23,7 @@ log = logging.getLogger("apir.host")
 # does not see (a frame being decoded, up to 3 times --max-message; Python objects; torch's
 # threads, kernels' temporaries and allocator slack).
 HEADROOM = 256 << 20
+CGROUP = Path("/sys/fs/cgroup")  # the cgroup v2 hierarchy (a hybrid host's v1 controllers are not used)
 
 
 def run_worker(conn: Connection, hello: m.Hello, config: SessionConfig, publish) -> None:
@@ -31,8 +35,9 @@ def run_worker(conn: Connection, hello: m.Hello, config: SessionConfig, publish)
 
     backend = LocalBackend(config.device, limits=config.limits, config=config.executor)
     device = device_message(backend)
-    cap = os_memory_cap(config.os_memory or config.limits.max_memory + HEADROOM + 3 * conn.channel.max_body,
-                        device.kind) if config.limits.max_memory or config.os_memory else ""
+    limit = config.os_memory or config.limits.max_memory and (config.limits.max_memory + HEADROOM
+                                                              + 3 * conn.channel.max_body)
+    cap = os_memory_cap(limit, device.kind, config.session) if limit else "none"
 
     def welcome(arena_size: int) -> m.Welcome:
         return m.Welcome(PROTOCOL_VERSION, config.session, device, arena_size, config.limits.max_memory)
@@ -59,27 +64,75 @@ def run_worker(conn: Connection, hello: m.Hello, config: SessionConfig, publish)
                  time.monotonic() - started, peak / 2**20)
 
 
-def os_memory_cap(limit: int, device_kind: str) -> str:
-    """Hold this process to ``limit`` bytes more than it has mapped now, enforced by the
-    OS, so that no accounting slip can take more of the host; returns what was set.
+def os_memory_cap(limit: int, device_kind: str, session: int) -> str:
+    """Hold this process to ``limit`` bytes more than it holds now, enforced by the OS, so
+    that no accounting slip can take more of the host; returns what was set.
 
-    On the CPU: RLIMIT_DATA (private writable mappings: the heap, torch's tensors), so an
-    allocation past it fails (MemoryError, or torch's "can't allocate memory") and becomes
-    a QUOTA error instead of an OOM kill; shared mappings (the arena) are the guest's. On
-    CUDA, where the driver maps huge private ranges, no address-space limit can be set:
-    the caching allocator caps device memory (``set_per_process_memory_fraction``) and
-    host memory stays uncapped (see SECURITY.md)."""
+    A cgroup v2 of its own (``session_cgroup``) where the host lets us make one: its
+    ``memory.max`` counts everything (page cache and shared pages it touches too) and the
+    kernel kills the worker past it. On the CPU also RLIMIT_DATA (private writable
+    mappings: the heap, torch's tensors), so that an allocation past it fails first
+    (MemoryError, or torch's "can't allocate memory") and becomes a QUOTA error instead of
+    a kill. On CUDA, where the driver maps huge private ranges, no data or address-space
+    limit can be set: the caching allocator caps device memory instead
+    (``set_per_process_memory_fraction``), and only a cgroup caps host memory."""
+    done = []
+    group = session_cgroup(session)
+    if group is not None:
+        try:
+            group.mkdir()
+            (group / "memory.max").write_text(f"{limit}\n")
+            (group / "cgroup.procs").write_text(f"{os.getpid()}\n")
+            done.append(f"cgroup memory.max {limit} bytes")
+        except OSError:  # not ours to divide: the limits below alone
+            with contextlib.suppress(OSError):
+                group.rmdir()
     if device_kind == "cuda":
         import torch
 
         total = torch.cuda.mem_get_info()[1]
         torch.cuda.set_per_process_memory_fraction(min(1.0, limit / total))
-        return f"{limit} bytes of device memory, by the CUDA allocator"
+        return ", ".join([*done, f"{limit} bytes of device memory by the CUDA allocator"])
+    with contextlib.suppress(OSError):  # no /proc (macOS): accounting alone
+        mapped = int(re.search(r"VmData:\s+(\d+) kB", Path("/proc/self/status").read_text()).group(1)) << 10
+        hard = resource.getrlimit(resource.RLIMIT_DATA)[1]
+        soft = mapped + limit if hard == resource.RLIM_INFINITY else min(mapped + limit, hard)
+        resource.setrlimit(resource.RLIMIT_DATA, (soft, hard))
+        done.append(f"RLIMIT_DATA {limit} bytes past its start")
+    return ", ".join(done) or "none"
+
+
+def session_cgroup(session: int, daemon: int | None = None) -> Path | None:
+    """Where session ``session``'s worker of daemon ``daemon`` (this process's parent by
+    default) gets its cgroup: beside the daemon's own, in the cgroup v2 hierarchy; a
+    cgroup can only be made there if the daemon's parent cgroup hands out the memory
+    controller and is writable (root, or a delegated subtree whose parent is the daemon's
+    own: run it in a leaf of it, e.g. systemd ``Delegate=yes`` plus a sub-group)."""
+    own = own_cgroup()
+    if own == "/" or not (CGROUP / "cgroup.controllers").exists():  # not v2, or its root
+        return None
+    return (CGROUP / own.lstrip("/")).parent / f"apir-{daemon or os.getppid()}-session-{session}"
+
+
+def own_cgroup() -> str:
+    """This process's cgroup v2 path ("/": none, or the root)."""
     try:
-        mapped = int(re.search(r"VmData:\s+(\d+) kB", open("/proc/self/status").read()).group(1)) << 10
-    except OSError:  # no /proc (macOS): accounting alone
-        return "none: this host has no /proc"
-    hard = resource.getrlimit(resource.RLIMIT_DATA)[1]
-    soft = mapped + limit if hard == resource.RLIM_INFINITY else min(mapped + limit, hard)
-    resource.setrlimit(resource.RLIMIT_DATA, (soft, hard))
-    return f"{limit} bytes past its start, by RLIMIT_DATA"
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return "/"
+    return next((line[3:] for line in lines if line.startswith("0::")), "/")
+
+
+def release_cgroup(session: int) -> bool:
+    """The daemon, after reaping session ``session``'s worker: remove its cgroup, if it
+    had one; True when the kernel killed it there for its memory limit."""
+    group = session_cgroup(session, os.getpid())
+    if group is None:
+        return False
+    try:
+        killed = re.search(r"^oom_kill (\d+)", (group / "memory.events").read_text(), re.M)
+    except OSError:  # it had none
+        return False
+    with contextlib.suppress(OSError):
+        group.rmdir()
+    return bool(killed and int(killed.group(1)))
