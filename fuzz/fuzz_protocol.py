@@ -33,7 +33,7 @@ with atheris.instrument_imports(include=["apir"]):
     from apir.protocol import ProtocolError
     from apir.protocol import messages as m
     from apir.protocol.step import StepLayout
-    from held import uncharged
+from held import uncharged  # noqa: E402 - from tests/, put on the path above
 
 LIMITS = Limits(max_memory=16 << 20, max_handles=128, max_graph_nodes=512)
 MAX_FRAMES = 32
