@@ -159,3 +159,23 @@ def test_a_worker_gets_a_cgroup_where_the_host_has_one(tmp_path, monkeypatch):
     assert not worker.release_cgroup(8)  # none made
     monkeypatch.setattr(worker, "own_cgroup", lambda: "/")
     assert worker.session_cgroup(7) is None  # the root (a container's, here): never divided
+
+
+def test_max_memory_defaults_to_a_share_of_the_free_memory(tmp_path):
+    """Without --max-memory a daemon caps each session at the free memory divided by
+    --max-sessions (here 4), and says so in its help."""
+    import subprocess
+    import sys
+
+    from hosts import start_host
+
+    help_text = subprocess.run([sys.executable, "-m", "apir.cli", "host", "--help"], capture_output=True,
+                               text=True, check=True).stdout
+    assert "divided by --max-sessions" in " ".join(help_text.split())
+    assert "--max-compute-seconds" in help_text
+    total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    h = start_host(tmp_path, "--max-sessions", "4")
+    try:
+        assert 0 < h.status().max_memory <= total // 4
+    finally:
+        h.stop()

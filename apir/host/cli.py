@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import grp
 import json
+import os
 import re
 
 from .. import env
@@ -65,8 +66,11 @@ def default_max_memory(device: str | None, max_sessions: int) -> int:
     """``--max-memory``'s default: the memory free now, shared by ``max_sessions``: the
     host's available memory, and on a GPU host the least of that and the device's free
     memory (asked through NVML, so the daemon never initialises CUDA before it forks)."""
-    with open("/proc/meminfo") as f:
-        free = int(re.search(r"MemAvailable:\s+(\d+) kB", f.read()).group(1)) << 10
+    try:
+        with open("/proc/meminfo") as f:
+            free = int(re.search(r"MemAvailable:\s+(\d+) kB", f.read()).group(1)) << 10
+    except OSError:  # no /proc (macOS): the physical memory
+        free = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     if device in (None, "cuda"):
         free = min(free, _gpu_free() or free)
     return max(free // max(max_sessions, 1), 1 << 20)
