@@ -179,3 +179,19 @@ def test_max_memory_defaults_to_a_share_of_the_free_memory(tmp_path):
         assert 0 < h.status().max_memory <= total // 4
     finally:
         h.stop()
+
+
+def test_the_cap_leaves_room_for_torchs_threads():
+    """Thread stacks are private writable mappings, counted by RLIMIT_DATA: 32 intra-op
+    threads' 8 MiB stacks are 256 MiB, four times this cap, and must still start (in a
+    fresh interpreter: OpenMP's pool does not survive a fork)."""
+    import subprocess
+    import sys
+
+    code = ("import torch; torch.set_num_threads(32)\n"
+            "from apir.host.worker import os_memory_cap\n"
+            "print(os_memory_cap(64 << 20, 'cpu', 1))\n"
+            "a = torch.ones(1024, 1024); print(float((a @ a)[0, 0]))\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split("\n")[:2] == [f"RLIMIT_DATA {64 << 20} bytes past its start", "1024.0"]

@@ -71,11 +71,13 @@ def os_memory_cap(limit: int, device_kind: str, session: int) -> str:
     A cgroup v2 of its own (``session_cgroup``) where the host lets us make one: its
     ``memory.max`` counts everything (page cache and shared pages it touches too) and the
     kernel kills the worker past it. On the CPU also RLIMIT_DATA (private writable
-    mappings: the heap, torch's tensors), so that an allocation past it fails first
+    mappings: the heap, torch's tensors, thread stacks), so that an allocation past it fails first
     (MemoryError, or torch's "can't allocate memory") and becomes a QUOTA error instead of
     a kill. On CUDA, where the driver maps huge private ranges, no data or address-space
     limit can be set: the caching allocator caps device memory instead
     (``set_per_process_memory_fraction``), and only a cgroup caps host memory."""
+    import torch
+
     done = []
     group = session_cgroup(session)
     if group is not None:
@@ -88,15 +90,19 @@ def os_memory_cap(limit: int, device_kind: str, session: int) -> str:
             with contextlib.suppress(OSError):
                 group.rmdir()
     if device_kind == "cuda":
-        import torch
-
         total = torch.cuda.mem_get_info()[1]
         torch.cuda.set_per_process_memory_fraction(min(1.0, limit / total))
         return ", ".join([*done, f"{limit} bytes of device memory by the CUDA allocator"])
+    # thread stacks are private writable mappings too: torch's pools start after the cap
+    # (libgomp aborts the process when it cannot), so their stacks come on top
+    stack = resource.getrlimit(resource.RLIMIT_STACK)[0]
+    stack = 32 << 20 if stack == resource.RLIM_INFINITY else stack  # glibc's default then
+    threads = (torch.get_num_threads() + torch.get_num_interop_threads() + 8) * stack
     with contextlib.suppress(OSError):  # no /proc (macOS): accounting alone
         mapped = int(re.search(r"VmData:\s+(\d+) kB", Path("/proc/self/status").read_text()).group(1)) << 10
         hard = resource.getrlimit(resource.RLIMIT_DATA)[1]
-        soft = mapped + limit if hard == resource.RLIM_INFINITY else min(mapped + limit, hard)
+        soft = mapped + threads + limit
+        soft = soft if hard == resource.RLIM_INFINITY else min(soft, hard)
         resource.setrlimit(resource.RLIMIT_DATA, (soft, hard))
         done.append(f"RLIMIT_DATA {limit} bytes past its start")
     return ", ".join(done) or "none"
