@@ -91,3 +91,12 @@ def test_outputs_are_charged_per_listing(host):
         reply = g.ok(step(1, np.ones((64, 1024), np.float32)))  # 10 MiB of reply fits
         out = np.frombuffer(reply.data.inline, np.float32).reshape(40, 64, 1024)
         assert (out == 2).all()
+
+
+def test_output_listings_are_charged_as_metadata(host):
+    """Each listing costs the host a layout slot and a place in each cached placement
+    (one per T computed): 60000 listings of one node would hold ~240 MB, not 512 B."""
+    with RawGuest(host.unix) as g:
+        expect(g.error(m.RegisterGraph(1, graph(x_input((T, 1)), outputs=(0,) * 60000))), E.QUOTA,
+               "registering a graph of 1 nodes", "would exceed")
+        g.ok(m.RegisterGraph(2, graph(x_input((T, 1)), outputs=(0,) * 1000)))

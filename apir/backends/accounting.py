@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..graph import OPS, Alias, DType, Graph, Node, Op, T
 from .base import Limits, QuotaError
@@ -20,6 +20,9 @@ from .base import Limits, QuotaError
 # Host memory one registered graph node costs besides its strings (decoded Node + compiled
 # step; measured ~450 B on CPython 3.11): charged while the graph lives.
 GRAPH_NODE_BYTES = 512
+# ... and per output listing: its slot in the graph's Step layout (~170 B) and its place in
+# each of the up to 16 placements the layout caches, one per T computed (~230 B each)
+GRAPH_OUTPUT_BYTES = 4096
 
 
 def form_nbytes(nodes: Sequence[Node]) -> int:
@@ -33,12 +36,13 @@ def form_nbytes(nodes: Sequence[Node]) -> int:
 
 
 def graph_nbytes(graph: Graph) -> int:
-    """Host memory a registered graph's metadata takes: per node a fixed cost plus its
-    strings (labels, input names: up to 64 KiB each on the wire) by their size (4 bytes a
-    character for a str CPython cannot store as one byte each)."""
+    """Host memory a registered graph's metadata takes: per node and per output listing a
+    fixed cost, plus the nodes' strings (labels, input names: up to 64 KiB each on the
+    wire) by their size (4 bytes a character for a str CPython cannot store as one byte
+    each)."""
     strings = sum(_str_nbytes(n.label) + sum(_str_nbytes(a) for a in n.attrs if isinstance(a, str))
                   for n in graph.nodes)
-    return GRAPH_NODE_BYTES * len(graph.nodes) + strings
+    return GRAPH_NODE_BYTES * len(graph.nodes) + GRAPH_OUTPUT_BYTES * len(graph.outputs) + strings
 
 
 def _str_nbytes(s: str) -> int:
@@ -132,6 +136,7 @@ class Scratch:
     total: Poly
     transient: tuple[Poly, ...]
     outputs: Poly
+    known: dict[int, int] = field(default_factory=dict, compare=False)  # T -> nbytes: decode asks one T
 
     @classmethod
     def of(cls, graph: Graph) -> Scratch:
@@ -155,4 +160,10 @@ class Scratch:
         return cls(total, tuple(transient.values()), outputs)
 
     def nbytes(self, n_tokens: int) -> int:
-        return _poly(self.total, n_tokens) + _poly(self.outputs, n_tokens) + max((_poly(p, n_tokens) for p in self.transient), default=0)
+        size = self.known.get(n_tokens)
+        if size is None:
+            size = _poly(self.total, n_tokens) + _poly(self.outputs, n_tokens) + max(
+                (_poly(p, n_tokens) for p in self.transient), default=0)
+            if len(self.known) < 64:  # a few T at most; others are worked out each time
+                self.known[n_tokens] = size
+        return size
