@@ -100,3 +100,12 @@ def test_output_listings_are_charged_as_metadata(host):
         expect(g.error(m.RegisterGraph(1, graph(x_input((T, 1)), outputs=(0,) * 60000))), E.QUOTA,
                "registering a graph of 1 nodes", "would exceed")
         g.ok(m.RegisterGraph(2, graph(x_input((T, 1)), outputs=(0,) * 1000)))
+
+
+def test_buffers_are_charged_their_own_overhead(host):
+    """65536 one-byte buffers hold ~40 MiB of tensors and bookkeeping, not 64 KiB."""
+    with RawGuest(host.unix) as g:
+        for h in range(1, 65537):
+            g.post(m.AllocBuffer(h, 1, 0))
+        expect(g.error(m.Synchronize()), E.QUOTA, "an earlier AllocBuffer failed: allocating 1 bytes "
+               "would exceed this session's memory limit")

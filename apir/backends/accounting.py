@@ -23,6 +23,9 @@ GRAPH_NODE_BYTES = 512
 # ... and per output listing: its slot in the graph's Step layout (~170 B) and its place in
 # each of the up to 16 placements the layout caches, one per T computed (~230 B each)
 GRAPH_OUTPUT_BYTES = 4096
+# Host memory a live buffer costs besides its bytes (its tensor, storage and bookkeeping;
+# measured ~650 B for a 1-byte buffer on the CPU): 65536 handles are 64 MiB
+BUFFER_BYTES = 1024
 
 
 def form_nbytes(nodes: Sequence[Node]) -> int:
@@ -56,7 +59,7 @@ class Ledger:
         self.limits = limits
         self.buffers = 0  # bytes of live buffers
         self.peak = 0  # the most ``buffers`` has been
-        self.extra = 0  # cached weight forms + graph metadata
+        self.extra = 0  # cached weight forms + graph metadata + buffers' own overhead
         # cached weight forms' bytes, keyed as ``Executor._cached`` keys them: per leaf
         # (handle, offset, dtype, shape)
         self.forms: dict[tuple, int] = {}
@@ -70,14 +73,19 @@ class Ledger:
                 "and graph metadata)"
             )
 
+    def check_buffer(self, size: int) -> None:
+        self.check(size + BUFFER_BYTES, f"allocating {size} bytes")
+
     def add_buffer(self, size: int) -> None:
-        """After ``check``, once the device has allocated it."""
+        """After ``check_buffer``, once the device has allocated it."""
         self.buffers += size
+        self.extra += BUFFER_BYTES
         self.peak = max(self.peak, self.buffers)
 
     def free_buffer(self, handle: int, size: int) -> None:
         """Its bytes and every cached form made from it (``Executor._release`` drops those)."""
         self.buffers -= size
+        self.extra -= BUFFER_BYTES
         for key in [k for k in self.forms if any(leaf[0] == handle for leaf in k)]:
             self.extra -= self.forms.pop(key)
 

@@ -92,7 +92,7 @@ class Executor(Backend):
         except ValueError:
             raise BackendError(f"unknown buffer purpose {purpose!r}") from None
         handle = self._new_handle(handle, self._buffers)
-        self.ledger.check(size, f"allocating {size} bytes")
+        self.ledger.check_buffer(size)
         try:
             storage = self._alloc(size)
         except (MemoryError, RuntimeError) as e:
