@@ -53,8 +53,9 @@ def run_worker(conn: Connection, hello: m.Hello, config: SessionConfig, publish)
             Session(conn.channel, backend, conn.arena, config, publish, liveness=conn.liveness).serve()
         except MemoryError:  # outside any request (a frame being read): end with the reason
             log.warning("session %d ran out of memory under its OS limit (%s)", config.session, cap)
-            conn.channel.send(m.Error(ErrorCode.QUOTA, f"the session ran out of memory under its "
-                                      f"OS limit ({cap}) and is closed"), 0)
+            with contextlib.suppress(ConnectionClosed, OSError):
+                conn.channel.send(m.Error(ErrorCode.QUOTA, f"the session ran out of memory under "
+                                          f"its OS limit ({cap}) and is closed"), 0)
     finally:
         peak = backend.peak_bytes
         backend.close()
