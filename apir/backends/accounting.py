@@ -92,7 +92,8 @@ class Ledger:
     def check_form(self, key: tuple, nodes: Sequence[Node]) -> int:
         """Before making the cached form ``key`` of ``nodes``: its bytes, if they fit."""
         size = form_nbytes(nodes)
-        self.check(size - self.forms.get(key, 0), f"a dequantized or fused form of {len(nodes)} weight(s), {size} bytes,")
+        self.check(size - self.forms.get(key, 0),
+                   f"a dequantized or fused form of {len(nodes)} weight(s), {size} bytes,")
         return size
 
     def add_form(self, key: tuple, size: int) -> None:
