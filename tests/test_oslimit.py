@@ -69,7 +69,7 @@ class Forked:
 
 @pytest.fixture(scope="module")
 def host(tmp_path_factory):
-    h = Forked(tmp_path_factory.mktemp("oslimit"), max_memory=1 << 30, os_memory=64 << 20)
+    h = Forked(tmp_path_factory.mktemp("oslimit"), max_memory=16 << 30, os_memory=64 << 20)
     yield h
     h.stop()
 
@@ -94,17 +94,18 @@ def computes_correctly(host) -> None:
 
 
 def test_the_os_stops_what_accounting_lets_through(host):
-    """256 MiB is within this session's 1 GiB --max-memory but not its 64 MiB OS cap: the
-    allocation, and a compute's 512 MiB intermediate, fail as QUOTA errors naming the
-    limit; the session and another one keep working."""
+    """2 GiB is within this session's 16 GiB --max-memory but not its 64 MiB OS cap (plus
+    its threads' stacks, 8 MiB a thread): the allocation, and a compute's 2 GiB
+    intermediate, fail as QUOTA errors naming the limit; the session and another one keep
+    working."""
     with RawGuest(host.unix) as g, RawGuest(host.unix) as other:
-        expect(g.error(m.AllocBuffer(1, 256 << 20, 0)), E.QUOTA, "cannot allocate 268435456 bytes",
+        expect(g.error(m.AllocBuffer(1, 2 << 30, 0)), E.QUOTA, f"cannot allocate {2 << 30} bytes",
                "OS memory limit (set from --max-memory)")
         a, b = x_input((T, 1), name="a"), x_input((1, 65536), name="b")
         wide = Node(Op.ADD, (0, 1), (), (T, 65536), DType.F32)
         g.ok(m.RegisterGraph(1, graph(a, b, wide, Node(Op.ARGMAX, (2,), (), (T,), DType.I32))))
         ones = np.ones((1, 65536), np.float32)
-        expect(g.error(step(1, np.ones((2048, 1), np.float32), ones)), E.QUOTA,
+        expect(g.error(step(1, np.ones((8192, 1), np.float32), ones)), E.QUOTA,
                "ran out of memory", "OS memory limit (set from --max-memory)")
         assert g.ok(step(1, np.ones((4, 1), np.float32), ones)).data.size == 16  # still serving
         other.ok(m.AllocBuffer(1, 1 << 20, 0))
