@@ -196,3 +196,30 @@ def test_the_cap_leaves_room_for_torchs_threads():
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.split("\n")[:2] == [f"RLIMIT_DATA {64 << 20} bytes past its start", "1024.0"]
+
+
+def test_a_worker_killed_at_its_cgroup_limit_tells_its_guest_why(tmp_path, monkeypatch):
+    """Where workers have cgroups, the kernel kills one past its memory.max; the daemon
+    sees the kill in the cgroup's memory.events and leaves the guest a QUOTA error on its
+    socket, read as the reply (socket sessions) or when the rings go quiet (ring
+    sessions). Here a stand-in cgroup that always reports a kill; another session goes on."""
+    from apir.backends import QuotaError
+
+    monkeypatch.setattr(daemon, "session_cgroup", lambda session, pid=None: tmp_path)
+    monkeypatch.setattr(daemon, "release_cgroup", lambda session: True)
+    h = Forked(tmp_path, max_memory=64 << 20)
+    try:
+        with RemoteBackend(h.unix, timeout=20) as rings, \
+                RemoteBackend(h.unix, timeout=20, arena_size=0) as frames, RawGuest(h.unix) as other:
+            assert rings.arena is not None and frames.arena is None
+            pids = {s.session: s.pid for s in host_status(h.unix).sessions}
+            for be in (rings, frames):
+                os.kill(pids[be.session], signal.SIGKILL)
+                with pytest.raises(QuotaError, match=f"session {be.session} was killed by the host's "
+                                   r"kernel: .* \(--max-memory 67108864 bytes plus headroom\)"):
+                    be.alloc_buffer(64)  # sent without a reply...
+                    be.synchronize()  # ...so this one waits for the host
+            assert isinstance(other.ok(m.Synchronize()), m.Ok)
+        assert h.wait_idle().sessions == ()
+    finally:
+        h.stop()

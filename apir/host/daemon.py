@@ -8,6 +8,7 @@ that crashes its worker, or misbehaves, affects nobody else.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import multiprocessing
@@ -28,7 +29,7 @@ from ..protocol.messages import HEADER, MAX_BODY, decode_body, decode_header, en
 from ..transport import Address, Connection, listen
 from .handshake import HANDSHAKE_MAX, MAX_PENDING, Gate, RateLimitedLog, check_hello, peer_key
 from .session import SessionConfig
-from .worker import release_cgroup, run_worker
+from .worker import release_cgroup, run_worker, session_cgroup
 
 __all__ = ["MAX_PENDING", "Daemon", "HostConfig", "run"]  # MAX_PENDING: the hostile tests' flood size
 
@@ -95,6 +96,10 @@ class Worker:
     slot: int
     peer: str
     started: float
+    # the guest's socket, kept where the worker may be killed at its cgroup's memory limit,
+    # to tell the guest why (_reap); elsewhere closed at once, so a dead worker's guest
+    # sees the hang-up without waiting for the reap
+    sock: socket.socket | None = None
 
 
 def _die_with_parent() -> None:
@@ -308,8 +313,10 @@ class Daemon:
             finally:
                 logging.shutdown()
                 os._exit(code)
-        p.sock.close()
-        self.workers[pid] = Worker(session, slot, p.peer, time.monotonic())
+        keep = session_cgroup(session, os.getpid()) is not None
+        if not keep:
+            p.sock.close()
+        self.workers[pid] = Worker(session, slot, p.peer, time.monotonic(), p.sock if keep else None)
         log.info("session %d start: peer %s, client %r (worker pid %d)", session, p.peer,
                  hello.client[:80], pid)  # %r: a guest's string never forges log lines
 
@@ -324,7 +331,16 @@ class Daemon:
             w = self.workers.pop(pid, None)
             if w is None:
                 continue
-            if release_cgroup(w.session):
+            killed = release_cgroup(w.session)
+            if w.sock is not None:
+                if killed:  # the guest's last frame: one small Error into its socket, never blocks
+                    with contextlib.suppress(OSError):
+                        w.sock.send(encode(m.Error(ErrorCode.QUOTA, f"session {w.session} was killed by "
+                                                   "the host's kernel: its worker went past its memory "
+                                                   f"limit (--max-memory {self.config.max_memory} bytes "
+                                                   "plus headroom)")), socket.MSG_DONTWAIT)
+                w.sock.close()
+            if killed:
                 log.warning("session %d worker was killed at its cgroup memory limit (set from "
                             "--max-memory); its memory is released", w.session)
             elif os.WIFSIGNALED(status):
