@@ -50,11 +50,12 @@ def cmd_host(args: argparse.Namespace) -> int:
         "max_message": parse_size(args.max_message) if args.max_message else None,
         "io_timeout": args.io_timeout, "handshake_timeout": args.handshake_timeout,
     }
+    max_memory = (parse_size(args.max_memory) if args.max_memory
+                  else default_max_memory(args.device, args.max_sessions))
     config = HostConfig(
         listen=tuple(parse_address(u) for u in listen), device=args.device, token=token,
-        max_memory=parse_size(args.max_memory) if args.max_memory else default_max_memory(args.device,
-                                                                                          args.max_sessions),
-        max_sessions=args.max_sessions, max_compute_seconds=args.max_compute_seconds, group=group, spin_us=env.spin_us(),
+        max_memory=max_memory, max_compute_seconds=args.max_compute_seconds,
+        max_sessions=args.max_sessions, group=group, spin_us=env.spin_us(),
         executor=ExecutorConfig.from_env(),
         **{k: v for k, v in limits.items() if v is not None},
     )
