@@ -125,9 +125,10 @@ COMPILE = EnvVar(
     "and sampling mode, which apir serve does before it reports ready)",
 )
 DEQUANT_CACHE = EnvVar(
-    "APIR_DEQUANT_CACHE", "0",
-    "host: 1 = keep dequantized copies of quantized and F16 weights (faster on a CPU host, "
-    "several times the memory); 0 = every weight held once, as in the GGUF",
+    "APIR_DEQUANT_CACHE", None,
+    "host: 1 = keep dequantized copies of quantized and F16 weights (faster, several times "
+    "the memory); 0 = every weight held once, as in the GGUF (default: 1 on a CPU device, "
+    "0 on a GPU)",
 )
 SPIN_US = EnvVar(
     "APIR_SPIN_US", None,

@@ -23,6 +23,8 @@ import sys
 import atheris
 import numpy as np
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+
 with atheris.instrument_imports(include=["apir"]):
     from apir.backends.base import Limits
     from apir.backends.local import LocalBackend
@@ -31,6 +33,7 @@ with atheris.instrument_imports(include=["apir"]):
     from apir.protocol import ProtocolError
     from apir.protocol import messages as m
     from apir.protocol.step import StepLayout
+from held import uncharged  # noqa: E402 - from tests/, put on the path above
 
 LIMITS = Limits(max_memory=16 << 20, max_handles=128, max_graph_nodes=512)
 MAX_FRAMES = 32
@@ -68,8 +71,9 @@ def serve(data: bytes) -> None:
                 err = error_for(e)
                 if err.code == m.ErrorCode.INTERNAL:
                     raise Finding(f"{type(msg).__name__}: {type(e).__name__}: {e}") from e
-            if backend.allocated_bytes() > LIMITS.max_memory:
-                raise Finding(f"quota exceeded: {backend.allocated_bytes()} bytes")
+            why = uncharged(backend)  # what the executor holds is charged, and within the limit
+            if why is not None:
+                raise Finding(f"after {type(msg).__name__}: {why}")
     finally:
         backend.close()
 
@@ -100,7 +104,18 @@ def seeds() -> list[bytes]:
         m.GetTensor(2, 0, 64, -1), m.CopyTensor(1, 0, 2, 32, 32), m.FreeGraph(3), m.FreeBuffer(1),
     ]
     full = b"".join(m.encode(msg, i, m.WANT_REPLY) for i, msg in enumerate(session))
-    return [full, b"".join(m.encode(msg, 1) for msg in session[:3]), m.encode(m.GetDevices(), 1, 1)]
+    # graph metadata and outputs lists: long labels and names, one output listed many
+    # times, MATMULs sharing an activation (fused), one weight listed in several of them
+    g = GraphBuilder()
+    x = g.input("é" * 300, (T, 32))  # its label is its name
+    w = g.weight(1, 0, (8, 32), DType.F32, label="w" * 1000)
+    y = g.add(g.matmul(x, w), g.matmul(x, w))
+    listed = g.build(*[y] * 40)
+    n, payload = StepLayout.of(listed).pack_inputs({"é" * 300: np.ones((4, 32), np.float32)})
+    metadata = [session[0], session[1], m.RegisterGraph(4, listed),
+                m.Step(4, n, -1, 0, m.Blob(payload, -1, len(payload)))]
+    return [full, b"".join(m.encode(msg, 1) for msg in session[:3]), m.encode(m.GetDevices(), 1, 1),
+            b"".join(m.encode(msg, i, m.WANT_REPLY) for i, msg in enumerate(metadata))]
 
 
 def main() -> None:

@@ -201,8 +201,9 @@ def test_copying_layout_ops_are_charged_as_intermediates(name: str) -> None:
     else:
         from apir.backends.local import LocalBackend as be_class
     be = be_class(limits=Limits(max_memory=64 << 10))
-    gid = be.register_graph(g.build(dense))  # all four nodes: 3 * 256 bytes per token
-    with raises(QuotaError, f"computing graph {gid} with T=100", "76800 bytes of intermediates"):
+    gid = be.register_graph(g.build(dense))  # all four nodes: 3 * 256 bytes per token, the
+    # output's host copy 256 and its reply 2 * 256
+    with raises(QuotaError, f"computing graph {gid} with T=100", "153600 bytes of intermediates and outputs"):
         be.compute(gid, {"x": np.zeros((100, 64), np.float32)})
     assert be.compute(gid, {"x": np.ones((4, 64), np.float32)})[0].shape == (64, 4)
 

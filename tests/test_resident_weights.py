@@ -25,6 +25,7 @@ from apir.graph import OPS, DType, GraphBuilder, Op, T  # noqa: E402
 
 IDS = [256, 72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100, 33]
 CACHED = ExecutorConfig(dequant_cache=True)
+BLOCKS = ExecutorConfig(dequant_cache=False)  # the GPU default; a CPU device caches unless told
 GREEDY = SamplingParams(temperature=0, max_tokens=8)
 
 
@@ -35,7 +36,7 @@ def tensor_bytes(path) -> int:
 def weight_bytes(backend: LocalBackend) -> int:
     """What the executor holds for weights: their buffers and any derived forms it charged."""
     bufs = sum(b.size for b in backend._buffers.values() if b.purpose is BufferPurpose.WEIGHTS)
-    return bufs + sum(backend.ledger.derived.values())
+    return bufs + sum(backend.ledger.forms.values())
 
 
 @pytest.fixture(scope="module", params=[("Q4_0", False), ("Q8_0", True)], ids=["q4_0", "q8_0-tied"])
@@ -47,7 +48,7 @@ def quantized(request, tmp_path_factory):
 
 def test_a_quantized_gguf_is_resident_once_and_computes_as_the_cache_does(quantized):
     want = tensor_bytes(quantized)
-    with apir.load(str(quantized), backend="local", device="cpu") as model, \
+    with apir.load(str(quantized), backend=LocalBackend("cpu", config=BLOCKS)) as model, \
             apir.load(str(quantized), backend=LocalBackend("cpu", config=CACHED)) as cached:
         logits = model.logits(IDS)
         tokens = list(model.generate_ids(IDS, GREEDY))
@@ -59,10 +60,11 @@ def test_a_quantized_gguf_is_resident_once_and_computes_as_the_cache_does(quanti
         assert tokens == list(cached.generate_ids(IDS, GREEDY))
 
 
-def test_the_host_reports_the_weights_once_and_remote_equals_local(quantized, tmp_path):
+def test_the_host_reports_the_weights_once_and_remote_equals_local(quantized, tmp_path, monkeypatch):
+    monkeypatch.setenv("APIR_DEQUANT_CACHE", "0")  # the host resolves it once, at its start
     host = start_host(tmp_path)
     try:
-        with apir.load(str(quantized), backend="local", device="cpu") as local, \
+        with apir.load(str(quantized), backend=LocalBackend("cpu", config=BLOCKS)) as local, \
                 apir.load(str(quantized), backend="remote", remote=host.unix) as remote:
             assert remote.logits(IDS).tobytes() == local.logits(IDS).tobytes()
             assert list(remote.generate_ids(IDS, GREEDY)) == list(local.generate_ids(IDS, GREEDY))
@@ -98,7 +100,7 @@ def test_every_op_that_takes_a_quantized_weight_takes_it_as_blocks():
 def test_fused_16_bit_weights_are_one_view_when_adjacent_else_each_in_place(adjacent):
     rng = np.random.default_rng(2)
     ws = [rng.standard_normal((n, 32)).astype(np.float16) for n in (4, 2, 2)]
-    with LocalBackend("cpu") as b:
+    with LocalBackend("cpu", config=BLOCKS) as b:
         buf = b.alloc_buffer(4096, BufferPurpose.WEIGHTS)
         offsets = [0, 256, 384] if adjacent else [0, 512, 1024]
         for w, off in zip(ws, offsets):
@@ -117,4 +119,4 @@ def test_fused_16_bit_weights_are_one_view_when_adjacent_else_each_in_place(adja
             assert fused.shape == (8, 32) and fused.data_ptr() == storage.data_ptr()
         else:
             assert [p.data_ptr() - storage.data_ptr() for p in fused] == offsets
-        assert b._weights == {} and b.ledger.derived == {}
+        assert b._weights == {} and b.ledger.forms == {}

@@ -1,8 +1,10 @@
 """What an executor charges against a session's memory limit (``Limits.max_memory``).
 
-Everything a guest can make the host hold counts, not only its buffers: dequantized weight
-copies and graph metadata while they live, and each compute's intermediates (estimated
-from the graph and checked before the compute runs).
+Everything a guest can make the host hold counts, not only its buffers: every cached
+weight form (dequantized, or several concatenated for a fused product) and graph metadata
+(strings by their size) while they live, and each compute's intermediates, materialised
+views and outputs — the host copies and the reply they are packed into, per listing —
+estimated from the graph and checked before the compute runs.
 """
 
 from __future__ import annotations
@@ -10,20 +12,44 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from ..graph import OPS, Alias, DType, Graph, Op, T
+from ..graph import OPS, Alias, DType, Graph, Node, Op, T
 from .base import Limits, QuotaError
 
-# Host memory one registered graph node costs (decoded Node + compiled step; measured
-# ~450 B on CPython 3.11): charged to the session's memory limit while the graph lives.
+# Host memory one registered graph node costs besides its strings (decoded Node + compiled
+# step; measured ~450 B on CPython 3.11): charged while the graph lives.
 GRAPH_NODE_BYTES = 512
+# ... and per output listing: its slot in the graph's Step layout (~170 B) and its place in
+# each of the up to 16 placements the layout caches, one per T computed (~230 B each)
+GRAPH_OUTPUT_BYTES = 4096
+# Host memory a live buffer costs besides its bytes (its tensor, storage and bookkeeping;
+# measured ~650 B for a 1-byte buffer on the CPU): 65536 handles are 64 MiB
+BUFFER_BYTES = 1024
 
 
-def derived_nbytes(dtype: DType, shape: tuple[int, ...]) -> int:
-    """Bytes an executor's cached form of a WEIGHT takes beyond its buffer bytes.
-    F32 and I32 weights are used in place; others are widened, at most to f32."""
-    return 0 if dtype in (DType.F32, DType.I32) else 4 * math.prod(shape)
+def form_nbytes(nodes: Sequence[Node]) -> int:
+    """Upper bound of the bytes an executor's cached form of WEIGHT leaves ``nodes`` takes
+    beyond their buffers: one F32 or I32 weight is used in place, any other is widened (at
+    most to f32); several are concatenated (a fused product's operand), which always copies,
+    once per listing even when one weight is listed many times."""
+    if len(nodes) == 1 and nodes[0].dtype in (DType.F32, DType.I32):
+        return 0
+    return sum(4 * math.prod(n.shape) for n in nodes)
+
+
+def graph_nbytes(graph: Graph) -> int:
+    """Host memory a registered graph's metadata takes: per node and per output listing a
+    fixed cost, plus the nodes' strings (labels, input names: up to 64 KiB each on the
+    wire) by their size (4 bytes a character for a str CPython cannot store as one byte
+    each)."""
+    strings = sum(_str_nbytes(n.label) + sum(_str_nbytes(a) for a in n.attrs if isinstance(a, str))
+                  for n in graph.nodes)
+    return GRAPH_NODE_BYTES * len(graph.nodes) + GRAPH_OUTPUT_BYTES * len(graph.outputs) + strings
+
+
+def _str_nbytes(s: str) -> int:
+    return len(s) if s.isascii() else 4 * len(s)
 
 
 class Ledger:
@@ -33,48 +59,61 @@ class Ledger:
         self.limits = limits
         self.buffers = 0  # bytes of live buffers
         self.peak = 0  # the most ``buffers`` has been
-        self.extra = 0  # derived weight forms + graph metadata
-        self.derived: dict[tuple, int] = {}  # derived forms' bytes by weight (see graph_charge)
-        self.derives = True  # the executor caches derived weight forms (False: reads them as stored)
+        self.extra = 0  # cached weight forms + graph metadata + buffers' own overhead
+        # cached weight forms' bytes, keyed as ``Executor._cached`` keys them: per leaf
+        # (handle, offset, dtype, shape)
+        self.forms: dict[tuple, int] = {}
 
     def check(self, extra: int, what: str) -> None:
         limit, used = self.limits.max_memory, self.buffers + self.extra
         if limit and used + extra > limit:
             raise QuotaError(
                 f"{what} would exceed this session's memory limit "
-                f"({used} of {limit} bytes in use, counting buffers, dequantized weights "
+                f"({used} of {limit} bytes in use, counting buffers, dequantized and fused weights "
                 "and graph metadata)"
             )
 
+    def check_buffer(self, size: int) -> None:
+        self.check(size + BUFFER_BYTES, f"allocating {size} bytes")
+
     def add_buffer(self, size: int) -> None:
-        """After ``check``, once the device has allocated it."""
+        """After ``check_buffer``, once the device has allocated it."""
         self.buffers += size
+        self.extra += BUFFER_BYTES
         self.peak = max(self.peak, self.buffers)
 
     def free_buffer(self, handle: int, size: int) -> None:
+        """Its bytes and every cached form made from it (``Executor._release`` drops those)."""
         self.buffers -= size
-        for key in [k for k in self.derived if k[0] == handle]:
-            self.extra -= self.derived.pop(key)
+        self.extra -= BUFFER_BYTES
+        for key in [k for k in self.forms if any(leaf[0] == handle for leaf in k)]:
+            self.extra -= self.forms.pop(key)
 
-    def graph_charge(self, graph: Graph) -> tuple[dict[tuple, int], int]:
-        """Checks what registering ``graph`` would add: (its new derived weight forms, the
-        total with its metadata), for ``add_graph`` once it is compiled."""
-        # keyed as the executors key their cached forms: (handle, offset, dtype, shape)
-        keys = {(*n.attrs, n.dtype, n.shape) for n in graph.nodes if n.op is Op.WEIGHT}
-        derived = {k: derived_nbytes(k[2], k[3]) for k in keys - self.derived.keys() if self.derives}
-        total = sum(derived.values()) + GRAPH_NODE_BYTES * len(graph.nodes)
-        self.check(total, f"registering a graph of {len(graph.nodes)} nodes")
-        return derived, total
+    def check_form(self, key: tuple, nodes: Sequence[Node]) -> int:
+        """Before making the cached form ``key`` of ``nodes``: its bytes, if they fit."""
+        size = form_nbytes(nodes)
+        self.check(size - self.forms.get(key, 0),
+                   f"a dequantized or fused form of {len(nodes)} weight(s), {size} bytes,")
+        return size
 
-    def add_graph(self, derived: dict[tuple, int], total: int) -> None:
-        self.derived.update(derived)
-        self.extra += total
+    def add_form(self, key: tuple, size: int) -> None:
+        self.extra += size - self.forms.get(key, 0)
+        self.forms[key] = size
+
+    def graph_charge(self, graph: Graph) -> int:
+        """Checks that registering ``graph``'s metadata fits; its bytes, for ``add_graph``."""
+        size = graph_nbytes(graph)
+        self.check(size, f"registering a graph of {len(graph.nodes)} nodes ({size} bytes of metadata)")
+        return size
+
+    def add_graph(self, size: int) -> None:
+        self.extra += size
 
     def free_graph(self, graph: Graph) -> None:
-        self.extra -= GRAPH_NODE_BYTES * len(graph.nodes)
+        self.extra -= graph_nbytes(graph)
 
     def clear(self) -> None:
-        self.derived.clear()
+        self.forms.clear()
         self.extra = 0
 
 
@@ -99,10 +138,14 @@ class Scratch:
     over nodes (4 bytes an element: values are held as f32 at most) is what a compute
     peaks at; ops that always return a view of their input (``Alias.ALWAYS``) add nothing.
     ``transient``: what single ops need besides their result (``OpSpec.scratch``); only
-    the largest one is live at a time."""
+    the largest one is live at a time. Then the outputs: one host copy of each distinct
+    output node, and the reply they are packed into, which holds an output once per
+    listing and is built twice (the payload, then its frame)."""
 
     total: Poly
     transient: tuple[Poly, ...]
+    outputs: Poly
+    known: dict[int, int] = field(default_factory=dict, compare=False)  # T -> nbytes: decode asks one T
 
     @classmethod
     def of(cls, graph: Graph) -> Scratch:
@@ -118,7 +161,18 @@ class Scratch:
                 for shape, size in spec.scratch([graph.nodes[i].shape for i in node.inputs]):
                     extra.update(_term(shape, size))
                 transient[frozenset(extra.items())] = extra
-        return cls(total, tuple(transient.values()))
+        outputs: Poly = Counter()
+        for nid in set(graph.outputs):
+            outputs.update(_term(graph.nodes[nid].shape))
+        for nid in graph.outputs:
+            outputs.update(_term(graph.nodes[nid].shape, 8))
+        return cls(total, tuple(transient.values()), outputs)
 
     def nbytes(self, n_tokens: int) -> int:
-        return _poly(self.total, n_tokens) + max((_poly(p, n_tokens) for p in self.transient), default=0)
+        size = self.known.get(n_tokens)
+        if size is None:
+            size = _poly(self.total, n_tokens) + _poly(self.outputs, n_tokens) + max(
+                (_poly(p, n_tokens) for p in self.transient), default=0)
+            if len(self.known) < 64:  # a few T at most; others are worked out each time
+                self.known[n_tokens] = size
+        return size

@@ -92,11 +92,13 @@ class Executor(Backend):
         except ValueError:
             raise BackendError(f"unknown buffer purpose {purpose!r}") from None
         handle = self._new_handle(handle, self._buffers)
-        self.ledger.check(size, f"allocating {size} bytes")
+        self.ledger.check_buffer(size)
         try:
             storage = self._alloc(size)
         except (MemoryError, RuntimeError) as e:
-            raise QuotaError(f"the device cannot allocate {size} bytes: {str(e).splitlines()[0]}") from None
+            raise QuotaError(f"the host cannot allocate {size} bytes for this session: its OS memory "
+                             "limit (set from --max-memory) or the device's memory is exhausted "
+                             f"({str(e).splitlines()[0]})") from None
         self._buffers[handle] = Buffer(size, purpose, storage)
         self.ledger.add_buffer(size)
         return handle
@@ -145,6 +147,7 @@ class Executor(Backend):
     def get_tensor(self, handle: int, offset: int, size: int) -> bytes:
         buf = self._buffer(handle)
         self._check_range(handle, buf, offset, size)
+        self.ledger.check(2 * size, f"reading {size} bytes")  # the copy read, then its reply
         return self._read(buf, offset, size)
 
     def copy_tensor(self, src: int, src_offset: int, dst: int, dst_offset: int, size: int) -> None:
@@ -170,10 +173,13 @@ class Executor(Backend):
                 self._check_range(handle, self._buffers[handle], offset, node.dtype.nbytes(node.shape))
                 used[handle] = self._buffers[handle]
         gid = self._new_handle(gid, self._graphs)
-        charge = self.ledger.graph_charge(graph)  # before compiling: that dequantizes the weights
+        charge = self.ledger.graph_charge(graph)
         inputs = {name: (n.shape, n.dtype) for name, n in graph.inputs().items()}
-        program = self._compile(graph)
-        self.ledger.add_graph(*charge)
+        try:
+            program = self._compile(graph)  # the weight forms it makes are charged as they are made
+        except QuotaError as e:
+            raise QuotaError(f"registering a graph of {len(graph.nodes)} nodes: {e}") from None
+        self.ledger.add_graph(charge)
         states = frozenset(n.attrs[0] for n in graph.nodes if n.op is Op.STATE)
         self._graphs[gid] = Registered(graph, program, Scratch.of(graph), inputs, used, states)
         return gid
@@ -210,7 +216,8 @@ class Executor(Backend):
         if self.limits.max_memory:
             t = n_tokens or 1
             need = reg.scratch.nbytes(t)
-            self.ledger.check(need, f"computing graph {gid} with T={t} (about {need} bytes of intermediates)")
+            self.ledger.check(need, f"computing graph {gid} with T={t} (about {need} bytes of "
+                                    "intermediates and outputs)")
         try:
             outputs = self._run(reg, bound, bounds)
         except IndexError as e:
@@ -325,12 +332,15 @@ class Executor(Backend):
 
     def _cached(self, nodes: Sequence[Node], make: Callable[[], object]):
         """The executor's form of WEIGHT leaves ``nodes``: ``make()``, made again after a
-        write to one of their buffers."""
+        write to one of their buffers. The one place forms are made, so the one place they
+        are charged: checked against the limit before ``make`` runs."""
         key = tuple((*n.attrs, n.dtype, n.shape) for n in nodes)
         versions = tuple(self._buffers[n.attrs[0]].version for n in nodes)
         cached = self._weights.get(key)
         if cached is None or cached[0] != versions:
+            size = self.ledger.check_form(key, nodes)
             cached = self._weights[key] = (versions, make())
+            self.ledger.add_form(key, size)
         return cached[1]
 
     @abstractmethod

@@ -225,14 +225,17 @@ class RemoteBackend(Backend):
             raise ProtocolError(f"reply to request {header.request_id}, expected {rid}")
         return reply
 
-    def _gone(self, what: str, exc: BaseException | None = None) -> HostGoneError:
+    def _gone(self, what: str, exc: BaseException | None = None) -> ApirError:
         """The host went away: close, fail every awaited request, and return the error for
         ``what`` (the request that found out)."""
         self.closed = True
+        last = self._last_word()
         self.chan.close()
         why = "timed out" if isinstance(exc, TimeoutError) else "connection closed"
 
-        def error(request: str) -> HostGoneError:
+        def error(request: str) -> ApirError:
+            if last is not None:
+                return last
             return HostGoneError(
                 f"the apir host at {self.address} went away during {request} ({why}): "
                 "the daemon or this session's worker stopped; its log says which (restart the "
@@ -243,6 +246,19 @@ class RemoteBackend(Backend):
             awaited = self._awaited.popleft()
             awaited.fail(error(awaited.what))
         return error(what)
+
+    def _last_word(self) -> ApirError | None:
+        """Why a session over the shared rings ended, where the daemon said so: an Error
+        it wrote on the socket after the worker was killed (at its memory limit)."""
+        sock = self.conn.liveness
+        if self.ring is None or sock is None:  # on a socket session, that Error is the reply
+            return None
+        try:
+            data = sock.recv(m.HEADER.size + 4096, socket.MSG_DONTWAIT)
+            err = decode_body(m.decode_header(data[:m.HEADER.size]).opcode, data[m.HEADER.size:])
+        except (OSError, ProtocolError):
+            return None
+        return _ERRORS.get(err.code, RemoteError)(f"host: {err.message}") if isinstance(err, m.Error) else None
 
     def _arena_slot(self, n: int) -> int | None:
         """An arena offset for ``n`` bytes, or None (no arena, or not room enough)."""

@@ -101,7 +101,10 @@ def _remote(name: str, scheme: str, opts: BackendOptions) -> Iterator[Backend]:
             url = f"tcp://127.0.0.1:{free_port()}"
             token_file = write_token(Path(tmp) / "token")
         try:
-            daemon = start_host([url], Path(tmp) / "host.log", device=opts.device, token_file=token_file)
+            # one session, so the default per-session memory cap (free memory / --max-sessions)
+            # is the whole device's: an 8B F16 model fits as it does natively
+            daemon = start_host([url], Path(tmp) / "host.log", device=opts.device, token_file=token_file,
+                                options=("--max-sessions", "1"))
         except ApirError as e:
             raise BenchError(f"{name}: {e}") from None
         with daemon, closing(_connect(name, url, opts, token_file)) as be:

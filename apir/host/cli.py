@@ -51,9 +51,11 @@ def cmd_host(args: argparse.Namespace) -> int:
         "max_message": parse_size(args.max_message) if args.max_message else None,
         "io_timeout": args.io_timeout, "handshake_timeout": args.handshake_timeout,
     }
+    max_memory = (parse_size(args.max_memory) if args.max_memory
+                  else default_max_memory(args.device, args.max_sessions))
     config = HostConfig(
         listen=tuple(parse_address(u) for u in listen), device=args.device, token=token,
-        max_memory=parse_size(args.max_memory) if args.max_memory else 0,
+        max_memory=max_memory, max_compute_seconds=args.max_compute_seconds,
         max_sessions=args.max_sessions, group=group, spin_us=env.spin_us(),
         executor=ExecutorConfig.from_env(),
         warm_workers=int(gpu_host(args.device)) if args.warm_workers is None else args.warm_workers,
@@ -90,6 +92,36 @@ def _device_missing(device: str) -> str | None:
     return why or None
 
 
+def default_max_memory(device: str | None, max_sessions: int) -> int:
+    """``--max-memory``'s default: the memory free now, shared by ``max_sessions``: the
+    host's available memory, and on a GPU host the least of that and the device's free
+    memory (asked through NVML, so the daemon never initialises CUDA before it forks)."""
+    try:
+        with open("/proc/meminfo") as f:
+            free = int(re.search(r"MemAvailable:\s+(\d+) kB", f.read()).group(1)) << 10
+    except OSError:  # no /proc (macOS): the physical memory
+        free = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if device in (None, "cuda"):
+        free = min(free, _gpu_free() or free)
+    return max(free // max(max_sessions, 1), 1 << 20)
+
+
+def _gpu_free() -> int | None:
+    """Free bytes of GPU 0 by NVML (None without an NVIDIA driver)."""
+    import ctypes
+
+    try:
+        nvml = ctypes.CDLL("libnvidia-ml.so.1")
+    except OSError:
+        return None
+    info, handle = (ctypes.c_ulonglong * 3)(), ctypes.c_void_p()  # total, free, used
+    if nvml.nvmlInit_v2() or nvml.nvmlDeviceGetHandleByIndex_v2(0, ctypes.byref(handle)):
+        return None
+    ok = nvml.nvmlDeviceGetMemoryInfo(handle, ctypes.byref(info)) == 0
+    nvml.nvmlShutdown()
+    return info[1] if ok else None
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     from ..backends.remote import host_status
 
@@ -118,8 +150,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--token-file", default=env.TOKEN_FILE.get(),
                    help="file holding the shared secret guests must present on tcp/vsock")
     p.add_argument("--max-memory", metavar="SIZE",
-                   help="per-session memory cap (buffers, dequantized weights, graphs, compute "
-                        "scratch), e.g. 8G; set it when serving untrusted guests (default: none)")
+                   help="per-session memory cap (buffers, dequantized and fused weights, graph "
+                        "metadata, compute scratch and replies), e.g. 8G, also enforced by the OS "
+                        "on each worker; 0: none (default: the memory free at start, the device's "
+                        "on a GPU host, divided by --max-sessions)")
+    p.add_argument("--max-compute-seconds", type=float, default=0, metavar="S",
+                   help="a request (one compute) running longer ends its session with a QUOTA "
+                        "error (default 0: no limit)")
     p.add_argument("--max-sessions", type=int, default=16, help="concurrent sessions (default 16)")
     p.add_argument("--max-handles", type=int, metavar="N",
                    help="live buffers + graphs per session (default 65536)")

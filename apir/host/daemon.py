@@ -12,6 +12,7 @@ affects nobody else.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import multiprocessing
@@ -32,7 +33,16 @@ from ..protocol.messages import HEADER, MAX_BODY, decode_body, decode_header, en
 from ..transport import Address, Connection, listen
 from .handshake import HANDSHAKE_MAX, MAX_PENDING, Gate, RateLimitedLog, check_hello, peer_key
 from .session import SessionConfig
-from .worker import MAX_SLOTS, READY, Bind, run_worker, wait_for_bind, warm_up
+from .worker import (
+    MAX_SLOTS,
+    READY,
+    Bind,
+    release_cgroup,
+    run_worker,
+    session_cgroup,
+    wait_for_bind,
+    warm_up,
+)
 
 __all__ = ["MAX_PENDING", "Daemon", "HostConfig", "run"]  # MAX_PENDING: the hostile tests' flood size
 
@@ -59,6 +69,10 @@ class HostConfig:
     spin_us: int | None = None  # sessions busy-poll this long for frames (None: by device)
     executor: ExecutorConfig = DEFAULT_EXECUTOR  # how sessions run graphs
     warm_workers: int = 0  # idle workers kept with the device initialised (see gpu_host)
+    max_compute_seconds: float = 0  # a session's request may run this long (0: no limit)
+    # a worker's OS memory cap past its start, bytes (0: --max-memory plus headroom, see
+    # worker.os_memory_cap; none without --max-memory)
+    os_memory: int = 0
 
     def __post_init__(self) -> None:
         if not self.listen:
@@ -80,6 +94,8 @@ class HostConfig:
         if not 0 <= self.warm_workers <= min(MAX_WARM, self.max_sessions):
             raise ApirError(f"--warm-workers must be in 0..{min(MAX_WARM, self.max_sessions)} "
                             "(at most 8, and at most --max-sessions)")
+        if self.max_compute_seconds < 0 or self.os_memory < 0:
+            raise ApirError("--max-compute-seconds must not be negative")
 
 
 def gpu_host(device: str | None) -> bool:
@@ -109,6 +125,10 @@ class Worker:
     slot: int
     peer: str
     started: float
+    # the guest's socket, kept where the worker may be killed at its cgroup's memory limit,
+    # to tell the guest why (_reap); elsewhere closed at once, so a dead worker's guest
+    # sees the hang-up without waiting for the reap
+    sock: socket.socket | None = None
 
 
 @dataclass
@@ -327,13 +347,18 @@ class Daemon:
                 w.sock.close()
             how = "warm" if w.ready else "cold"
             self.served[how] += 1
-            self.workers[pid] = Worker(session, slot, p.peer, time.monotonic())
+            # the guest's socket stays open here only where the worker's cgroup can kill it:
+            # then the daemon tells the guest why (see _reap)
+            keep = session_cgroup(session, os.getpid()) is not None
+            self.workers[pid] = Worker(session, slot, p.peer, time.monotonic(), p.sock if keep else None)
             log.info("session %d start: peer %s, client %r (%s worker pid %d)", session, p.peer,
                      hello.client[:80], how, pid)  # %r: a guest's string never forges log lines
             break
         else:
+            keep = False
             log.warning("session %d: its worker died before it took the guest; closing", session)
-        p.sock.close()
+        if not keep:
+            p.sock.close()
         self._fill_pool()
 
     def _fork_worker(self) -> None:
@@ -376,7 +401,8 @@ class Daemon:
 
         limits = Limits(self.config.max_memory, self.config.max_handles, self.config.max_graph_nodes)
         cfg = SessionConfig(self.config.device, limits, self.config.max_arena, bind.session, bind.peer,
-                            self.config.io_timeout, self.config.spin_us, self.config.executor)
+                            self.config.io_timeout, self.config.spin_us, self.config.executor,
+                            self.config.max_compute_seconds, self.config.os_memory)
         run_worker(Connection.over(sock, bind.peer, self.config.max_message), bind.hello, cfg, publish)
 
     # ------------------------------------------------------------ warm workers
@@ -425,7 +451,19 @@ class Daemon:
             w = self.workers.pop(pid, None)
             if w is None:
                 continue
-            if os.WIFSIGNALED(status):
+            killed = release_cgroup(w.session)
+            if w.sock is not None:
+                if killed:  # the guest's last frame: one small Error into its socket, never blocks
+                    with contextlib.suppress(OSError):
+                        w.sock.send(encode(m.Error(ErrorCode.QUOTA, f"session {w.session} was killed by "
+                                                   "the host's kernel: its worker went past its memory "
+                                                   f"limit (--max-memory {self.config.max_memory} bytes "
+                                                   "plus headroom)")), socket.MSG_DONTWAIT)
+                w.sock.close()
+            if killed:
+                log.warning("session %d worker was killed at its cgroup memory limit (set from "
+                            "--max-memory); its memory is released", w.session)
+            elif os.WIFSIGNALED(status):
                 log.warning("session %d worker died (signal %d); its memory is released", w.session,
                             os.WTERMSIG(status))
             elif os.WEXITSTATUS(status):

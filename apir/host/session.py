@@ -59,6 +59,7 @@ PIPELINED_MAX_TOKENS = 8
 READY_POLL_S = 20e-6  # while polling, whether the step is done is asked this often
 MAX_ERROR = 2048  # characters of an error message sent back
 _ADDRESS = re.compile(r"0x[0-9a-fA-F]{5,}")
+_OOM = re.compile(r"can't allocate memory|out of memory")  # torch's CPU and CUDA allocators
 _PATH = re.compile(r"(?<![\w.:/])(?:/[\w.+@-]+){2,}/?")
 
 
@@ -81,6 +82,8 @@ class SessionConfig:
     io_timeout: float = 60.0  # a started frame must keep arriving, a reply must drain
     spin_us: int | None = None  # busy-poll for frames this long (None: by device, see transport.spin_seconds)
     executor: ExecutorConfig = DEFAULT_EXECUTOR  # how the session's graphs run
+    max_compute_seconds: float = 0  # a request may run this long (0: no limit), see _watchdog
+    os_memory: int = 0  # the worker's OS memory cap past its start (0: from limits.max_memory)
 
 
 def device_message(backend: Executor) -> m.Device:
@@ -103,6 +106,10 @@ def error_for(exc: BaseException) -> m.Error:
     """An exception raised while serving a request, as the Error the guest will re-raise."""
     if isinstance(exc, QuotaError):
         return m.Error(ErrorCode.QUOTA, scrub(str(exc)))
+    if isinstance(exc, MemoryError) or (isinstance(exc, RuntimeError) and _OOM.search(str(exc))):
+        # the worker's OS limit (see worker.os_memory_cap), or torch's allocator's
+        return m.Error(ErrorCode.QUOTA, "the host ran out of memory for this request under the "
+                       "session's OS memory limit (set from --max-memory)")
     if isinstance(exc, GraphError):
         return m.Error(ErrorCode.GRAPH, scrub(str(exc)))
     if isinstance(exc, (BackendError, ArenaError)):
@@ -125,6 +132,8 @@ class Session:
         self.deferred: m.Error | None = None  # first failure of a request nobody waited for
         self.publish = publish or (lambda allocated, peak: None)
         self.busy = False  # a request is being served (see _watch_hangup)
+        self.requests = 0  # frames read, and whether a reply is being sent (see _watchdog)
+        self.sending = False
         self.layouts: dict[int, StepLayout] = {}  # graph id -> its Step layout
         self._published: tuple[int, int] | None = None  # the memory figures last published
 
@@ -138,6 +147,9 @@ class Session:
         if self.liveness is not None:
             threading.Thread(target=self._watch_hangup, args=(self.liveness,), name="hangup",
                              daemon=True).start()
+        if self.config.max_compute_seconds:
+            threading.Thread(target=self._watchdog, args=(self.config.max_compute_seconds,),
+                             name="watchdog", daemon=True).start()
         # Steps queued on the device, replies not sent yet, oldest first (see _next_frame_first)
         in_flight: deque[InFlight] = deque()
         while True:
@@ -151,6 +163,7 @@ class Session:
                     self.chan.wait_idle()
                 header, body, fds = self.chan.recv_frame()
                 self.busy = True
+                self.requests += 1
                 for fd in fds:  # guests never send descriptors
                     os.close(fd)
                 # a Step stays a tuple of fields: the hot path makes no message objects
@@ -254,10 +267,31 @@ class Session:
                      self.config.session)
             os._exit(0)
 
+    def _watchdog(self, limit: float) -> None:
+        """``--max-compute-seconds``: a request still running ``limit`` seconds after its
+        frame was read (a kernel cannot be interrupted) ends the worker, after an Error
+        that says why. It looks every ``limit / 4`` seconds at what the serving loop
+        already records, so a step costs nothing more. Time spent sending a reply to a
+        slow reader is ``--io-timeout``'s, not counted here."""
+        seen, since = None, time.monotonic()
+        while True:
+            time.sleep(limit / 4)
+            now, state = time.monotonic(), (self.requests, self.busy and not self.sending)
+            if state != seen:
+                seen, since = state, now
+            elif state[1] and now - since >= limit:
+                log.warning("session %d: a request ran past --max-compute-seconds %g; ending "
+                            "the session", self.config.session, limit)
+                self.chan.send(m.Error(ErrorCode.QUOTA, f"a request ran longer than this session's "
+                                       f"compute time limit ({limit:g} s, --max-compute-seconds); the "
+                                       "session is closed"), 0)
+                os._exit(0)
+
     def _send(self, msg: object, rid: int) -> bool:
         """Send a reply (a message, or the blob fields of a Data reply, which is encoded
         without message objects); False when the guest is gone or stopped reading
         (end the session)."""
+        self.sending = True
         try:
             try:
                 self.chan.send_frame(m.data_frame(rid, 0, *msg) if isinstance(msg, tuple) else encode(msg, rid))
@@ -273,6 +307,8 @@ class Session:
             log.warning("session %d: the guest stopped reading replies; closing the session",
                         self.config.session)
             return False
+        finally:
+            self.sending = False
         return True
 
     # ------------------------------------------------------------ dispatch
@@ -348,6 +384,9 @@ class Session:
             for arr, (offset, _) in zip(arrays, place.places):
                 self.arena.write(out_offset + offset, memoryview(np.ascontiguousarray(arr)).cast("B"))
             return b"", out_offset, size
+        if size > m.MAX_BODY:  # refused before it is built (a listing repeated, a huge read)
+            raise BackendError(f"the reply cannot be sent: its {size} bytes exceed the {m.MAX_BODY}-byte "
+                               "frame limit; read in smaller pieces or through the shared arena")
         return pack(arrays, place), -1, size
 
     def _blob_range(self, inline: bytes | memoryview, arena_offset: int, size: int,

@@ -70,6 +70,7 @@ def pick_device(device: str | None) -> torch.device:
 # a graph per length.
 CAPTURE_MAX_DECODE = 8
 CAPTURE_MAX_TOKENS = 1024
+_OUT_OF_MEMORY = "can't allocate memory"  # torch's CPU allocator failing (CUDA's: OutOfMemoryError)
 ASYNC_MAX_BYTES = 1 << 20  # outputs up to this size are copied back behind the step (_pending)
 
 
@@ -85,8 +86,8 @@ class LocalBackend(Executor):
                  config: ExecutorConfig = DEFAULT_EXECUTOR) -> None:
         super().__init__(limits)
         self.torch_device = pick_device(device)
-        self.dequant_cache = config.dequant_cache
-        self.ledger.derives = config.dequant_cache  # no derived weight forms to charge otherwise
+        self.dequant_cache = (self.torch_device.type == "cpu" if config.dequant_cache is None
+                              else config.dequant_cache)
         self.cuda_graphs = config.cuda_graphs and self.torch_device.type == "cuda"
         self.compile = self.cuda_graphs and config.compile != "off"
         self.compile_prefill = config.compile == "all"
@@ -227,6 +228,8 @@ class LocalBackend(Executor):
                 except BackendError as e:
                     raise BackendError(f"{reg.graph.nodes[nid].describe(nid)}: {e}") from None
                 except (RuntimeError, ValueError, IndexError) as e:
+                    if isinstance(e, torch.OutOfMemoryError) or _OUT_OF_MEMORY in str(e):
+                        raise  # the OS limit: the host reports it as such (session.error_for)
                     raise BackendError(f"{reg.graph.nodes[nid].describe(nid)} failed: {e}") from None
             elif isinstance(step, FusedMatmul):
                 y = kernels.fused_matmul(values[step.x], constants[nid], step.widths)
@@ -271,8 +274,12 @@ class LocalBackend(Executor):
         return outs
 
     def _host_outputs(self, reg: Registered, outputs: list[torch.Tensor]) -> list[np.ndarray]:
-        return [_numpy(_wire(t, reg.graph.nodes[o].dtype).cpu(), reg.graph.nodes[o].dtype).copy()
-                for t, o in zip(outputs, reg.program.outputs)]
+        """One copy per output node, however often the graph lists it (see Scratch)."""
+        host: dict[int, np.ndarray] = {}
+        for t, o in zip(outputs, reg.program.outputs):
+            if o not in host:
+                host[o] = _numpy(_wire(t, reg.graph.nodes[o].dtype).cpu(), reg.graph.nodes[o].dtype).copy()
+        return [host[o] for o in reg.program.outputs]
 
     def _pending(self, reg: Registered, outputs: list[torch.Tensor]) -> Pending:
         """On CUDA the host returns as soon as the step is queued: the outputs are copied
