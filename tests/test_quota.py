@@ -36,17 +36,22 @@ def released(host):
 
 
 def test_fused_products_of_one_weight_are_charged(host):
-    """MATMULs sharing an activation are fused, their weights concatenated: one 4 MiB F32
-    weight listed 20 times would be an uncharged 80 MiB copy."""
+    """MATMULs sharing an activation are fused. A CPU host's dequantized cache (its
+    default) concatenates their weights' f32 forms: one 2 MiB F16 weight listed 20 times
+    would be an uncharged 80 MiB copy. An F32 weight is never copied: read in place."""
     with RawGuest(host.unix) as g:
         g.ok(m.AllocBuffer(1, 4 << 20, 0))
-        x, w = x_input((T, 1024)), leaf(Op.WEIGHT, (1, 0), (1024, 1024))
+        x = x_input((T, 1024))
+        w = leaf(Op.WEIGHT, (1, 0), (1024, 1024), DType.F16)
         mm = Node(Op.MATMUL, (0, 1), (), (T, 1024), DType.F32)
         expect(g.error(m.RegisterGraph(2, graph(x, w, *[mm] * 20))), E.QUOTA,
                "would exceed this session's memory limit", f"of {MAX_MEMORY} bytes")
         g.ok(m.RegisterGraph(3, graph(x, w, *[mm] * 4)))  # 16 MiB of copies fit
         out = g.ok(step(3, np.ones((2, 1024), np.float32)))
         assert out.data.size == 2 * 1024 * 4
+        f32 = leaf(Op.WEIGHT, (1, 0), (1024, 1024))
+        g.ok(m.RegisterGraph(4, graph(x, f32, *[mm] * 20)))  # in place: nothing to charge
+        assert g.ok(step(4, np.ones((2, 1024), np.float32))).data.size == 2 * 1024 * 4
 
 
 def test_reshapes_of_transposed_values_are_charged(host):

@@ -132,8 +132,15 @@ class Executor(Backend):
         return self._buffer(handle).size
 
     def allocated_bytes(self) -> int:
-        """Bytes of live buffers (what ``host status`` reports)."""
+        """Bytes of live buffers."""
         return self.ledger.buffers
+
+    def memory(self) -> tuple[int, int]:
+        """(held, peak) bytes, what ``host status`` and the bench report: live buffers plus
+        the weight forms made from them (the dequantized cache), and the buffers' peak plus
+        those forms."""
+        forms = sum(self.ledger.forms.values())
+        return self.ledger.buffers + forms, self.ledger.peak + forms
 
     # ------------------------------------------------------------ tensor bytes
     def set_tensor(self, handle: int, offset: int, data: bytes | memoryview | np.ndarray) -> None:

@@ -202,8 +202,8 @@ def resident_memory(be: Backend) -> dict | None:
     charges), from the executor itself, or for a remote backend from the host's status of
     its session; None where that cannot be read (a tcp host wants its token)."""
     if isinstance(be, Executor):
-        derived = sum(be.ledger.forms.values())
-        return {"allocated": be.allocated_bytes() + derived, "peak": be.peak_bytes + derived}
+        held, peak = be.memory()
+        return {"allocated": held, "peak": peak}
     if isinstance(be, RemoteBackend):
         try:
             sessions = host_status(str(be.address)).sessions

@@ -93,9 +93,12 @@ def _device_missing(device: str) -> str | None:
 
 
 def default_max_memory(device: str | None, max_sessions: int) -> int:
-    """``--max-memory``'s default: the memory free now, shared by ``max_sessions``: the
-    host's available memory, and on a GPU host the least of that and the device's free
-    memory (asked through NVML, so the daemon never initialises CUDA before it forks)."""
+    """``--max-memory``'s default: the memory free now, shared by ``max_sessions`` but by
+    at most 4 (the default 16 would cap a CPU host's session at 1.5 GB of 24, too little
+    for a 270M model with its dequantized cache; sessions that all fill their cap at once
+    past that meet the OS's limits, each worker's own first): the host's available memory,
+    and on a GPU host the least of that and the device's free memory (asked through NVML,
+    so the daemon never initialises CUDA before it forks)."""
     try:
         with open("/proc/meminfo") as f:
             free = int(re.search(r"MemAvailable:\s+(\d+) kB", f.read()).group(1)) << 10
@@ -103,7 +106,7 @@ def default_max_memory(device: str | None, max_sessions: int) -> int:
         free = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     if device in (None, "cuda"):
         free = min(free, _gpu_free() or free)
-    return max(free // max(max_sessions, 1), 1 << 20)
+    return max(free // min(max(max_sessions, 1), 4), 1 << 20)
 
 
 def _gpu_free() -> int | None:
@@ -153,7 +156,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="per-session memory cap (buffers, dequantized and fused weights, graph "
                         "metadata, compute scratch and replies), e.g. 8G, also enforced by the OS "
                         "on each worker; 0: none (default: the memory free at start, the device's "
-                        "on a GPU host, divided by --max-sessions)")
+                        "on a GPU host, divided by --max-sessions, at most by 4)")
     p.add_argument("--max-compute-seconds", type=float, default=0, metavar="S",
                    help="a request (one compute) running longer ends its session with a QUOTA "
                         "error (default 0: no limit)")

@@ -243,7 +243,7 @@ class Session:
 
     def _publish(self) -> None:
         """Report the session's memory to the daemon when it changed (not per decode step)."""
-        usage = (self.backend.allocated_bytes(), self.backend.peak_bytes)
+        usage = self.backend.memory()
         if usage != self._published:
             self._published = usage
             self.publish(*usage)
