@@ -38,6 +38,10 @@ def check_hello(hello: object, token: str | None) -> m.Error | None:
     if not isinstance(hello, m.Hello):
         return m.Error(ErrorCode.PROTOCOL, f"expected a Hello handshake first, got {type(hello).__name__}")
     if token is not None and not hmac.compare_digest(hello.token.encode(), token.encode()):
+        if not hello.token:  # says only what the guest sent, nothing about the host
+            return m.Error(ErrorCode.AUTH, "authentication failed: no token was sent, and this "
+                           "host requires one (set APIR_TOKEN or --token-file to the host's "
+                           "--token-file secret)")
         return m.Error(ErrorCode.AUTH, "authentication failed: the token does not match the host's "
                        "(set APIR_TOKEN or --token-file to the host's --token-file secret)")
     if hello.version != PROTOCOL_VERSION:

@@ -256,16 +256,21 @@ class Session:
         watch = select.poll()
         watch.register(sock, select.POLLRDHUP)  # not POLLIN: no wake-up per frame
         watch.poll()
-        try:
-            pending = sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
-        except (BlockingIOError, InterruptedError):
-            pending = b""
-        except OSError:
-            pending = b"x"  # reset: treat as gone
-        if self.busy or pending:
-            log.info("session %d: the guest went away mid-request; ending its worker now",
-                     self.config.session)
-            os._exit(0)
+        # A guest that exits normally sends Goodbye (or reads its last reply) and hangs up at
+        # once: give the main loop 100 ms to read that and end the session as an exit.
+        for _ in range(10):
+            try:
+                pending = sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+            except (BlockingIOError, InterruptedError):
+                pending = b""
+            except OSError:
+                pending = b"x"  # reset: treat as gone
+            if not (self.busy or pending):
+                return  # idle: the main loop sees the end of the stream and ends cleanly
+            time.sleep(0.01)
+        log.info("session %d: the guest went away mid-request; ending its worker now",
+                 self.config.session)
+        os._exit(0)
 
     def _watchdog(self, limit: float) -> None:
         """``--max-compute-seconds``: a request still running ``limit`` seconds after its

@@ -152,7 +152,7 @@ def _dial(address: Address) -> socket.socket:
         sock.close()
         hint = "start one with `apir host`" + (
             f" --listen {address}" if address.scheme != "unix" or Path(address.path) != default_socket_path() else ""
-        )
+        ) + (" --token-file FILE (a secret the guest passes too)" if address.scheme != "unix" else "")
         what = "no socket there" if isinstance(e, FileNotFoundError) else "connection refused"
         raise HostUnreachable(f"no apir host is listening at {address} ({what}): {hint}") from None
     except (TimeoutError, OSError) as e:
