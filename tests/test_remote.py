@@ -207,7 +207,7 @@ def test_the_remote_backend_takes_its_config_from_its_caller(host, monkeypatch):
         assert remote.chan.spin_seconds == 1234e-6
     with create_backend("remote", remote=host.tcp) as remote:
         assert remote.chan.spin_seconds == 777e-6 and remote.device().kind == "cpu"
-    with pytest.raises(AuthError, match="token does not match"):
+    with pytest.raises(AuthError, match="no token was sent"):
         RemoteBackend(host.tcp)
     with RemoteBackend(host.tcp, token=token) as remote:
         assert remote.device().kind == "cpu"
@@ -216,7 +216,7 @@ def test_the_remote_backend_takes_its_config_from_its_caller(host, monkeypatch):
 def test_tcp_without_token_is_refused(host, monkeypatch):
     monkeypatch.delenv("APIR_TOKEN", raising=False)
     monkeypatch.delenv("APIR_TOKEN_FILE", raising=False)
-    with pytest.raises(AuthError, match="token does not match"):
+    with pytest.raises(AuthError, match="no token was sent"):
         apir.load("smollm2-135m", backend="remote", remote=host.tcp)
     out = subprocess.run(apir_cmd("run", "-p", "hi", "-n", "2", "--remote", host.tcp),
                          capture_output=True, text=True, env={**os.environ, "APIR_TOKEN": "wrong"})
