@@ -174,6 +174,26 @@ def test_fed_indices_without_a_known_bound_are_checked_on_the_host():
             b.compute(gid, {"scale": one}, feed={"ids": 0})
 
 
+@pytest.mark.parametrize("kind", ["local", "numpy"])
+def test_a_pick_over_t_columns_has_no_known_bound(kind):
+    """argmax over a (1, T) input may exceed a table of 4 rows whatever T was at
+    registration: a step with T=10 picks 9, and feeding it is refused, not read out of
+    bounds."""
+    from apir.backends import BackendError, create_backend
+    from apir.graph import DType, GraphBuilder, T
+
+    with create_backend(kind, "cpu" if kind == "local" else None) as b:
+        buf = b.alloc_buffer(4 * 8 * 4)
+        b.set_tensor(buf, 0, np.zeros((4, 8), np.float32))
+        g = GraphBuilder()
+        x, ids = g.input("x", (1, T)), g.input("ids", (1,), DType.I32)
+        gid = b.register_graph(g.build(g.argmax(x), g.get_rows(g.weight(buf, 0, (4, 8), DType.F32), ids)))
+        x10 = np.arange(10, dtype=np.float32)[None]
+        assert b.compute(gid, {"x": x10, "ids": np.zeros(1, np.int32)})[0].tolist() == [9]
+        with pytest.raises(BackendError, match="index out of range"):
+            b.compute(gid, {"x": x10}, feed={"ids": 0})
+
+
 class Recording(LocalBackend):
     """Logs ("submit", pos) and ("result", pos) for the one-token steps of the engine."""
 

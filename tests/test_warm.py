@@ -194,3 +194,26 @@ def test_workers_that_cannot_start_are_not_forked_forever(tmp_path, monkeypatch)
         assert not idle_pids(h)
     finally:
         h.stop()
+
+
+def test_a_bind_sent_before_the_workers_ready_is_read_still_arrives():
+    """The daemon sends a cold worker its Bind and closes its end of the pool socketpair,
+    possibly before reading the worker's READY: Linux then reports a reset to the worker
+    once, ahead of the queued Bind, which the worker must still read (this lost the guest
+    of a cold worker now and then)."""
+    import socket
+
+    from apir.host.worker import READY, wait_for_bind
+
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    guest_end, guest = socket.socketpair()
+    bind = Bind(7, 2, "unix:local", m.Hello(m.PROTOCOL_VERSION, m.op_table_hash(), "", "test", 0))
+    theirs.sendall(READY)  # the worker's READY, queued at the daemon's end, never read
+    socket.send_fds(ours, [bind.encode()], [guest.fileno()])
+    ours.close()
+    got = wait_for_bind(theirs)
+    assert got is not None and got[0] == bind
+    got[1].sendall(b"hi")
+    assert guest_end.recv(2) == b"hi"
+    for s in (theirs, guest_end, guest, got[1]):
+        s.close()

@@ -38,14 +38,22 @@ def form_nbytes(nodes: Sequence[Node]) -> int:
     return sum(4 * math.prod(n.shape) for n in nodes)
 
 
+# a graph's token picks (ARGMAX, SAMPLE outputs) kept on the device after a compute, to be
+# fed into its next one: at most this many bytes a graph, charged when it is registered
+FEED_MAX_BYTES = 64 << 10
+PICKS = (Op.ARGMAX, Op.SAMPLE)
+
+
 def graph_nbytes(graph: Graph) -> int:
-    """Host memory a registered graph's metadata takes: per node and per output listing a
-    fixed cost, plus the nodes' strings (labels, input names: up to 64 KiB each on the
-    wire) by their size (4 bytes a character for a str CPython cannot store as one byte
-    each)."""
+    """Host memory a registered graph takes: per node and per output listing a fixed cost,
+    plus the nodes' strings (labels, input names: up to 64 KiB each on the wire) by their
+    size (4 bytes a character for a str CPython cannot store as one byte each), plus the
+    room for its picks kept for feeding."""
     strings = sum(_str_nbytes(n.label) + sum(_str_nbytes(a) for a in n.attrs if isinstance(a, str))
                   for n in graph.nodes)
-    return GRAPH_NODE_BYTES * len(graph.nodes) + GRAPH_OUTPUT_BYTES * len(graph.outputs) + strings
+    picks = any(graph.nodes[o].op in PICKS for o in graph.outputs)
+    return (GRAPH_NODE_BYTES * len(graph.nodes) + GRAPH_OUTPUT_BYTES * len(graph.outputs) + strings
+            + FEED_MAX_BYTES * picks)
 
 
 def _str_nbytes(s: str) -> int:

@@ -17,7 +17,7 @@ from ..errors import ApirError
 from ..graph import OPS, DType, Graph, Node, Op, T
 from ..graph.dtypes import NUMPY_DTYPES
 from ..graph.ops import fmt_shape
-from .accounting import Ledger, Scratch
+from .accounting import FEED_MAX_BYTES, PICKS, Ledger, Scratch
 from .base import (
     ALIGNMENT,
     NO_LIMITS,
@@ -29,8 +29,6 @@ from .base import (
     Pending,
     QuotaError,
 )
-
-FEED_MAX_BYTES = 64 << 10  # outputs kept on the device for feeding (tokens, not logits)
 
 
 @dataclass
@@ -231,7 +229,7 @@ class Executor(Backend):
             raise BackendError(f"graph {gid}: {e}") from None
         for handle in reg.states:  # written by the run: cached forms of them are stale
             self._buffers[handle].version += 1
-        reg.last_outputs = [o if o.nbytes <= FEED_MAX_BYTES else None for o in outputs]
+        reg.last_outputs = _kept_for_feeding(reg.graph, outputs)
         return reg, outputs
 
     def synchronize(self) -> None:
@@ -286,8 +284,13 @@ class Executor(Backend):
             if dtype not in (DType.I32, DType.F32) or node.dtype is not dtype:
                 raise BackendError(f"input {name!r} ({dtype.name}) cannot be fed from output {k} "
                                    f"({node.dtype.name}): only I32 and F32 inputs, of the same dtype")
-            picks = node.op in (Op.ARGMAX, Op.SAMPLE)
-            bounds[name] = nodes[node.inputs[0]].shape[-1] if picks else None
+            if node.op not in PICKS:
+                raise BackendError(f"feed of {name!r}: output {k} of graph {gid} is not a token pick "
+                                   "(ARGMAX or SAMPLE): only those are kept for feeding")
+            # a pick's bound is its input's last dimension, when that is a known size (not
+            # T, not a 0-d input): otherwise the values are checked like any input's
+            shape = nodes[node.inputs[0]].shape
+            bounds[name] = shape[-1] if shape and shape[-1] > 0 else None
         return bounds
 
     @staticmethod
@@ -302,8 +305,8 @@ class Executor(Backend):
         values = {name: last[k] for name, k in feed.items()}
         for name, k in feed.items():
             if values[name] is None:
-                raise BackendError(f"feed of {name!r}: output {k} of graph {gid} is larger than "
-                                   f"{FEED_MAX_BYTES} bytes and is not kept for feeding")
+                raise BackendError(f"feed of {name!r}: output {k} of graph {gid} is past the "
+                                   f"{FEED_MAX_BYTES} bytes of picks kept for feeding")
         return values
 
     @staticmethod
@@ -394,3 +397,14 @@ def _check_names(reg: Registered, inputs: Mapping[str, object], fed: Mapping[str
             f"graph inputs are {sorted(reg.inputs)}; missing {sorted(missing)}, unexpected "
             f"{sorted(extra)} (an input is either sent or fed, not both)"
         )
+
+
+def _kept_for_feeding(graph: Graph, outputs: list) -> list:
+    """The outputs a next compute may feed from: the token picks, in order, while their
+    bytes fit FEED_MAX_BYTES (what registration charged); None for the rest."""
+    kept, room = [], FEED_MAX_BYTES
+    for o, out in zip(graph.outputs, outputs):
+        keep = graph.nodes[o].op in PICKS and out.nbytes <= room
+        room -= out.nbytes if keep else 0
+        kept.append(out if keep else None)
+    return kept

@@ -411,16 +411,18 @@ class RemoteBackend(Backend):
                 raise last._error
 
     def close(self) -> None:
-        if not self.closed:
-            try:
-                self.chan.send(m.Goodbye(), next(self._rids))
-            except (ConnectionClosed, OSError):
-                pass
-            self.closed = True
-            while self._awaited:
-                self._awaited.popleft().fail(BackendError("the remote backend was closed before this reply came"))
-        self.conn.close()  # also after the host went away: the arena and region go too
-        self.arena = None
+        try:
+            if not self.closed:
+                self.closed = True
+                try:
+                    self.chan.send(m.Goodbye(), next(self._rids))
+                except (ConnectionClosed, OSError, ProtocolError):  # gone, or its rings are broken
+                    pass
+                while self._awaited:
+                    self._awaited.popleft().fail(BackendError("the remote backend was closed before this reply came"))
+        finally:
+            self.conn.close()  # also after the host went away: the arena and region go too
+            self.arena = None
 
 
 Decoder = Callable[[FrameHeader, bytearray, int], object]  # (header, body, request id) -> value

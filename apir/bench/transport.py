@@ -152,6 +152,7 @@ def measure(urls: list[str], token_file: str | None, calls: int, upload_mb: int,
     from ..backends.remote import RemoteBackend
 
     remotes: dict[str, Backend] = {}
+    backends: dict[str, Backend] = {}
     try:
         for url in urls:
             remotes[_label(url)] = RemoteBackend(url, token=env.read_token(token_file), spin_us=env.spin_us())
@@ -167,7 +168,7 @@ def measure(urls: list[str], token_file: str | None, calls: int, upload_mb: int,
                         for kind, kw in kinds.items()}, calls)
         upload = {name: _upload(b, upload_mb) for name, b in remotes.items()}
     finally:
-        for b in remotes.values():
+        for b in {**backends, **remotes}.values():
             b.close()
 
     def p50(name: str, kind: str) -> float:

@@ -85,17 +85,23 @@ class HostConfig:
             )
         if not 0 < self.max_sessions <= MAX_SLOTS:
             raise ApirError(f"--max-sessions must be in 1..{MAX_SLOTS}")
-        if self.max_handles < 0 or self.max_graph_nodes <= 0 or self.max_arena < 0:
-            raise ApirError("--max-handles, --max-graph-nodes and --max-arena must not be negative")
+        if self.max_graph_nodes <= 0:
+            raise ApirError("--max-graph-nodes must be positive")
+        if self.max_handles < 0 or self.max_arena < 0:
+            raise ApirError("--max-handles and --max-arena must not be negative")
         if not 1 << 16 <= self.max_message <= MAX_BODY:
             raise ApirError(f"--max-message must be between 64K and {MAX_BODY >> 20}M")
-        if not self.io_timeout > 0 or not self.handshake_timeout > 0:
+        if not self.io_timeout > 0:
             raise ApirError("--io-timeout must be positive")
+        if not self.handshake_timeout > 0:
+            raise ApirError("--handshake-timeout must be positive")
         if not 0 <= self.warm_workers <= min(MAX_WARM, self.max_sessions):
             raise ApirError(f"--warm-workers must be in 0..{min(MAX_WARM, self.max_sessions)} "
                             "(at most 8, and at most --max-sessions)")
-        if self.max_compute_seconds < 0 or self.os_memory < 0:
+        if self.max_compute_seconds < 0:
             raise ApirError("--max-compute-seconds must not be negative")
+        if self.os_memory < 0:
+            raise ApirError("a worker's OS memory cap must not be negative")
 
 
 def gpu_host(device: str | None) -> bool:
@@ -335,31 +341,44 @@ class Daemon:
         self.gate.release(p.address, p.key)
         self.selector.unregister(p.sock)
         bind = Bind(session, slot, p.peer, replace(hello, token="")).encode()
-        if not self.idle:
-            self._fork_worker()  # none waiting: this session's worker starts cold
-        for pid in sorted(self.idle, key=lambda pid: not self.idle[pid].ready):  # ready ones first
+        keep = False
+        for attempt in range(2):  # the idle workers, then (all dead, or none) a cold one
+            if not self.idle or attempt:
+                self._fork_worker()
+            taken = self._hand_over(bind, p.sock)
+            if taken is not None:
+                pid, how = taken
+                self.served[how] += 1
+                # the guest's socket stays open here only where the worker's cgroup can kill
+                # it: then the daemon tells the guest why (see _reap)
+                keep = session_cgroup(session, os.getpid()) is not None
+                self.workers[pid] = Worker(session, slot, p.peer, time.monotonic(), p.sock if keep else None)
+                log.info("session %d start: peer %s, client %r (%s worker pid %d)", session, p.peer,
+                         hello.client[:80], how, pid)  # %r: a guest's string never forges log lines
+                break
+        else:
+            with contextlib.suppress(OSError):
+                p.sock.send(encode(m.Error(ErrorCode.INTERNAL, "the host could not start a worker "
+                                           "for this session (see its log); try again")), socket.MSG_DONTWAIT)
+            log.warning("session %d: no worker could take the guest; closing", session)
+        if not keep:
+            p.sock.close()
+        self._fill_pool()
+
+    def _hand_over(self, bind: bytes, guest: socket.socket) -> tuple[int, str] | None:
+        """Give the guest's socket and its Bind to an idle worker, ready ones first: the
+        worker's pid and "warm" or "cold" (still starting), or None when every idle worker
+        has died."""
+        for pid in sorted(self.idle, key=lambda pid: not self.idle[pid].ready):
             w = self._drop_idle(pid)
             try:  # a small message into an empty buffer: never blocks
-                socket.send_fds(w.sock, [bind], [p.sock.fileno()])
+                socket.send_fds(w.sock, [bind], [guest.fileno()])
             except OSError:  # it died since: its exit is reaped like any child's
                 continue
             finally:
                 w.sock.close()
-            how = "warm" if w.ready else "cold"
-            self.served[how] += 1
-            # the guest's socket stays open here only where the worker's cgroup can kill it:
-            # then the daemon tells the guest why (see _reap)
-            keep = session_cgroup(session, os.getpid()) is not None
-            self.workers[pid] = Worker(session, slot, p.peer, time.monotonic(), p.sock if keep else None)
-            log.info("session %d start: peer %s, client %r (%s worker pid %d)", session, p.peer,
-                     hello.client[:80], how, pid)  # %r: a guest's string never forges log lines
-            break
-        else:
-            keep = False
-            log.warning("session %d: its worker died before it took the guest; closing", session)
-        if not keep:
-            p.sock.close()
-        self._fill_pool()
+            return pid, "warm" if w.ready else "cold"
+        return None
 
     def _fork_worker(self) -> None:
         """Fork a worker: it initialises the device, then waits idle for its session."""
@@ -376,7 +395,9 @@ class Daemon:
             _die_with_parent()
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             self.selector.close()
-            for sock in [*self.listeners, *self.pending, *(w.sock for w in self.idle.values()), ours]:
+            # nor another session's guest socket: that guest must see its worker's exit
+            for sock in [*self.listeners, *self.pending, *(w.sock for w in self.idle.values()),
+                         *(w.sock for w in self.workers.values() if w.sock is not None), ours]:
                 sock.close()
             self._work(theirs)
         except BaseException:  # noqa: BLE001 - a worker must never return into the parent's loop
@@ -441,7 +462,8 @@ class Daemon:
         return w
 
     def _reap(self, block: bool = False) -> None:
-        while self.workers:
+        # not blocking: every exited child, idle workers that died included (no zombies)
+        while self.workers or not block:
             try:
                 pid, status = os.waitpid(-1, 0 if block else os.WNOHANG)
             except ChildProcessError:
@@ -484,8 +506,8 @@ class Daemon:
 
 def run(config: HostConfig) -> None:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="apir host: %(message)s")
-    try:
-        import torch  # noqa: F401  - warm the import once; workers fork with it loaded
+    try:  # import the executor (torch, dynamo: ~3.5 s) once; workers fork with it loaded
+        from ..backends import local  # noqa: F401
     except ImportError:
         raise ApirError("apir host needs PyTorch: pip install 'apir[host]'") from None
     daemon = Daemon(config)

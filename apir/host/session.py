@@ -287,10 +287,12 @@ class Session:
             elif state[1] and now - since >= limit:
                 log.warning("session %d: a request ran past --max-compute-seconds %g; ending "
                             "the session", self.config.session, limit)
-                self.chan.send(m.Error(ErrorCode.QUOTA, f"a request ran longer than this session's "
-                                       f"compute time limit ({limit:g} s, --max-compute-seconds); the "
-                                       "session is closed"), 0)
-                os._exit(0)
+                try:  # a guest that does not read its replies gets no message, and still ends
+                    self.chan.send(m.Error(ErrorCode.QUOTA, f"a request ran longer than this session's "
+                                           f"compute time limit ({limit:g} s, --max-compute-seconds); "
+                                           "the session is closed"), 0)
+                finally:
+                    os._exit(0)
 
     def _send(self, msg: object, rid: int) -> bool:
         """Send a reply (a message, or the blob fields of a Data reply, which is encoded

@@ -85,11 +85,17 @@ def warm_up(device: str | None, executor: ExecutorConfig) -> None:
 def wait_for_bind(pool: socket.socket) -> tuple[Bind, socket.socket] | None:
     """Tell the daemon this worker is ready, then wait for its session: the ``Bind`` and
     the guest's socket. None: the daemon closed the pool (it is stopping)."""
+    # The daemon may send the Bind and close its end before it reads our READY (a cold
+    # worker, bound while starting); Linux then reports a reset once, to whichever call
+    # comes first (this send, or the recv), and the Bind is still queued.
     try:
         pool.sendall(READY)
-    except BrokenPipeError:  # bound while starting: the daemon has closed its end already
+    except (BrokenPipeError, ConnectionResetError):
         pass
-    data, fds, _, _ = socket.recv_fds(pool, BIND_MAX, 1)
+    try:
+        data, fds, _, _ = socket.recv_fds(pool, BIND_MAX, 1)
+    except ConnectionResetError:
+        data, fds, _, _ = socket.recv_fds(pool, BIND_MAX, 1)
     socks = [socket.socket(fileno=fd) for fd in fds]
     if not data:
         for s in socks:

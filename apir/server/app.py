@@ -70,6 +70,7 @@ MAX_BODY = 32 << 20  # bytes; a prompt this long is far past any context window
 ENDPOINTS = ("/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions",
              "/v1/embeddings", "/tokenize", "/detokenize", "/api/chat", "/api/generate", "/api/embed")
 GGUF_POOLING = {1: "mean", 2: "cls", 3: "last"}  # llama.cpp's pooling_type values
+MAX_TOKENS = 1 << 18  # ids /detokenize (and /tokenize's with_pieces) turn into text at once
 TOKENIZE_FIELDS = frozenset({"content", "add_special", "parse_special", "with_pieces"})
 
 
@@ -237,18 +238,29 @@ def create_app(
         return found
 
     async def embed(request: Request, model: Model, inputs: Sequence[str | Sequence[int]],
-                    param: str = "input") -> tuple[list[np.ndarray], int]:
-        """Pooled, normalised vectors of ``inputs`` and their token count, run in the queue."""
+                    param: str = "input", truncate: bool = False) -> tuple[list[np.ndarray], int]:
+        """Pooled, normalised vectors of ``inputs`` and their token count, run in the queue
+        (``truncate``: an input longer than the context is cut to it, as Ollama does)."""
         how = pooling(model)
         ids = [await run_in_threadpool(model.tokenize, x) if isinstance(x, str) else list(x)
                for x in inputs]
+        if truncate:
+            ids = [t[: model.n_ctx] for t in ids]
         for i, t in enumerate(ids):
             where = f"{param}[{i}]" if len(ids) > 1 else param
             if not 0 < len(t) <= model.n_ctx:
                 raise RequestError(f"'{where}' has {len(t)} tokens; 1 to {model.n_ctx} fit", param)
             if not all(0 <= x < model.vocab_size for x in t):
                 raise RequestError(f"'{where}' has token ids outside [0, {model.vocab_size})", param)
-        _, done = await outcome(request, submit(Job([], None, work=lambda m: [m.embed(t, how) for t in ids])))
+        def work(m: Model, job: Job) -> list[np.ndarray] | None:
+            vectors = []
+            for t in ids:  # a client gone (cancelled) stops it between inputs
+                if job.cancelled:
+                    return None
+                vectors.append(m.embed(t, how))
+            return vectors
+
+        _, done = await outcome(request, submit(Job([], None, work=work)))
         if done.result is None:
             raise RequestError("the request was cancelled", None, 499)
         return done.result, sum(map(len, ids))
@@ -257,8 +269,13 @@ def create_app(
     async def health(request: Request) -> Response:
         if state.model is not None:
             return JSONResponse({"status": "ok"})
-        if state.error is not None:
-            return JSONResponse({"status": "error", "message": state.error}, 503)
+        if state.error is not None:  # its reason (host paths) only for clients with the API key
+            try:
+                authorize(request)
+                reason = state.error
+            except RequestError:
+                reason = "the model failed to load (the reason is in the server's log)"
+            return JSONResponse({"status": "error", "message": reason}, 503)
         return JSONResponse({"status": "loading"}, 503)
 
     async def metrics(request: Request) -> Response:
@@ -305,7 +322,11 @@ def create_app(
                               (("add_special", False), ("parse_special", True), ("with_pieces", False)))
         ids = await run_in_threadpool(model.tokenizer.encode, body["content"], add, parse)
         if pieces:
-            return JSONResponse({"tokens": [{"id": i, "piece": model.detokenize([i])} for i in ids]})
+            if len(ids) > MAX_TOKENS:
+                raise RequestError(f"'with_pieces' is limited to {MAX_TOKENS} tokens; this content "
+                                   f"has {len(ids)}", "with_pieces")
+            return JSONResponse({"tokens": await run_in_threadpool(
+                lambda: [{"id": i, "piece": model.detokenize([i])} for i in ids])})
         return JSONResponse({"tokens": ids})
 
     async def detokenize(request: Request) -> Response:
@@ -313,12 +334,15 @@ def create_app(
         body = await json_body(request)
         model = ready_model(None)
         tokens = body.get("tokens") if isinstance(body, dict) else None
+        if isinstance(tokens, list) and len(tokens) > MAX_TOKENS:
+            raise RequestError(f"'tokens' holds {len(tokens)} ids; at most {MAX_TOKENS} are detokenized "
+                               "at once", "tokens")
         if not (isinstance(tokens, list) and all(isinstance(t, int) and not isinstance(t, bool)
                                                  and 0 <= t < model.tokenizer.vocab_size for t in tokens)):
             raise RequestError(f"'tokens' must be a list of token ids in [0, "
                                f"{model.tokenizer.vocab_size})", "tokens")
         check_fields(body, frozenset({"tokens"}))
-        return JSONResponse({"content": model.detokenize(tokens)})
+        return JSONResponse({"content": await run_in_threadpool(model.detokenize, tokens)})
 
     async def chat_completions(request: Request) -> Response:
         authorize(request)

@@ -25,10 +25,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from ..engine import Model
+from ..engine import ContextOverflowError, Model
 from . import tools as tool_calls
 from .runner import Done, Failed, Job, Piece
 from .schemas import (
+    MAX_INPUTS,
     ChatRequest,
     Grammar,
     RequestError,
@@ -145,6 +146,8 @@ def routes(api: Api) -> list[Route]:
                 return await handler(request)
             except RequestError as e:
                 return JSONResponse({"error": e.message}, e.status)
+            except ContextOverflowError as e:
+                return JSONResponse({"error": str(e)}, 400)
         return wrapped
 
     async def body_of(request: Request) -> dict:
@@ -171,6 +174,9 @@ def routes(api: Api) -> list[Route]:
     async def show(request: Request) -> Response:
         body = await body_of(request)
         check_fields(body, frozenset({"model", "name", "verbose"}))
+        if body.get("verbose"):
+            raise RequestError("'verbose' is not supported by /api/show here: the reply has no "
+                               "tensor list", "verbose")
         model = api.ready_model(_name({"model": body.get("model", body.get("name"))}))
         capabilities = ["completion", "tools"]
         try:
@@ -253,6 +259,8 @@ def routes(api: Api) -> list[Route]:
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
         req = parse_chat({**openai, "messages": messages})
         if read_flag(body, "raw"):
+            if system:
+                raise RequestError("'system' has no place in a raw prompt: write it into 'prompt'", "system")
             ids, grammar = await run_in_threadpool(model.tokenize, prompt), req.sampling.grammar
         else:
             ids, grammar, _ = await api.prepare_chat(model, req)
@@ -265,10 +273,13 @@ def routes(api: Api) -> list[Route]:
         if body.get("options"):
             raise RequestError("'options' is not supported by /api/embed here", "options")
         inputs: Sequence = [body.get("input")] if isinstance(body.get("input"), str) else body.get("input")
-        if not (isinstance(inputs, list) and inputs and all(isinstance(x, str) for x in inputs)):
-            raise RequestError("'input' must be a string or a list of strings", "input")
+        if not (isinstance(inputs, list) and 0 < len(inputs) <= MAX_INPUTS
+                and all(isinstance(x, str) for x in inputs)):
+            raise RequestError(f"'input' must be a string or a list of up to {MAX_INPUTS} strings", "input")
+        # Ollama's default: an input longer than the context is cut to it, not refused
+        truncate = read_flag(body, "truncate") if "truncate" in body else True
         t0 = time.perf_counter_ns()
-        vectors, n = await api.embed(request, api.ready_model(_name(body)), inputs)
+        vectors, n = await api.embed(request, api.ready_model(_name(body)), inputs, truncate=truncate)
         return JSONResponse({"model": f"{api.model_id}:latest", "embeddings": [v.tolist() for v in vectors],
                              "total_duration": time.perf_counter_ns() - t0, "load_duration": 0,
                              "prompt_eval_count": n})

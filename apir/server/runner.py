@@ -53,9 +53,10 @@ class Job:
 
     def __init__(self, prompt_ids: Sequence[int], params: SamplingParams | None,
                  constraint: Constraint | None = None,
-                 work: Callable[[Model], object] | None = None) -> None:
+                 work: Callable[[Model, Job], object] | None = None) -> None:
         """A generation of ``params`` from ``prompt_ids``; or, with ``work``, that function
-        run on the model in the queue's turn (an embedding: it writes the KV cache too)."""
+        run on the model and this job in the queue's turn (an embedding: it writes the KV
+        cache too; it returns None when it sees the job cancelled)."""
         self.prompt_ids = list(prompt_ids)
         self.params, self.constraint, self.work = params, constraint, work
         self._loop = asyncio.get_running_loop()
@@ -151,7 +152,7 @@ class Runner:
             self._current = job
             try:
                 if job.work is not None:
-                    job.emit(Done("stop", len(job.prompt_ids), 0, job.work(self.model)))
+                    job.emit(Done("stop", len(job.prompt_ids), 0, job.work(self.model, job)))
                 else:
                     job.emit(self._run(job))
             except Exception as e:  # a failed generation fails its request, not the server

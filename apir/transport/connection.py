@@ -85,7 +85,7 @@ def connect(url: str | None, hello: m.Hello, timeout: float | None = None) -> tu
         conn.channel.send(hello, 0, WANT_REPLY)
         frame = conn.channel.recv()
         if len(frame.fds) == 3 and isinstance(frame.message, m.Welcome) and conn.liveness is not None:
-            _switch_to_region(conn, conn.liveness, frame.fds, frame.message.arena_size)
+            _switch_to_region(conn, conn.liveness, frame.fds, frame.message.arena_size, timeout)
         else:
             for fd in frame.fds:
                 os.close(fd)
@@ -99,11 +99,12 @@ def connect(url: str | None, hello: m.Hello, timeout: float | None = None) -> tu
     return conn, reply
 
 
-def _switch_to_region(conn: Connection, sock: socket.socket, fds: tuple[int, ...], arena_size: int) -> None:
+def _switch_to_region(conn: Connection, sock: socket.socket, fds: tuple[int, ...], arena_size: int,
+                      timeout: float | None) -> None:
     """A unix session's Welcome brought its region: frames stop travelling on the socket."""
     sock_chan = conn.channel
     region, doorbell = attach_region((fds[0], fds[1], fds[2]), arena_size, sock)
-    conn.channel = RingChannel(region, "guest", doorbell=doorbell)
+    conn.channel = RingChannel(region, "guest", timeout=timeout, doorbell=doorbell)
     conn.arena = region.arena()
     conn.parts = [region, doorbell, sock_chan]
 
