@@ -337,7 +337,7 @@ class Session:
             case m.ClearBuffer(handle=h, value=v):
                 b.clear_buffer(h, v)
             case m.SetTensor(handle=h, offset=off, data=blob):
-                b.set_tensor(h, off, self._blob_range(blob.inline, blob.arena_offset, blob.size, in_place=True))
+                b.set_tensor(h, off, self._blob_range(blob.inline, blob.arena_offset, blob.size))
             case m.GetTensor(handle=h, offset=off, size=size, arena_offset=dest):
                 data = np.frombuffer(b.get_tensor(h, off, size), np.uint8)
                 return self._data((data,), Placement(((0, data.shape),), data.size, ()), dest, size)
@@ -367,7 +367,7 @@ class Session:
         if layout is None:
             raise BackendError(f"unknown graph id {gid}")
         feed, fed = _step_feed(gid, layout, pairs)
-        payload = self._blob_range(inline, arena_offset, size, in_place=True)
+        payload = self._blob_range(inline, arena_offset, size)
         if arena_offset >= 0 or not isinstance(payload, memoryview):
             # One copy, private (the guest may change the arena at any time) and writeable.
             # Inline bytes that arrive as a view of the frame's body are both already.
@@ -396,10 +396,10 @@ class Session:
                                "frame limit; read in smaller pieces or through the shared arena")
         return pack(arrays, place), -1, size
 
-    def _blob_range(self, inline: bytes | memoryview, arena_offset: int, size: int,
-                    in_place: bool = False) -> bytes | memoryview:
-        """A blob's bytes, every field checked. In the arena: a private copy, or with
-        ``in_place`` a window (only for bytes that are copied before anything uses them)."""
+    def _blob_range(self, inline: bytes | memoryview, arena_offset: int, size: int) -> bytes | memoryview:
+        """A blob's bytes, every field checked. In the arena: a window, for opaque tensor
+        bytes that are copied once, straight into their buffer or input, before anything
+        uses them (nothing parses them)."""
         if arena_offset < 0:
             if size != len(inline):
                 raise ProtocolError("inline data length disagrees with its size field")
@@ -408,9 +408,7 @@ class Session:
             raise ArenaError("this session has no shared arena (TCP?): send data inline")
         if len(inline):
             raise ProtocolError("a blob cannot be both inline and in the arena")
-        if in_place:  # opaque tensor bytes, copied once, straight into the buffer
-            return self.arena.window(arena_offset, size)
-        return self.arena.read(arena_offset, size)  # a private copy
+        return self.arena.window(arena_offset, size)
 
 
 _DONE = Pending(outputs=[])  # the Pending of a step that failed before it was queued

@@ -284,7 +284,7 @@ def create_app(
         gauges = prom.Gauges(
             loaded=state.model is not None,
             queued=state.runner.queued if state.runner is not None else 0,
-            round_trip_seconds=float(rtt() if callable(rtt) else rtt) if rtt is not None else None,
+            round_trip_seconds=float(rtt) if rtt is not None else None,
         )
         return Response(state.metrics.render(gauges), media_type=prom.CONTENT_TYPE)
 

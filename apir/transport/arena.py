@@ -46,11 +46,6 @@ class Arena:
         if offset < 0 or size < 0 or offset + size > self.size:
             raise ArenaError(f"arena range [{offset}, {offset + size}) outside the {self.size}-byte arena")
 
-    def read(self, offset: int, size: int) -> bytes:
-        """A private copy: the peer may change the arena at any moment (read once, then use)."""
-        self.check(offset, size)
-        return bytes(self.view[offset : offset + size])
-
     def window(self, offset: int, size: int) -> memoryview:
         """The bytes in place, no copy. Only for opaque payloads (tensor contents) whose
         value nothing checks: anything parsed or validated must use ``read``."""
