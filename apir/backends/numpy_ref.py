@@ -11,6 +11,7 @@ import gguf
 import numpy as np
 
 from ..graph import OPS, DType, Graph, Op, SampleArgs
+from ..graph.ops import Fn, Reduce
 from ..graph.dtypes import NUMPY_DTYPES
 from .base import BackendError, DeviceInfo
 from .executor import Buffer, Executor, Registered, check_indices
@@ -60,6 +61,15 @@ def silu(x: np.ndarray) -> np.ndarray:
 def softmax(x: np.ndarray) -> np.ndarray:
     e = np.exp(x - x.max(axis=-1, keepdims=True))
     return e / e.sum(axis=-1, keepdims=True)
+
+
+def safe_softmax(x: np.ndarray) -> np.ndarray:
+    """softmax, 0 on a row of all -inf (PyTorch's _safe_softmax; the plain one gives NaN)."""
+    m = x.max(axis=-1, keepdims=True)
+    e = np.exp(x - np.where(np.isneginf(m), np.float32(0), m))
+    s = e.sum(axis=-1, keepdims=True)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(np.isneginf(m), np.float32(0), e / s).astype(np.float32)
 
 
 def rope(x: np.ndarray, pos: np.ndarray, n_dims: int, base: float, neox: int, freq_scale: float):
@@ -176,7 +186,7 @@ KERNELS = {
     Op.SWIGLU: lambda g, u: silu(g) * u,
     Op.GEGLU: lambda g, u: gelu(g) * u,
     Op.RMS_NORM: lambda x, eps: x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + np.float32(eps)),
-    Op.SOFTMAX: softmax,
+    Op.SOFTMAX: safe_softmax,
     Op.ROPE: rope,
     Op.ATTENTION: attention,
     Op.RESHAPE: lambda x, shape: x.reshape([-1 if d == -1 else d for d in shape]),
@@ -190,6 +200,44 @@ KERNELS = {
     Op.PENALIZE: penalize,
     Op.LOGPROBS: logprobs,
 }
+
+
+# ---------------------------------------------------------------- general programs (apir.torch)
+
+
+UNARY = {
+    Fn.EXP: np.exp,
+    Fn.LOG: np.log,
+    Fn.SQRT: np.sqrt,
+    Fn.RSQRT: lambda x: np.float32(1) / np.sqrt(x),
+    Fn.SIN: np.sin,
+    Fn.COS: np.cos,
+    Fn.TANH: np.tanh,
+    Fn.SIGMOID: lambda x: np.float32(1) / (np.float32(1) + np.exp(-x)),
+    Fn.RELU: lambda x: np.maximum(x, np.float32(0)),
+}
+REDUCE = {Reduce.SUM: np.sum, Reduce.MEAN: np.mean, Reduce.MAX: np.max}
+
+
+def unary(x: np.ndarray, fn: int) -> np.ndarray:
+    # IEEE results for inputs outside a function's domain (log(-1) = nan, exp(1e3) = inf)
+    with np.errstate(all="ignore"):
+        return UNARY[Fn(fn)](x).astype(np.float32)
+
+
+def _divide(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return a / b
+
+
+KERNELS.update({
+    Op.SUB: lambda a, b: a - b,
+    Op.DIV: _divide,
+    Op.UNARY: unary,
+    Op.REDUCE: lambda x, fn: REDUCE[Reduce(fn)](x, axis=-1, keepdims=True).astype(np.float32),
+    Op.BMM: lambda a, b: np.matmul(a, b).astype(np.float32),
+    Op.CAST: lambda x: x.astype(np.float32),
+})
 
 
 class NumpyBackend(Executor):

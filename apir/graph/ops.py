@@ -60,6 +60,17 @@ Semantics, per op (``x`` etc. are inputs in order):
                                  largest (log-softmax, id), descending, ties lower id first.
                                  Ids travel as F32 (exact: V <= 2^24); a token outside
                                  [0, V) is clamped into it
+
+General tensor programs (apir.torch lowers PyTorch's ATen graphs to these and the above):
+  SUB, DIV   (a, b)             a - b, a / b, elementwise with numpy broadcasting
+  UNARY      (x)                fn(x) elementwise; fn is a ``Fn`` (exp, log, sqrt, rsqrt,
+                                 sin, cos, tanh, sigmoid, relu), IEEE results for bad inputs
+  REDUCE     (x)                fn over the last axis, kept as size 1: (..., N) -> (..., 1);
+                                 fn is a ``Reduce`` (sum, mean, max)
+  BMM        (a, b)             batched product a (B, M, K) @ b (B, K, N) -> (B, M, N) f32
+  CAST       (x)                to F32 (I32 exactly up to 2^24; float values unchanged)
+  SOFTMAX gives 0, not NaN, on a row whose every entry is -inf (PyTorch's safe softmax,
+  what a fully masked attention row gets)
 """
 
 from __future__ import annotations
@@ -117,6 +128,35 @@ class Op(enum.IntEnum):
     SAMPLE = 71
     PENALIZE = 72
     LOGPROBS = 73
+    # general tensor programs (apir.torch)
+    SUB = 80
+    DIV = 81
+    UNARY = 82
+    REDUCE = 83
+    BMM = 84
+    CAST = 85
+
+
+class Fn(enum.IntEnum):
+    """UNARY's functions (its ``fn`` attribute)."""
+
+    EXP = 0
+    LOG = 1
+    SQRT = 2
+    RSQRT = 3
+    SIN = 4
+    COS = 5
+    TANH = 6
+    SIGMOID = 7
+    RELU = 8
+
+
+class Reduce(enum.IntEnum):
+    """REDUCE's reductions (its ``fn`` attribute)."""
+
+    SUM = 0
+    MEAN = 1
+    MAX = 2
 
 
 # Attribute kinds, as they are encoded on the wire.
@@ -420,6 +460,45 @@ def _logprobs(ins: Sequence[Spec], attrs: Attrs) -> Spec:
     return tuple(logits[0][:-1]) + (k + 1, 2), DType.F32
 
 
+# ---------------------------------------------------------------- general programs (apir.torch)
+
+
+def _fn_unary(ins: Sequence[Spec], attrs: Attrs) -> Spec:
+    (fn,) = attrs
+    if fn not in tuple(Fn):
+        raise GraphError(f"fn {fn} is not one of {[f'{f.value}={f.name}' for f in Fn]}")
+    return _unary(ins, attrs)
+
+
+def _reduce(ins: Sequence[Spec], attrs: Attrs) -> Spec:
+    (fn,) = attrs
+    if fn not in tuple(Reduce):
+        raise GraphError(f"fn {fn} is not one of {[f'{f.value}={f.name}' for f in Reduce]}")
+    _float(ins[0], "REDUCE input")
+    shape = ins[0][0]
+    if not shape or shape[-1] == T:
+        raise GraphError(f"REDUCE needs a fixed last axis, got {fmt_shape(shape)}")
+    return (*shape[:-1], 1), DType.F32
+
+
+def _bmm(ins: Sequence[Spec], attrs: Attrs) -> Spec:
+    a, b = ins
+    _float(a, "BMM left operand")
+    _float(b, "BMM right operand")
+    _rank(a, 3, "BMM left operand (B, M, K)")
+    _rank(b, 3, "BMM right operand (B, K, N)")
+    (n, m, k), (nb, kb, cols) = a[0], b[0]
+    if n != nb or k != kb:
+        raise GraphError(f"BMM shapes {fmt_shape(a[0])} and {fmt_shape(b[0])} do not multiply")
+    return (n, m, cols), DType.F32
+
+
+def _cast(ins: Sequence[Spec], attrs: Attrs) -> Spec:
+    if ins[0][1] not in (DType.I32, *FLOAT_DTYPES):
+        raise GraphError(f"CAST takes I32 or a float, got {ins[0][1].name}")
+    return ins[0][0], DType.F32
+
+
 def _attention_scratch(shapes: Sequence[tuple[int, ...]]) -> Scratch:
     (tq, hq, d), (s, _, _), (_, _, dv) = shapes[:3]
     # scores and probabilities (Hq, Tq, S), keys and values repeated to Hq heads
@@ -465,6 +544,15 @@ OPS: dict[Op, OpSpec] = {
     Op.PENALIZE: OpSpec(4, (), _penalize, scratch=lambda shapes: ((shapes[0], 8),)),
     Op.LOGPROBS: OpSpec(2, (("k", INT),), _logprobs, scratch=_sample_scratch),
 }
+
+OPS.update({
+    Op.SUB: OpSpec(2, (), _binary),
+    Op.DIV: OpSpec(2, (), _binary),
+    Op.UNARY: OpSpec(1, (("fn", INT),), _fn_unary),
+    Op.REDUCE: OpSpec(1, (("fn", INT),), _reduce),
+    Op.BMM: OpSpec(2, (), _bmm),
+    Op.CAST: OpSpec(1, (), _cast),
+})
 
 LEAVES = (Op.INPUT, Op.WEIGHT, Op.STATE)
 

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from ...graph import DType, Op, SampleArgs
+from ...graph.ops import Fn, Reduce
 from ..base import BackendError
 from . import gemv, qmatmul
 from .dequant import dequantize
@@ -252,6 +253,12 @@ def logprobs(logits: torch.Tensor, token: torch.Tensor, k: int) -> torch.Tensor:
     return out.reshape(*logits.shape[:-1], k + 1, 2)
 
 
+def safe_softmax(x: torch.Tensor) -> torch.Tensor:
+    """softmax, 0 on a row of all -inf (as the reference's)."""
+    dead = x.amax(dim=-1, keepdim=True) == -math.inf
+    return torch.softmax(x.float(), dim=-1).masked_fill(dead, 0.0)
+
+
 def view(x: torch.Tensor, axis: int, start: int, length: int) -> torch.Tensor:
     n = x.shape[axis]
     if not -n <= start < n:  # on the T axis only known now; must not wrap around
@@ -273,7 +280,7 @@ KERNELS: dict = {
     Op.SWIGLU: lambda g, u: F.silu(g) * u,
     Op.GEGLU: lambda g, u: gelu(g) * u,
     Op.RMS_NORM: rms_norm,
-    Op.SOFTMAX: lambda x: torch.softmax(x, dim=-1),
+    Op.SOFTMAX: safe_softmax,
     Op.ROPE: rope,
     Op.ATTENTION: attention_filled,
     Op.RESHAPE: lambda x, shape: x.reshape(shape),
@@ -287,6 +294,35 @@ KERNELS: dict = {
     Op.PENALIZE: penalize,
     Op.LOGPROBS: logprobs,
 }
+
+# ---------------------------------------------------------------- general programs (apir.torch)
+
+
+UNARY = {
+    Fn.EXP: torch.exp,
+    Fn.LOG: torch.log,
+    Fn.SQRT: torch.sqrt,
+    Fn.RSQRT: torch.rsqrt,
+    Fn.SIN: torch.sin,
+    Fn.COS: torch.cos,
+    Fn.TANH: torch.tanh,
+    Fn.SIGMOID: torch.sigmoid,
+    Fn.RELU: torch.relu,
+}
+REDUCE = {
+    Reduce.SUM: lambda x: x.sum(dim=-1, keepdim=True),
+    Reduce.MEAN: lambda x: x.mean(dim=-1, keepdim=True),
+    Reduce.MAX: lambda x: x.amax(dim=-1, keepdim=True),
+}
+
+KERNELS.update({
+    Op.SUB: lambda a, b: a.float() - b.float(),
+    Op.DIV: lambda a, b: a.float() / b.float(),
+    Op.UNARY: lambda x, fn: UNARY[Fn(fn)](x.float()),
+    Op.REDUCE: lambda x, fn: REDUCE[Reduce(fn)](x.float()),
+    Op.BMM: lambda a, b: torch.bmm(a.float(), b.float()),
+    Op.CAST: lambda x: x.float(),
+})
 
 # Accelerators: no kernel may synchronise with the host.
 DEVICE_KERNELS = {**KERNELS, Op.ATTENTION: attention}  # over the whole cache, masked: fixed shapes
