@@ -11,8 +11,8 @@ import gguf
 import numpy as np
 
 from ..graph import OPS, DType, Graph, Op, SampleArgs
-from ..graph.ops import Fn, Reduce
 from ..graph.dtypes import NUMPY_DTYPES
+from ..graph.ops import Fn, Reduce
 from .base import BackendError, DeviceInfo
 from .executor import Buffer, Executor, Registered, check_indices
 

@@ -71,9 +71,9 @@ class Lowering:
             return self.leaf(torch.tensor(float(x), dtype=torch.float32))
         raise Unsupported(f"operand {x!r} is not a tensor")
 
-    def run(self, gm: torch.fx.GraphModule, bind: Callable[[int, torch.fx.Node], object]) -> list:
-        """Interpret ``gm``; ``bind(i, placeholder)`` gives input i's value. Returns the
-        output values (Value, Known or Python)."""
+    def run(self, gm: torch.fx.GraphModule, bind: Callable[[int, torch.fx.Node], object]):
+        """Interpret ``gm``; ``bind(i, placeholder)`` gives input i's value. Returns what
+        the graph returns (Values, Known tensors, Python values, as the graph nests them)."""
         env: dict[torch.fx.Node, object] = {}
         n_in = 0
         for node in gm.graph.nodes:
@@ -86,7 +86,7 @@ class Lowering:
                 args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), env.__getitem__)
                 env[node] = self.call(node.target, args, kwargs)
             elif node.op == "output":
-                return list(torch.fx.node.map_arg(node.args[0], env.__getitem__))
+                return torch.fx.node.map_arg(node.args[0], env.__getitem__)
             else:
                 raise Unsupported(f"FX node kind {node.op}")
         raise Unsupported("graph without an output")

@@ -1,0 +1,166 @@
+"""apir.torch: PyTorch programs compiled with torch.compile(backend="apir") give what eager
+PyTorch gives, on the local backend and through a real host daemon; weights cross once;
+an op without a lowering splits the graph with a warning instead of failing.
+
+The vision model is written here from torch.nn modules (a small ViT, random weights):
+torchvision has no build that imports beside this project's torch 2.13.0 CPU wheel.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import apir.torch  # noqa: E402
+from apir.backends import create_backend  # noqa: E402
+
+F = torch.nn.functional
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()  # each test compiles afresh (Dynamo caches per code object)
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.fixture(params=["local", "remote"])
+def apir_backend(request):
+    if request.param == "local":
+        be = create_backend("local", device="cpu")
+    else:
+        be = create_backend("remote", remote=request.getfixturevalue("host").unix)
+    yield be
+    be.close()
+
+
+class Block(torch.nn.Module):
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm1, self.norm2 = torch.nn.LayerNorm(dim), torch.nn.LayerNorm(dim)
+        self.qkv, self.proj = torch.nn.Linear(dim, 3 * dim), torch.nn.Linear(dim, dim)
+        self.fc1, self.fc2 = torch.nn.Linear(dim, 2 * dim), torch.nn.Linear(2 * dim, dim)
+
+    def forward(self, x):  # x (B, N, D)
+        b, n, d = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(b, n, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, n, d)
+        x = x + self.proj(a)
+        return x + self.fc2(F.gelu(self.fc1(self.norm2(x)), approximate="tanh"))
+
+
+class TinyViT(torch.nn.Module):
+    """Patches of 4x4 pixels, two pre-norm blocks, mean pooling, a classifier."""
+
+    def __init__(self, dim: int = 32, classes: int = 10) -> None:
+        super().__init__()
+        self.patch = torch.nn.Linear(3 * 4 * 4, dim)
+        self.pos = torch.nn.Parameter(torch.randn(1, 16, dim) * 0.02)
+        self.blocks = torch.nn.Sequential(Block(dim, 4), Block(dim, 4))
+        self.norm, self.head = torch.nn.LayerNorm(dim), torch.nn.Linear(dim, classes)
+
+    def forward(self, img):  # img (B, 3, 16, 16)
+        b = img.shape[0]
+        p = img.reshape(b, 3, 4, 4, 4, 4).permute(0, 2, 4, 1, 3, 5).reshape(b, 16, 48)
+        x = self.blocks(self.patch(p) + self.pos)
+        return self.head(self.norm(x).mean(dim=1)).softmax(-1)
+
+
+def test_vision_model_matches_eager_and_uploads_weights_once(apir_backend) -> None:
+    torch.manual_seed(0)
+    model = TinyViT().eval()
+    compiled = torch.compile(model, backend="apir", options={"backend": apir_backend})
+    session = apir.torch.session_for({"backend": apir_backend})
+    params = sum(p.numel() * 4 for p in model.parameters())
+    with torch.no_grad():
+        for batch in (2, 2, 5):
+            img = torch.randn(batch, 3, 16, 16)
+            torch.testing.assert_close(compiled(img), model(img), rtol=1e-4, atol=1e-5)
+        assert session.uploaded == params  # once, however many calls and batch sizes
+        model.head.bias.add_(1.0)  # a changed weight is sent again, and used
+        img = torch.randn(2, 3, 16, 16)
+        torch.testing.assert_close(compiled(img), model(img), rtol=1e-4, atol=1e-5)
+    assert session.uploaded == params + model.head.bias.numel() * 4
+    with open("/proc/self/maps") as f:
+        assert "libcuda" not in f.read()  # the guest ran no CUDA library
+
+
+def test_op_without_a_lowering_is_a_graph_break_with_one_warning() -> None:
+    class Cumulative(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            return torch.relu(self.lin(x).cumsum(-1)) * 2
+
+    model = Cumulative().eval()
+    be = create_backend("numpy")
+    compiled = torch.compile(model, backend="apir", options={"backend": be})
+    x = torch.randn(3, 8)
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        first, second = compiled(x), compiled(x)
+    messages = [str(w.message) for w in caught if "apir.torch" in str(w.message)]
+    assert messages == ["apir.torch: aten.cumsum.default has no apir lowering: it runs in PyTorch "
+                        "on the guest (a graph break)"]
+    with torch.no_grad():
+        torch.testing.assert_close(first, model(x))
+    torch.testing.assert_close(second, first)
+    assert apir.torch.session_for({"backend": be}).uploaded == sum(p.numel() * 4 for p in model.parameters())
+
+
+def test_training_is_refused_with_a_clear_error() -> None:
+    compiled = torch.compile(torch.nn.Linear(4, 4), backend="apir", options={"backend": "numpy"})
+    with pytest.raises(Exception, match="inference only"):
+        compiled(torch.randn(2, 4))
+
+
+def test_unknown_options_are_named() -> None:
+    with pytest.raises(ValueError, match=r"unknown apir options \['remot'\]"):
+        apir.torch.session_for({"backend": "remote", "remot": "unix:///x"})
+
+
+# ---------------------------------------------------------------- transformers
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    """SmolLM2-135M's GGUF through transformers' GGUF loader, offline, cut to its first two
+    layers (the whole model takes minutes of Dynamo tracing on 2 cores; BENCHMARKS has it)."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    from apir.models.resolve import resolve_model
+
+    try:
+        path = resolve_model("smollm2-135m")
+    except Exception as e:  # noqa: BLE001 - the package is a test extra
+        pytest.skip(f"SmolLM2 GGUF not installed: {e}")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                num_hidden_layers=2).eval()
+
+
+def test_transformers_llama_generates_eager_tokens(smollm2, apir_backend) -> None:
+    ids = torch.tensor([[1, 504, 3458, 282, 4649, 314]])
+    with torch.no_grad():
+        want_logits = smollm2(ids).logits
+        want = smollm2.generate(ids, max_new_tokens=8, do_sample=False)
+        smollm2.forward = torch.compile(smollm2.forward, backend="apir", options={"backend": apir_backend})
+        try:
+            logits = smollm2(ids).logits
+            got = smollm2.generate(ids, max_new_tokens=8, do_sample=False)
+        finally:
+            del smollm2.forward  # the class's own forward again
+    torch.testing.assert_close(logits, want_logits, rtol=0, atol=1e-3)
+    assert got.tolist() == want.tolist()
+    assert len(set(want[0, 6:].tolist())) > 1  # a real continuation, not one token repeated
