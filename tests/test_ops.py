@@ -24,7 +24,7 @@ from apir.backends.base import Backend, ExecutorConfig  # noqa: E402
 from apir.backends.local import kernels as local_kernels  # noqa: E402
 from apir.graph import OPS, Alias, DType, GraphBuilder, Op, SampleArgs, T, Value  # noqa: E402
 from apir.graph.dtypes import NUMPY_DTYPES  # noqa: E402
-from apir.graph.ops import LEAVES, Fn, GraphError, Reduce, infer  # noqa: E402
+from apir.graph.ops import LEAVES, Fn, GraphError, Pool, Reduce, infer  # noqa: E402
 from apir.graph.sampling import GREEDY, PARAMS_SIZE  # noqa: E402
 
 BACKENDS = ("numpy", "local")
@@ -1166,5 +1166,59 @@ def test_softmax_of_a_fully_masked_row_is_zero() -> None:
     (Op.DIV, [((4,), DType.I32), ((4,), DType.F32)], (), "must be a float"),
 ])
 def test_general_ops_refuse_bad_graphs(op, ins, attrs, match) -> None:
+    with pytest.raises(GraphError, match=match):
+        infer(op, ins, attrs)
+
+
+@covers(Op.CONV2D)
+@pytest.mark.parametrize("stride, padding, dilation, groups", [
+    ((1, 1), (0, 0), (1, 1), 1), ((2, 1), (1, 2), (1, 1), 1), ((1, 2), (1, 0), (2, 1), 2), ((2, 2), (2, 2), (1, 1), 4)])
+def test_conv2d(stride, padding, dilation, groups) -> None:
+    rng = np.random.default_rng(46)
+    x, w = randn(rng, 2, 4, 9, 8), randn(rng, 6 if groups != 4 else 8, 4 // groups, 3, 3)
+    attrs = (stride, padding, dilation, groups)
+    (out,) = check(lambda g, h: g.op(Op.CONV2D, g.input("x", x.shape), g.weight(h, 0, w.shape, DType.F32),
+                                     attrs=attrs), {"x": x}, [w], rtol=1e-5, atol=1e-5)
+    # a loop over every output element, from the definition
+    n, o, ho, wo = out.shape
+    xp = np.pad(x, ((0, 0), (0, 0), (padding[0],) * 2, (padding[1],) * 2))
+    cg, per = 4 // groups, o // groups
+    for b, oc, i, j in [(0, 0, 0, 0), (1, o - 1, ho - 1, wo - 1), (1, min(per, o - 2), ho // 2, wo // 2)]:
+        gi = oc // per
+        ys = i * stride[0] + dilation[0] * np.arange(3)
+        xs = j * stride[1] + dilation[1] * np.arange(3)
+        want = (xp[b, gi * cg:(gi + 1) * cg][:, ys][:, :, xs] * w[oc]).sum()
+        assert abs(out[b, oc, i, j] - want) < 1e-4
+
+
+@covers(Op.POOL2D)
+@pytest.mark.parametrize("fn", list(Pool), ids=lambda f: f.name)
+@pytest.mark.parametrize("kernel, stride, padding", [((2, 2), (2, 2), (0, 0)), ((3, 3), (2, 2), (1, 1)),
+                                                     ((3, 2), (1, 2), (1, 0))])
+def test_pool2d(fn, kernel, stride, padding) -> None:
+    x = randn(np.random.default_rng(47), 2, 3, 7, 6)
+    (out,) = check(lambda g: g.op(Op.POOL2D, g.input("x", x.shape), attrs=(int(fn), kernel, stride, padding)),
+                   {"x": x}, rtol=1e-6, atol=1e-6)
+    xp = np.pad(x, ((0, 0), (0, 0), (padding[0],) * 2, (padding[1],) * 2),
+                constant_values=-np.inf if fn is Pool.MAX else 0.0)
+    i, j = out.shape[2] - 1, out.shape[3] - 1
+    window = xp[1, 2, i * stride[0]:i * stride[0] + kernel[0], j * stride[1]:j * stride[1] + kernel[1]]
+    want = window.max() if fn is Pool.MAX else window.mean()
+    assert abs(out[1, 2, i, j] - want) < 1e-6
+
+
+@pytest.mark.parametrize("op, ins, attrs, match", [
+    (Op.CONV2D, [((1, 4, 8, 8), DType.F32), ((2, 4, 3, 3), DType.F32)], ((1, 1), (3, 0), (1, 1), 1), "less than the kernel"),
+    (Op.CONV2D, [((1, 4, 8, 8), DType.F32), ((2, 4, 3, 3), DType.F32)], ((0, 1), (0, 0), (1, 1), 1), "stride must be"),
+    (Op.CONV2D, [((1, 4, 8, 8), DType.F32), ((2, 4, 3, 3), DType.F32)], ((1,), (0, 0), (1, 1), 1), "stride must be"),
+    (Op.CONV2D, [((1, 4, 8, 8), DType.F32), ((2, 2, 3, 3), DType.F32)], ((1, 1), (0, 0), (1, 1), 3), "groups=3"),
+    (Op.CONV2D, [((1, 4, 2, 8), DType.F32), ((2, 4, 3, 3), DType.F32)], ((1, 1), (0, 0), (1, 1), 1), "does not fit"),
+    (Op.CONV2D, [((1, 4, 8, T), DType.F32), ((2, 4, 3, 3), DType.F32)], ((1, 1), (0, 0), (1, 1), 1), "does not fit"),
+    (Op.POOL2D, [((1, 4, 8, 8), DType.F32)], (2, (2, 2), (2, 2), (0, 0)), "fn 2 is not one of"),
+    (Op.POOL2D, [((1, 4, 8, 8), DType.F32)], (0, (2, 2), (2, 2), (2, 0)), "at most half the kernel"),
+    (Op.POOL2D, [((1, 4, 8, 8), DType.F32)], (0, (9, 2), (2, 2), (0, 0)), "must fit the input"),
+    (Op.POOL2D, [((4, 8, 8), DType.F32)], (0, (2, 2), (2, 2), (0, 0)), "must have 4 dims"),
+])
+def test_conv_pool_refuse_bad_graphs(op, ins, attrs, match) -> None:
     with pytest.raises(GraphError, match=match):
         infer(op, ins, attrs)

@@ -2,8 +2,9 @@
 PyTorch gives, on the local backend and through a real host daemon; weights cross once;
 an op without a lowering splits the graph with a warning instead of failing.
 
-The vision model is written here from torch.nn modules (a small ViT, random weights):
-torchvision has no build that imports beside this project's torch 2.13.0 CPU wheel.
+The vision models are written here from torch.nn modules (ResNet-18 as torchvision builds
+it, and a small ViT; random weights): torchvision has no build that imports beside this
+project's torch 2.13.0 CPU wheel.
 """
 
 from __future__ import annotations
@@ -71,11 +72,12 @@ class TinyViT(torch.nn.Module):
         return self.head(self.norm(x).mean(dim=1)).softmax(-1)
 
 
-def test_vision_model_matches_eager_and_uploads_weights_once(apir_backend) -> None:
+def test_vit_matches_eager_and_uploads_weights_once() -> None:
     torch.manual_seed(0)
     model = TinyViT().eval()
-    compiled = torch.compile(model, backend="apir", options={"backend": apir_backend})
-    session = apir.torch.session_for({"backend": apir_backend})
+    be = create_backend("local", device="cpu")
+    compiled = torch.compile(model, backend="apir", options={"backend": be})
+    session = apir.torch.session_for({"backend": be})
     params = sum(p.numel() * 4 for p in model.parameters())
     with torch.no_grad():
         for batch in (2, 2, 5):
@@ -86,6 +88,57 @@ def test_vision_model_matches_eager_and_uploads_weights_once(apir_backend) -> No
         img = torch.randn(2, 3, 16, 16)
         torch.testing.assert_close(compiled(img), model(img), rtol=1e-4, atol=1e-5)
     assert session.uploaded == params + model.head.bias.numel() * 4
+
+
+class BasicBlock(torch.nn.Module):
+    def __init__(self, cin: int, cout: int, stride: int) -> None:
+        super().__init__()
+        nn = torch.nn
+        self.conv1, self.bn1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False), nn.BatchNorm2d(cout)
+        self.conv2, self.bn2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False), nn.BatchNorm2d(cout)
+        self.downsample = None if stride == 1 and cin == cout else nn.Sequential(
+            nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+
+    def forward(self, x):
+        y = self.bn2(self.conv2(torch.relu(self.bn1(self.conv1(x)))))
+        return torch.relu(y + (x if self.downsample is None else self.downsample(x)))
+
+
+class ResNet18(torch.nn.Module):
+    """torchvision's resnet18, layer for layer (its modules, widths and strides)."""
+
+    def __init__(self, classes: int = 1000) -> None:
+        super().__init__()
+        nn = torch.nn
+        self.conv1, self.bn1 = nn.Conv2d(3, 64, 7, 2, 3, bias=False), nn.BatchNorm2d(64)
+        self.maxpool = nn.MaxPool2d(3, 2, 1)
+        blocks, cin = [], 64
+        for i, cout in enumerate((64, 128, 256, 512)):
+            blocks += [BasicBlock(cin, cout, 1 if i == 0 else 2), BasicBlock(cout, cout, 1)]
+            cin = cout
+        self.layers = nn.Sequential(*blocks)
+        self.avgpool, self.fc = nn.AdaptiveAvgPool2d((1, 1)), nn.Linear(512, classes)
+
+    def forward(self, x):
+        x = self.maxpool(torch.relu(self.bn1(self.conv1(x))))
+        return self.fc(torch.flatten(self.avgpool(self.layers(x)), 1))
+
+
+def test_resnet18_matches_eager(apir_backend) -> None:
+    torch.manual_seed(1)
+    model = ResNet18().eval()
+    for m in model.modules():  # random statistics, so batch norm is not the identity
+        if isinstance(m, torch.nn.BatchNorm2d):
+            m.running_mean.uniform_(-0.2, 0.2)
+            m.running_var.uniform_(0.5, 2.0)
+            m.weight.data.uniform_(0.5, 1.5)
+            m.bias.data.uniform_(-0.2, 0.2)
+    compiled = torch.compile(model, backend="apir", options={"backend": apir_backend})
+    img = torch.randn(2, 3, 64, 64)
+    with torch.no_grad():
+        got, want = compiled(img), model(img)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    assert got.argmax(-1).tolist() == want.argmax(-1).tolist()
     with open("/proc/self/maps") as f:
         assert "libcuda" not in f.read()  # the guest ran no CUDA library
 

@@ -27,7 +27,7 @@ import torch
 import torch.fx
 
 from ..graph import DType, GraphBuilder, Op, Value
-from ..graph.ops import Fn, Reduce
+from ..graph.ops import Fn, Pool, Reduce
 
 aten = torch.ops.aten
 
@@ -370,6 +370,55 @@ def _gelu(c: Lowering, x, *, approximate="none"):
     return c.g.gelu(c.val(x))
 
 
+def _conv(c: Lowering, x, w, bias, stride, padding, dilation, transposed, output_padding, groups):
+    if transposed or len(stride) != 2:
+        raise Unsupported("aten.convolution other than 2-D and not transposed")
+    out = c.g.op(Op.CONV2D, c.val(x), c.val(w), attrs=(tuple(stride), tuple(padding), tuple(dilation), groups))
+    if bias is None:
+        return out
+    b = c.val(bias)
+    return c.g.add(out, c.g.reshape(b, (b.shape[0], 1, 1)))
+
+
+def _batch_norm(c: Lowering, x, w, b, mean, var, momentum, eps):
+    """Inference batch norm: one scale and one shift per channel, folded on the guest."""
+    if not all(isinstance(t, Known) for t in (w, b, mean, var)):
+        raise Unsupported("aten._native_batch_norm_legit_no_training with computed statistics")
+    x = c.val(x)
+    scale = w.tensor * torch.rsqrt(var.tensor + eps)
+    shift = b.tensor - mean.tensor * scale
+    per_channel = (-1,) + (1,) * (len(x.shape) - 2)  # (C, 1, 1) for (N, C, H, W)
+    out = c.g.add(c.g.mul(x, c.leaf(scale.reshape(per_channel))), c.leaf(shift.reshape(per_channel)))
+    return out, None, None
+
+
+def _max_pool(c: Lowering, x, kernel, stride=(), padding=(0, 0), dilation=(1, 1), ceil_mode=False):
+    if ceil_mode or tuple(dilation) not in ((1, 1), (1,)):
+        raise Unsupported("aten.max_pool2d_with_indices with ceil_mode or dilation")
+    return _pool(c, Pool.MAX, x, kernel, stride, padding), None  # no indices: inference
+
+
+def _avg_pool(c: Lowering, x, kernel, stride=(), padding=(0, 0), ceil_mode=False,
+              count_include_pad=True, divisor_override=None):
+    if ceil_mode or not count_include_pad or divisor_override is not None:
+        raise Unsupported("aten.avg_pool2d with ceil_mode, count_include_pad=False or a divisor")
+    return _pool(c, Pool.AVG, x, kernel, stride, padding)
+
+
+def _pool(c: Lowering, fn: Pool, x, kernel, stride, padding):
+    pair = lambda v: (tuple(v) * 2)[:2]  # noqa: E731 - PyTorch's one int for both axes
+    attrs = (int(fn), pair(kernel), pair(stride or kernel), pair(padding))
+    return c.g.op(Op.POOL2D, c.val(x), attrs=attrs)
+
+
+def _adaptive_avg_pool(c: Lowering, x, size):
+    x = c.val(x)
+    (h, w), (oh, ow) = x.shape[2:], size
+    if h % oh or w % ow:
+        raise Unsupported("aten._adaptive_avg_pool2d to a size that does not divide the input")
+    return _pool(c, Pool.AVG, x, (h // oh, w // ow), (h // oh, w // ow), (0, 0))
+
+
 def _same(c: Lowering, x, *args, **kwargs):
     return c.val(x)
 
@@ -424,6 +473,11 @@ LOWER: dict = {
     aten.sum.dim_IntList: _reduce(Reduce.SUM),
     aten.amax.default: _reduce(Reduce.MAX),
     aten.native_layer_norm.default: _layer_norm,
+    aten.convolution.default: _conv,
+    aten._native_batch_norm_legit_no_training.default: _batch_norm,
+    aten.max_pool2d_with_indices.default: _max_pool,
+    aten.avg_pool2d.default: _avg_pool,
+    aten._adaptive_avg_pool2d.default: _adaptive_avg_pool,
     operator.getitem: lambda c, xs, i: xs[i],
     aten.sym_size.int: lambda c, x, d: shape_of(x)[d],
 }
@@ -451,4 +505,6 @@ def supported(node: torch.fx.Node) -> bool:
         return dtype is None or dtype.is_floating_point
     if node.target is aten.native_layer_norm.default:
         return len(args[1]) == 1
+    if node.target is aten.convolution.default:
+        return not args[6] and len(args[3]) == 2
     return True

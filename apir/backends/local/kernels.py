@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from ...graph import DType, Op, SampleArgs
-from ...graph.ops import Fn, Reduce
+from ...graph.ops import Fn, Pool, Reduce
 from ..base import BackendError
 from . import gemv, qmatmul
 from .dequant import dequantize
@@ -315,7 +315,16 @@ REDUCE = {
     Reduce.MAX: lambda x: x.amax(dim=-1, keepdim=True),
 }
 
+def pool2d(x: torch.Tensor, fn: int, kernel, stride, padding) -> torch.Tensor:
+    if Pool(fn) is Pool.MAX:
+        return F.max_pool2d(x.float(), kernel, stride, padding)
+    return F.avg_pool2d(x.float(), kernel, stride, padding, count_include_pad=True)
+
+
 KERNELS.update({
+    Op.CONV2D: lambda x, w, stride, padding, dilation, groups: F.conv2d(
+        x.float(), w.float(), None, stride, padding, dilation, groups),
+    Op.POOL2D: pool2d,
     Op.SUB: lambda a, b: a.float() - b.float(),
     Op.DIV: lambda a, b: a.float() / b.float(),
     Op.UNARY: lambda x, fn: UNARY[Fn(fn)](x.float()),
