@@ -1083,7 +1083,7 @@ def test_div_by_zero_is_ieee() -> None:
 UNARY_REF = {
     Fn.EXP: np.exp, Fn.LOG: np.log, Fn.SQRT: np.sqrt, Fn.RSQRT: lambda x: 1 / np.sqrt(x),
     Fn.SIN: np.sin, Fn.COS: np.cos, Fn.TANH: np.tanh, Fn.SIGMOID: lambda x: 1 / (1 + np.exp(-x)),
-    Fn.RELU: lambda x: np.maximum(x, 0),
+    Fn.RELU: lambda x: np.maximum(x, 0), Fn.ABS: np.abs,
 }
 
 

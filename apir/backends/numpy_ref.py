@@ -215,6 +215,7 @@ UNARY = {
     Fn.TANH: np.tanh,
     Fn.SIGMOID: lambda x: np.float32(1) / (np.float32(1) + np.exp(-x)),
     Fn.RELU: lambda x: np.maximum(x, np.float32(0)),
+    Fn.ABS: np.abs,
 }
 REDUCE = {Reduce.SUM: np.sum, Reduce.MEAN: np.mean, Reduce.MAX: np.max}
 

@@ -64,7 +64,7 @@ Semantics, per op (``x`` etc. are inputs in order):
 General tensor programs (apir.torch lowers PyTorch's ATen graphs to these and the above):
   SUB, DIV   (a, b)             a - b, a / b, elementwise with numpy broadcasting
   UNARY      (x)                fn(x) elementwise; fn is a ``Fn`` (exp, log, sqrt, rsqrt,
-                                 sin, cos, tanh, sigmoid, relu), IEEE results for bad inputs
+                                 sin, cos, tanh, sigmoid, relu, abs), IEEE results for bad inputs
   REDUCE     (x)                fn over the last axis, kept as size 1: (..., N) -> (..., 1);
                                  fn is a ``Reduce`` (sum, mean, max)
   BMM        (a, b)             batched product a (B, M, K) @ b (B, K, N) -> (B, M, N) f32
@@ -158,6 +158,7 @@ class Fn(enum.IntEnum):
     TANH = 6
     SIGMOID = 7
     RELU = 8
+    ABS = 9
 
 
 class Reduce(enum.IntEnum):

@@ -54,6 +54,7 @@ class Lowering:
         self._leaf = leaf
         self._leaves: dict[int, tuple[torch.Tensor, Value]] = {}  # id(tensor) -> its leaf
         self.transposed: dict[int, Value] = {}  # node id of a 2-D transpose -> its operand
+        self._scalars: dict[float, Value] = {}
 
     def leaf(self, t: torch.Tensor) -> Value:
         hit = self._leaves.get(id(t))
@@ -67,8 +68,10 @@ class Lowering:
             return x
         if isinstance(x, Known):
             return self.leaf(x.tensor)
-        if isinstance(x, (bool, int, float)):
-            return self.leaf(torch.tensor(float(x), dtype=torch.float32))
+        if isinstance(x, (bool, int, float)):  # one leaf per distinct scalar (every norm's eps)
+            if float(x) not in self._scalars:
+                self._scalars[float(x)] = self.leaf(torch.tensor(float(x), dtype=torch.float32))
+            return self._scalars[float(x)]
         raise Unsupported(f"operand {x!r} is not a tensor")
 
     def run(self, gm: torch.fx.GraphModule, bind: Callable[[int, torch.fx.Node], object]):
@@ -465,12 +468,15 @@ LOWER: dict = {
     aten.tanh.default: _unary(Fn.TANH),
     aten.sigmoid.default: _unary(Fn.SIGMOID),
     aten.relu.default: _unary(Fn.RELU),
+    aten.abs.default: _unary(Fn.ABS),
     aten.silu.default: lambda c, x: c.g.silu(c.val(x)),
     aten.gelu.default: _gelu,
     aten._softmax.default: _softmax,
     aten._safe_softmax.default: _softmax,
     aten.mean.dim: _reduce(Reduce.MEAN),
+    aten.mean.default: _reduce(Reduce.MEAN),
     aten.sum.dim_IntList: _reduce(Reduce.SUM),
+    aten.sum.default: _reduce(Reduce.SUM),
     aten.amax.default: _reduce(Reduce.MAX),
     aten.native_layer_norm.default: _layer_norm,
     aten.convolution.default: _conv,
@@ -487,11 +493,25 @@ LOWER: dict = {
 KEEP = (aten._safe_softmax.default, aten.silu.default)
 
 
+# Ops that keep their operand's dtype: the only ones an integer (I32) value may pass through;
+# every other apir op computes in float (integer arithmetic stays in PyTorch)
+KEEPS_DTYPE = {
+    aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.unsqueeze.default,
+    aten.squeeze.dim, aten.squeeze.dims, aten.permute.default, aten.transpose.int, aten.t.default,
+    aten.expand.default, aten.slice.Tensor, aten.select.int, aten.cat.default, aten.clone.default,
+    aten.alias.default, aten.lift_fresh_copy.default, operator.getitem, aten.sym_size.int,
+}
+
+
 def supported(node: torch.fx.Node) -> bool:
     """Whether ``node`` has a lowering (whatever shapes it will see)."""
     if node.op != "call_function":
         return node.op in ("placeholder", "get_attr", "output")
     if node.target not in LOWER:
+        return False
+    val = node.meta.get("val")
+    val = val[0] if isinstance(val, (tuple, list)) and val else val
+    if isinstance(val, torch.Tensor) and not val.is_floating_point() and node.target not in KEEPS_DTYPE:
         return False
     args, kwargs = node.args, node.kwargs
     if node.target is aten.pow.Tensor_Scalar:

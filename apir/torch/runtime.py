@@ -77,15 +77,15 @@ class Session:
         key = _layout(t)
         if key not in self._static:
             return None
-        arr, dtype = to_numpy(t)
         handle, version = self._weights.get(key, (0, -1))
         if version != t._version:
+            arr, _ = to_numpy(t)
             if not handle:
                 handle = self.backend.alloc_buffer(max(arr.nbytes, 1), BufferPurpose.WEIGHTS)
             self.backend.set_tensor(handle, 0, arr)
             self.uploaded += arr.nbytes
             self._weights[key] = (handle, t._version)
-        return g.weight(handle, 0, arr.shape, dtype)
+        return g.weight(handle, 0, tuple(t.shape), apir_dtype(t))
 
 
 @dataclass

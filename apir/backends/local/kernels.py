@@ -308,6 +308,7 @@ UNARY = {
     Fn.TANH: torch.tanh,
     Fn.SIGMOID: torch.sigmoid,
     Fn.RELU: torch.relu,
+    Fn.ABS: torch.abs,
 }
 REDUCE = {
     Reduce.SUM: lambda x: x.sum(dim=-1, keepdim=True),
