@@ -160,7 +160,10 @@ def _meta_shape(op, shape: Sequence[int], *args) -> tuple[int, ...]:
 
 def _reshape(c: Lowering, x, shape=None, *rest, op=aten.view.default):
     x = c.val(x)
-    out = _meta_shape(op, x.shape, *(() if shape is None else (shape,)), *rest)
+    if op is aten.view.default and -1 not in shape:  # the common case, without PyTorch
+        out = tuple(shape)
+    else:
+        out = _meta_shape(op, x.shape, *(() if shape is None else (shape,)), *rest)
     return x if out == x.shape else c.g.reshape(x, out)
 
 

@@ -26,7 +26,11 @@ from .lower import Known, Lowering, Unsupported, op_name, supported
 
 log = logging.getLogger("apir.torch")
 
-MAX_GRAPHS = 16  # registered graphs kept per FX graph (one per input-shape binding)
+# Registered graphs kept per FX graph, one per input-shape binding, least recently used
+# dropped first. Each costs the host its metadata (~0.5 MB for SmolLM2's 30 layers) and
+# the guest a lowering (~0.3 s on 2 busy cores); a transformers generate() is one binding
+# per sequence length.
+MAX_GRAPHS = 64
 _warned: set[str] = set()
 
 
