@@ -98,7 +98,7 @@ class Entry:
 
     gid: int | None  # None: every output was known on the guest
     inputs: tuple[tuple[int, str], ...]  # (argument index, apir input name)
-    outputs: object  # the FX output structure: ints index the apir outputs, Known as is
+    outputs: object  # the FX output structure: _Out marks an apir output, Known and Python as is
     dtypes: tuple[torch.dtype | None, ...]  # per apir output: the dtype PyTorch gives it
     buffers: tuple[int, ...]  # constants' buffers, freed with the graph
 
