@@ -52,15 +52,18 @@ class Lowering:
     def __init__(self, leaf: Callable[[GraphBuilder, torch.Tensor], Value]) -> None:
         self.g = GraphBuilder()
         self._leaf = leaf
-        self._leaves: dict[int, tuple[torch.Tensor, Value]] = {}  # id(tensor) -> its leaf
+        # layout -> (the tensor, kept so its memory is not reused while lowering; its leaf)
+        self._leaves: dict[tuple, tuple[torch.Tensor, Value]] = {}
         self.transposed: dict[int, Value] = {}  # node id of a 2-D transpose -> its operand
         self._scalars: dict[float, Value] = {}
 
     def leaf(self, t: torch.Tensor) -> Value:
-        hit = self._leaves.get(id(t))
-        if hit is None or hit[0] is not t:
-            hit = self._leaves[id(t)] = (t, self._leaf(self.g, t))
-        return hit[1]
+        """One leaf per tensor layout: a weight read by several ops (or as ``w`` and as
+        ``permute(w).t()``) is one WEIGHT node."""
+        key = layout(t)
+        if key not in self._leaves:
+            self._leaves[key] = (t, self._leaf(self.g, t))
+        return self._leaves[key][1]
 
     def val(self, x) -> Value:
         """An operand as an apir value: Known tensors and Python scalars become leaves."""
@@ -101,6 +104,11 @@ class Lowering:
         if fn is None:
             raise Unsupported(op_name(target))
         return fn(self, *args, **kwargs)
+
+
+def layout(t: torch.Tensor) -> tuple:
+    """What identifies a tensor's bytes: two views with the same layout are one value."""
+    return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
 
 
 def op_name(target) -> str:

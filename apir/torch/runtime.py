@@ -22,7 +22,7 @@ import torch.fx
 
 from ..backends import Backend, BufferPurpose
 from ..graph import DType, GraphBuilder, GraphError, Value
-from .lower import Known, Lowering, Unsupported, op_name, supported
+from .lower import Known, Lowering, Unsupported, layout, op_name, supported
 
 log = logging.getLogger("apir.torch")
 
@@ -38,11 +38,6 @@ def warn_once(what: str, message: str) -> None:
     if what not in _warned:
         _warned.add(what)
         warnings.warn(f"apir.torch: {message}", stacklevel=3)
-
-
-def _layout(t: torch.Tensor) -> tuple:
-    """What identifies a tensor's bytes: two views with the same layout are one weight."""
-    return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
 
 
 def apir_dtype(t: torch.Tensor) -> DType:
@@ -70,15 +65,15 @@ class Session:
         self.uploaded = 0  # bytes sent as weights (what tests and the bench read)
 
     def mark_static(self, t: torch.Tensor) -> None:
-        self._static[_layout(t)] = t
+        self._static[layout(t)] = t
 
     def is_static(self, t: torch.Tensor) -> bool:
-        return self._static.get(_layout(t)) is not None
+        return self._static.get(layout(t)) is not None
 
     def weight(self, g: GraphBuilder, t: torch.Tensor) -> Value | None:
         """A WEIGHT leaf holding static tensor ``t`` (uploaded now if new or changed), or None
         where ``t`` is not a static tensor's layout."""
-        key = _layout(t)
+        key = layout(t)
         if key not in self._static:
             return None
         handle, version = self._weights.get(key, (0, -1))
@@ -134,7 +129,7 @@ class Compiled:
     def _binding(self, a) -> tuple:
         if isinstance(a, torch.Tensor):
             if self.session.is_static(a):
-                return ("weight", _layout(a), a._version)
+                return ("weight", layout(a), a._version)
             return ("input", tuple(a.shape), a.dtype)
         return ("value", a)
 
