@@ -135,7 +135,8 @@ def test_resnet18_matches_eager(apir_backend) -> None:
             m.bias.data.uniform_(-0.2, 0.2)
     compiled = torch.compile(model, backend="apir", options={"backend": apir_backend})
     img = torch.randn(2, 3, 64, 64)
-    with torch.no_grad():
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.filterwarnings("error", message="apir.torch")  # all lowered, statistics static
         got, want = compiled(img), model(img)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
     assert got.argmax(-1).tolist() == want.argmax(-1).tolist()
@@ -203,6 +204,22 @@ def test_op_without_a_lowering_is_a_graph_break_with_one_warning() -> None:
     assert apir.torch.session_for({"backend": be}).uploaded == sum(p.numel() * 4 for p in model.parameters())
 
 
+def test_a_graph_its_inputs_cannot_lower_runs_eagerly_with_one_warning() -> None:
+    model = torch.nn.Conv2d(3, 4, 1, padding=1).eval()  # CONV2D takes padding < kernel only
+    compiled = torch.compile(model, backend="apir", options={"backend": "numpy"})
+    x = torch.randn(1, 3, 5, 5)
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = [compiled(x) for _ in range(2)]
+    messages = [str(w.message) for w in caught if "apir.torch" in str(w.message)]
+    assert messages == ["apir.torch: cannot lower this graph for these inputs (GraphError: CONV2D: "
+                        "CONV2D padding (1, 1) must be less than the kernel (1, 1)); it runs in "
+                        "PyTorch on the guest"]
+    with torch.no_grad():
+        for g in got:
+            torch.testing.assert_close(g, model(x))
+
+
 def test_training_is_refused_with_a_clear_error() -> None:
     compiled = torch.compile(torch.nn.Linear(4, 4), backend="apir", options={"backend": "numpy"})
     with pytest.raises(Exception, match="inference only"):
@@ -245,8 +262,10 @@ def test_transformers_llama_generates_eager_tokens(smollm2, apir_backend) -> Non
         want = smollm2.generate(ids, max_new_tokens=8, do_sample=False)
         smollm2.forward = torch.compile(smollm2.forward, backend="apir", options={"backend": apir_backend})
         try:
-            logits = smollm2(ids).logits
-            got = smollm2.generate(ids, max_new_tokens=8, do_sample=False)
+            with warnings.catch_warnings():
+                warnings.filterwarnings("error", message="apir.torch")  # every graph lowered whole
+                logits = smollm2(ids).logits
+                got = smollm2.generate(ids, max_new_tokens=8, do_sample=False)
         finally:
             del smollm2.forward  # the class's own forward again
     torch.testing.assert_close(logits, want_logits, rtol=0, atol=1e-3)

@@ -167,11 +167,13 @@ class Compiled:
             dtypes: list[torch.dtype | None] = []
             structure = _index(outs, self._out_dtypes, values, dtypes)
             gid = self.session.backend.register_graph(low.g.build(*values)) if values else None
-        except (Unsupported, GraphError) as e:
+        except (Unsupported, GraphError, TypeError, IndexError) as e:
+            # what only the shapes or arguments of this call reveal (a lowering's own
+            # TypeError or IndexError included): this binding runs eagerly, said once
             for h in consts:
                 self.session.backend.free_buffer(h)
-            warn_once(str(e), f"{e} cannot be lowered to apir ops; this graph runs in PyTorch "
-                              "on the guest for these input shapes")
+            warn_once(str(e), f"cannot lower this graph for these inputs ({type(e).__name__}: {e}); "
+                              "it runs in PyTorch on the guest")
             return None
         return Entry(gid, tuple(inputs), structure, tuple(dtypes), tuple(consts))
 
