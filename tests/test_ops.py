@@ -1153,7 +1153,7 @@ def test_softmax_of_a_fully_masked_row_is_zero() -> None:
 
 
 @pytest.mark.parametrize("op, ins, attrs, match", [
-    (Op.UNARY, [((4,), DType.F32)], (9,), "fn 9 is not one of"),
+    (Op.UNARY, [((4,), DType.F32)], (10,), "fn 10 is not one of"),
     (Op.UNARY, [((4,), DType.I32)], (0,), "must be a float"),
     (Op.REDUCE, [((4,), DType.F32)], (3,), "fn 3 is not one of"),
     (Op.REDUCE, [((4, T), DType.F32)], (0,), "fixed last axis"),
