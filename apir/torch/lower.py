@@ -369,9 +369,11 @@ def _cat(c: Lowering, tensors, dim=0):
 
 def _to_copy(c: Lowering, x, *, dtype=None, **kwargs):
     x = c.val(x)
-    if dtype is not None and not dtype.is_floating_point:
+    if dtype is None:
+        return x
+    if not dtype.is_floating_point:
         raise Unsupported(f"aten._to_copy to {dtype}")
-    return c.g.op(Op.CAST, x) if x.dtype is DType.I32 else x
+    return c.g.op(Op.CAST, x) if x.dtype is DType.I32 else x  # floats compute as f32 anyway
 
 
 def _embedding(c: Lowering, weight, ids, *rest):
