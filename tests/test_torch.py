@@ -146,15 +146,17 @@ def test_resnet18_matches_eager(apir_backend) -> None:
 
 class Assorted(torch.nn.Module):
     """Lowerings the models above do not reach: integer inputs, pow by each exponent,
-    reductions and softmax off the last axis, broadcast division, expand, select, slices."""
+    reductions and softmax off the last axis, broadcast division, expand, select, slices,
+    an empty input (a cache before its first step)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.emb = torch.nn.Embedding(20, 6)
         self.register_buffer("offset", torch.linspace(-1.0, 1.0, 6))
 
-    def forward(self, ids, x):  # ids (2, 3) int64, x (2, 3, 6)
+    def forward(self, ids, x, past):  # ids (2, 3) int64, x (2, 3, 6), past (2, 0, 6): empty
         h = self.emb(ids) + x.pow(2) - x.pow(3) / 4 + x.abs().pow(0.5) + self.offset
+        h = torch.cat([past, h], dim=1)
         h = h / (1.0 + h.pow(2).sum(dim=0, keepdim=True))  # a reduction over the first axis
         g = torch.softmax(h, dim=1) * torch.sigmoid(h).amax(dim=(0, 2), keepdim=True)
         e = h[:, :1, :].expand(2, 3, 6) + h.select(1, 2).unsqueeze(1)
@@ -170,8 +172,8 @@ def test_assorted_lowerings_match_eager() -> None:
     ids, x = torch.tensor([[1, 2, 19], [0, 5, 7]]), torch.randn(2, 3, 6)
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("error")  # every op lowered: no graph break, no eager fallback
-        got = compiled(ids, x)
-    want = model(ids, x)
+        got = compiled(ids, x, torch.zeros(2, 0, 6))
+    want = model(ids, x, torch.zeros(2, 0, 6))
     assert [t.dtype for t in got] == [t.dtype for t in want]
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, equal_nan=True)

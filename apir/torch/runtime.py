@@ -130,7 +130,7 @@ class Compiled:
         if isinstance(a, torch.Tensor):
             if self.session.is_static(a):
                 return ("weight", layout(a), a._version)
-            return ("input", tuple(a.shape), a.dtype)
+            return ("input", tuple(a.shape), a.dtype)  # an empty one binds as a constant of its shape
         return ("value", a)
 
     def _lower(self, args: tuple) -> Entry | None:
@@ -155,7 +155,7 @@ class Compiled:
             a = args[i]
             if not isinstance(a, torch.Tensor):
                 return a
-            if self.session.is_static(a):
+            if self.session.is_static(a) or a.numel() == 0:  # an empty tensor is its shape
                 return Known(a)
             name = f"x{i}"
             inputs.append((i, name))
