@@ -273,3 +273,21 @@ def test_transformers_llama_generates_eager_tokens(smollm2, apir_backend) -> Non
     torch.testing.assert_close(logits, want_logits, rtol=0, atol=1e-3)
     assert got.tolist() == want.tolist()
     assert len(set(want[0, 6:].tolist())) > 1  # a real continuation, not one token repeated
+
+
+def test_transformers_padded_batch_splits_graphs_and_keeps_eager_tokens(smollm2) -> None:
+    """Left padding makes transformers build its mask from the attention_mask input (ops
+    apir has no lowering for: where, index, integer casts): those run in PyTorch on the
+    guest, the rest on apir, and the tokens stay eager's."""
+    ids = torch.tensor([[2, 2, 1, 504, 3458, 282], [1, 504, 3458, 282, 4649, 314]])
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+    be = create_backend("local", device="cpu")
+    with torch.no_grad():
+        want = smollm2.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=2)
+        smollm2.forward = torch.compile(smollm2.forward, backend="apir", options={"backend": be})
+        try:
+            got = smollm2.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=2)
+        finally:
+            del smollm2.forward
+    assert got.tolist() == want.tolist()
+    assert apir.torch.session_for({"backend": be}).uploaded > 0  # apir ran the rest
