@@ -28,7 +28,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 with atheris.instrument_imports(include=["apir"]):
     from apir.backends.base import Limits
     from apir.backends.local import LocalBackend
-    from apir.graph import DType, GraphBuilder, T
+    from apir.graph import DType, GraphBuilder, Op, T
+    from apir.graph.ops import Fn, Reduce
     from apir.host.session import InFlight, Session, SessionConfig, error_for
     from apir.protocol import ProtocolError
     from apir.protocol import messages as m
@@ -114,8 +115,20 @@ def seeds() -> list[bytes]:
     n, payload = StepLayout.of(listed).pack_inputs({"é" * 300: np.ones((4, 32), np.float32)})
     metadata = [session[0], session[1], m.RegisterGraph(4, listed),
                 m.Step(4, n, -1, 0, m.Blob(payload, -1, len(payload)))]
+    # the general ops apir.torch lowers PyTorch programs to
+    g = GraphBuilder()
+    a, ids = g.input("a", (2, T, 8)), g.input("ids", (4,), DType.I32)
+    b = g.op(Op.UNARY, g.weight(1, 0, (2, 8, 4), DType.F32), attrs=(int(Fn.TANH),))
+    p = g.op(Op.DIV, g.op(Op.SUB, g.op(Op.BMM, a, b), g.op(Op.CAST, ids)), g.input("d", (4,)))
+    general = g.build(g.op(Op.REDUCE, p, attrs=(int(Reduce.MEAN),)))
+    n, payload = StepLayout.of(general).pack_inputs({
+        "a": np.ones((2, 3, 8), np.float32), "ids": np.array([1, 2, 3, 4], np.int32),
+        "d": np.array([1, 0, -1, 2], np.float32)})
+    torchish = [session[0], session[1], m.RegisterGraph(5, general),
+                m.Step(5, n, -1, 0, m.Blob(payload, -1, len(payload)))]
     return [full, b"".join(m.encode(msg, 1) for msg in session[:3]), m.encode(m.GetDevices(), 1, 1),
-            b"".join(m.encode(msg, i, m.WANT_REPLY) for i, msg in enumerate(metadata))]
+            b"".join(m.encode(msg, i, m.WANT_REPLY) for i, msg in enumerate(metadata)),
+            b"".join(m.encode(msg, i, m.WANT_REPLY) for i, msg in enumerate(torchish))]
 
 
 def main() -> None:

@@ -134,7 +134,8 @@ def _template(draw, nodes: list[Node]) -> None:
     def inp(shape, dtype=DType.F32) -> int:
         return add(Op.INPUT, (), (f"in{len(nodes)}",), shape, dtype)
 
-    kind = draw(st.sampled_from(["get_rows", "set_rows", "rope", "attention", "sample", "matmul", "view"]))
+    kind = draw(st.sampled_from(["get_rows", "set_rows", "rope", "attention", "sample", "matmul", "view",
+                                 "conv2d", "pool2d", "bmm"]))
     wdtype = draw(st.sampled_from([DType.F32, DType.F16, DType.Q8_0, DType.BF16]))
     if kind == "get_rows":
         ins = (add(Op.WEIGHT, (), (1, 0), (8, 32), wdtype), inp((T,), DType.I32))
@@ -157,6 +158,17 @@ def _template(draw, nodes: list[Node]) -> None:
     elif kind == "matmul":
         ins = (inp((T, 32)), add(Op.WEIGHT, (), (1, 64), (8, 32), wdtype))
         attrs = ()
+    elif kind in ("conv2d", "pool2d"):  # the general ops' windows (apir.torch)
+        pairs = st.tuples(st.integers(-1, 3), st.integers(-1, 3))
+        ins = (inp((2, 4, draw(st.sampled_from([1, 5, 8])), 6)),)
+        if kind == "conv2d":
+            ins += (add(Op.WEIGHT, (), (1, 0), (4, draw(st.sampled_from([1, 2, 4])), 3, 2), DType.F32),)
+            attrs = (draw(pairs), draw(pairs), draw(pairs), draw(st.integers(0, 5)))
+        else:
+            attrs = (draw(st.integers(-1, 2)), draw(pairs), draw(pairs), draw(pairs))
+    elif kind == "bmm":
+        ins = (inp((2, T, 4)), add(Op.WEIGHT, (), (1, 0), (draw(st.sampled_from([1, 2])), 4, 3), DType.F32))
+        attrs = ()
     else:
         if not nodes:
             return
@@ -164,7 +176,8 @@ def _template(draw, nodes: list[Node]) -> None:
         ins = (src,)
         attrs = (draw(st.integers(-1, 2)), draw(st.integers(-3, 3)), draw(st.integers(1, 3)))
     op = {"get_rows": Op.GET_ROWS, "set_rows": Op.SET_ROWS, "rope": Op.ROPE, "attention": Op.ATTENTION,
-          "sample": Op.SAMPLE, "matmul": Op.MATMUL, "view": Op.VIEW}[kind]
+          "sample": Op.SAMPLE, "matmul": Op.MATMUL, "view": Op.VIEW, "conv2d": Op.CONV2D,
+          "pool2d": Op.POOL2D, "bmm": Op.BMM}[kind]
     try:
         shape, dtype = infer(op, [(nodes[i].shape, nodes[i].dtype) for i in ins], attrs)
     except GraphError:

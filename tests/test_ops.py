@@ -24,7 +24,7 @@ from apir.backends.base import Backend, ExecutorConfig  # noqa: E402
 from apir.backends.local import kernels as local_kernels  # noqa: E402
 from apir.graph import OPS, Alias, DType, GraphBuilder, Op, SampleArgs, T, Value  # noqa: E402
 from apir.graph.dtypes import NUMPY_DTYPES  # noqa: E402
-from apir.graph.ops import LEAVES, GraphError  # noqa: E402
+from apir.graph.ops import LEAVES, Fn, GraphError, Pool, Reduce, infer  # noqa: E402
 from apir.graph.sampling import GREEDY, PARAMS_SIZE  # noqa: E402
 
 BACKENDS = ("numpy", "local")
@@ -345,7 +345,7 @@ BROADCASTS = [
 ]
 
 
-@covers(Op.ADD, Op.MUL)
+@covers(Op.ADD, Op.MUL, Op.SUB, Op.DIV)
 @pytest.mark.parametrize("shapes", BROADCASTS, ids=str)
 def test_add_mul_broadcast(shapes) -> None:
     rng = np.random.default_rng(5)
@@ -354,12 +354,14 @@ def test_add_mul_broadcast(shapes) -> None:
 
     def build(g):
         x, y = g.input("a", shapes[0]), g.input("b", shapes[1])
-        return g.add(x, y), g.mul(x, y), g.add(y, x)
+        return g.add(x, y), g.mul(x, y), g.add(y, x), g.op(Op.SUB, x, y), g.op(Op.DIV, x, y)
 
-    s, p, s2 = check(build, {"a": a, "b": b}, rtol=0, atol=0)
+    s, p, s2, d, q = check(build, {"a": a, "b": b}, rtol=1e-6, atol=0)
     np.testing.assert_array_equal(s, a + b)
     np.testing.assert_array_equal(p, a * b)
     np.testing.assert_array_equal(s2, a + b)
+    np.testing.assert_array_equal(d, a - b)
+    np.testing.assert_allclose(q, a / b, rtol=1e-6)
 
 
 @covers(Op.ADD, Op.MUL)
@@ -1065,3 +1067,158 @@ def test_logprobs() -> None:
     np.testing.assert_array_equal(ids[1, 1:4], [3, 7, 8])
     np.testing.assert_array_equal(ids[:, 1:], np.argsort(-x, axis=-1, kind="stable")[:, :k])
     np.testing.assert_allclose(out[..., 0], np.take_along_axis(lp, ids, -1), atol=1e-5)
+
+
+# ---------------------------------------------------------------- general programs (apir.torch)
+
+
+@covers(Op.DIV)
+def test_div_by_zero_is_ieee() -> None:
+    a, b = np.array([1.0, -1.0, 0.0], np.float32), np.zeros(3, np.float32)
+    (q,) = check(lambda g: g.op(Op.DIV, g.input("a", (3,)), g.input("b", (3,))), {"a": a, "b": b},
+                 rtol=0, atol=0)
+    assert q[0] == np.inf and q[1] == -np.inf and np.isnan(q[2])
+
+
+UNARY_REF = {
+    Fn.EXP: np.exp, Fn.LOG: np.log, Fn.SQRT: np.sqrt, Fn.RSQRT: lambda x: 1 / np.sqrt(x),
+    Fn.SIN: np.sin, Fn.COS: np.cos, Fn.TANH: np.tanh, Fn.SIGMOID: lambda x: 1 / (1 + np.exp(-x)),
+    Fn.RELU: lambda x: np.maximum(x, 0), Fn.ABS: np.abs,
+}
+
+
+@covers(Op.UNARY)
+@pytest.mark.parametrize("fn", list(Fn), ids=lambda f: f.name)
+def test_unary(fn) -> None:
+    rng = np.random.default_rng(41)
+    x = randn(rng, N_TOK, 9, scale=3.0)
+    if fn in (Fn.LOG, Fn.SQRT, Fn.RSQRT):
+        x = np.abs(x) + np.float32(0.1)
+    (out,) = check(lambda g: g.op(Op.UNARY, g.input("x", (T, 9)), attrs=(int(fn),)), {"x": x},
+                   rtol=2e-6, atol=1e-6)
+    np.testing.assert_allclose(out, UNARY_REF[fn](x.astype(np.float64)), rtol=2e-6, atol=1e-6)
+
+
+@covers(Op.UNARY)
+def test_unary_outside_the_domain_is_nan_not_an_error() -> None:
+    x = np.array([-1.0, 0.0], np.float32)
+
+    def build(g):
+        v = g.input("x", (2,))
+        return g.op(Op.UNARY, v, attrs=(int(Fn.LOG),)), g.op(Op.UNARY, v, attrs=(int(Fn.RSQRT),))
+
+    log, rsqrt = check(build, {"x": x}, rtol=0, atol=0)
+    assert np.isnan(log[0]) and log[1] == -np.inf and np.isnan(rsqrt[0]) and rsqrt[1] == np.inf
+
+
+@covers(Op.REDUCE)
+@pytest.mark.parametrize("fn", list(Reduce), ids=lambda f: f.name)
+def test_reduce(fn) -> None:
+    x = randn(np.random.default_rng(42), 2, N_TOK, 7)
+    (out,) = check(lambda g: g.op(Op.REDUCE, g.input("x", (2, T, 7)), attrs=(int(fn),)), {"x": x},
+                   rtol=1e-6, atol=1e-6)
+    want = {Reduce.SUM: x.sum(-1, keepdims=True), Reduce.MEAN: x.mean(-1, keepdims=True),
+            Reduce.MAX: x.max(-1, keepdims=True)}[fn]
+    assert out.shape == (2, N_TOK, 1)
+    np.testing.assert_allclose(out, want, rtol=1e-6, atol=1e-6)
+
+
+@covers(Op.BMM)
+def test_bmm() -> None:
+    rng = np.random.default_rng(43)
+    a, b = randn(rng, 3, N_TOK, 4), randn(rng, 3, 4, 6)
+    (out,) = check(lambda g: g.op(Op.BMM, g.input("a", (3, T, 4)), g.input("b", (3, 4, 6))),
+                   {"a": a, "b": b}, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(out, np.einsum("bmk,bkn->bmn", a, b), rtol=1e-5, atol=1e-6)
+
+
+@covers(Op.CAST)
+def test_cast() -> None:
+    ids = ids_of(0, 7, -3, (1 << 24) - 1, 1 << 24)
+    h = randn(np.random.default_rng(44), 4).astype(np.float16)
+    i, f = check(lambda g: (g.op(Op.CAST, g.input("i", (5,), DType.I32)),
+                            g.op(Op.CAST, g.input("h", (4,), DType.F16))), {"i": ids, "h": h},
+                 rtol=0, atol=0)
+    np.testing.assert_array_equal(i, ids.astype(np.float32))
+    np.testing.assert_array_equal(f, h.astype(np.float32))
+
+
+@covers(Op.SOFTMAX)
+def test_softmax_of_a_fully_masked_row_is_zero() -> None:
+    x = randn(np.random.default_rng(45), 3, 5)
+    x[1] = -np.inf
+    (out,) = check(lambda g: g.softmax(g.input("x", (3, 5))), {"x": x}, rtol=1e-6, atol=1e-7)
+    np.testing.assert_array_equal(out[1], np.zeros(5, np.float32))
+    np.testing.assert_allclose(out[[0, 2]].sum(-1), 1.0, rtol=1e-6)
+
+
+@pytest.mark.parametrize("op, ins, attrs, match", [
+    (Op.UNARY, [((4,), DType.F32)], (10,), "fn 10 is not one of"),
+    (Op.UNARY, [((4,), DType.I32)], (0,), "must be a float"),
+    (Op.REDUCE, [((4,), DType.F32)], (3,), "fn 3 is not one of"),
+    (Op.REDUCE, [((4, T), DType.F32)], (0,), "fixed last axis"),
+    (Op.REDUCE, [((), DType.F32)], (0,), "fixed last axis"),
+    (Op.BMM, [((2, 3, 4), DType.F32), ((3, 4, 5), DType.F32)], (), "do not multiply"),
+    (Op.BMM, [((2, 3, 4), DType.F32), ((2, 5, 5), DType.F32)], (), "do not multiply"),
+    (Op.BMM, [((3, 4), DType.F32), ((4, 5), DType.F32)], (), "must have 3 dims"),
+    (Op.CAST, [((4,), DType.Q8_0)], (), "cannot take a quantized"),
+    (Op.SUB, [((4,), DType.F32), ((3,), DType.F32)], (), "do not broadcast"),
+    (Op.DIV, [((4,), DType.I32), ((4,), DType.F32)], (), "must be a float"),
+])
+def test_general_ops_refuse_bad_graphs(op, ins, attrs, match) -> None:
+    with pytest.raises(GraphError, match=match):
+        infer(op, ins, attrs)
+
+
+@covers(Op.CONV2D)
+@pytest.mark.parametrize("stride, padding, dilation, groups", [
+    ((1, 1), (0, 0), (1, 1), 1), ((2, 1), (1, 2), (1, 1), 1), ((1, 2), (1, 0), (2, 1), 2), ((2, 2), (2, 2), (1, 1), 4)])
+def test_conv2d(stride, padding, dilation, groups) -> None:
+    rng = np.random.default_rng(46)
+    x, w = randn(rng, 2, 4, 9, 8), randn(rng, 6 if groups != 4 else 8, 4 // groups, 3, 3)
+    attrs = (stride, padding, dilation, groups)
+    (out,) = check(lambda g, h: g.op(Op.CONV2D, g.input("x", x.shape), g.weight(h, 0, w.shape, DType.F32),
+                                     attrs=attrs), {"x": x}, [w], rtol=1e-5, atol=1e-5)
+    # a loop over every output element, from the definition
+    n, o, ho, wo = out.shape
+    xp = np.pad(x, ((0, 0), (0, 0), (padding[0],) * 2, (padding[1],) * 2))
+    cg, per = 4 // groups, o // groups
+    for b, oc, i, j in [(0, 0, 0, 0), (1, o - 1, ho - 1, wo - 1), (1, min(per, o - 2), ho // 2, wo // 2)]:
+        gi = oc // per
+        ys = i * stride[0] + dilation[0] * np.arange(3)
+        xs = j * stride[1] + dilation[1] * np.arange(3)
+        want = (xp[b, gi * cg:(gi + 1) * cg][:, ys][:, :, xs] * w[oc]).sum()
+        assert abs(out[b, oc, i, j] - want) < 1e-4
+
+
+@covers(Op.POOL2D)
+@pytest.mark.parametrize("fn", list(Pool), ids=lambda f: f.name)
+@pytest.mark.parametrize("kernel, stride, padding", [((2, 2), (2, 2), (0, 0)), ((3, 3), (2, 2), (1, 1)),
+                                                     ((3, 2), (1, 2), (1, 0))])
+def test_pool2d(fn, kernel, stride, padding) -> None:
+    x = randn(np.random.default_rng(47), 2, 3, 7, 6)
+    (out,) = check(lambda g: g.op(Op.POOL2D, g.input("x", x.shape), attrs=(int(fn), kernel, stride, padding)),
+                   {"x": x}, rtol=1e-6, atol=1e-6)
+    xp = np.pad(x, ((0, 0), (0, 0), (padding[0],) * 2, (padding[1],) * 2),
+                constant_values=-np.inf if fn is Pool.MAX else 0.0)
+    i, j = out.shape[2] - 1, out.shape[3] - 1
+    window = xp[1, 2, i * stride[0]:i * stride[0] + kernel[0], j * stride[1]:j * stride[1] + kernel[1]]
+    want = window.max() if fn is Pool.MAX else window.mean()
+    assert abs(out[1, 2, i, j] - want) < 1e-6
+
+
+@pytest.mark.parametrize("op, ins, attrs, match", [
+    (Op.CONV2D, [((1, 4, 8, 8), DType.F32), ((2, 4, 3, 3), DType.F32)], ((1, 1), (3, 0), (1, 1), 1), "less than the kernel"),
+    (Op.CONV2D, [((1, 4, 8, 8), DType.F32), ((2, 4, 3, 3), DType.F32)], ((0, 1), (0, 0), (1, 1), 1), "stride must be"),
+    (Op.CONV2D, [((1, 4, 8, 8), DType.F32), ((2, 4, 3, 3), DType.F32)], ((1,), (0, 0), (1, 1), 1), "stride must be"),
+    (Op.CONV2D, [((1, 4, 8, 8), DType.F32), ((2, 2, 3, 3), DType.F32)], ((1, 1), (0, 0), (1, 1), 3), "groups=3"),
+    (Op.CONV2D, [((1, 4, 2, 8), DType.F32), ((2, 4, 3, 3), DType.F32)], ((1, 1), (0, 0), (1, 1), 1), "does not fit"),
+    (Op.CONV2D, [((1, 4, 8, T), DType.F32), ((2, 4, 3, 3), DType.F32)], ((1, 1), (0, 0), (1, 1), 1), "does not fit"),
+    (Op.POOL2D, [((1, 4, 8, 8), DType.F32)], (2, (2, 2), (2, 2), (0, 0)), "fn 2 is not one of"),
+    (Op.POOL2D, [((1, 4, 8, 8), DType.F32)], (0, (2, 2), (2, 2), (2, 0)), "at most half the kernel"),
+    (Op.POOL2D, [((1, 4, 8, 8), DType.F32)], (0, (9, 2), (2, 2), (0, 0)), "must fit the input"),
+    (Op.POOL2D, [((4, 8, 8), DType.F32)], (0, (2, 2), (2, 2), (0, 0)), "must have 4 dims"),
+])
+def test_conv_pool_refuse_bad_graphs(op, ins, attrs, match) -> None:
+    with pytest.raises(GraphError, match=match):
+        infer(op, ins, attrs)

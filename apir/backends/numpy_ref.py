@@ -12,6 +12,7 @@ import numpy as np
 
 from ..graph import OPS, DType, Graph, Op, SampleArgs
 from ..graph.dtypes import NUMPY_DTYPES
+from ..graph.ops import Fn, Pool, Reduce
 from .base import BackendError, DeviceInfo
 from .executor import Buffer, Executor, Registered, check_indices
 
@@ -60,6 +61,15 @@ def silu(x: np.ndarray) -> np.ndarray:
 def softmax(x: np.ndarray) -> np.ndarray:
     e = np.exp(x - x.max(axis=-1, keepdims=True))
     return e / e.sum(axis=-1, keepdims=True)
+
+
+def safe_softmax(x: np.ndarray) -> np.ndarray:
+    """softmax, 0 on a row of all -inf (PyTorch's _safe_softmax; the plain one gives NaN)."""
+    m = x.max(axis=-1, keepdims=True)
+    e = np.exp(x - np.where(np.isneginf(m), np.float32(0), m))
+    s = e.sum(axis=-1, keepdims=True)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(np.isneginf(m), np.float32(0), e / s).astype(np.float32)
 
 
 def rope(x: np.ndarray, pos: np.ndarray, n_dims: int, base: float, neox: int, freq_scale: float):
@@ -176,7 +186,7 @@ KERNELS = {
     Op.SWIGLU: lambda g, u: silu(g) * u,
     Op.GEGLU: lambda g, u: gelu(g) * u,
     Op.RMS_NORM: lambda x, eps: x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + np.float32(eps)),
-    Op.SOFTMAX: softmax,
+    Op.SOFTMAX: safe_softmax,
     Op.ROPE: rope,
     Op.ATTENTION: attention,
     Op.RESHAPE: lambda x, shape: x.reshape([-1 if d == -1 else d for d in shape]),
@@ -190,6 +200,86 @@ KERNELS = {
     Op.PENALIZE: penalize,
     Op.LOGPROBS: logprobs,
 }
+
+
+# ---------------------------------------------------------------- general programs (apir.torch)
+
+
+UNARY = {
+    Fn.EXP: np.exp,
+    Fn.LOG: np.log,
+    Fn.SQRT: np.sqrt,
+    Fn.RSQRT: lambda x: np.float32(1) / np.sqrt(x),
+    Fn.SIN: np.sin,
+    Fn.COS: np.cos,
+    Fn.TANH: np.tanh,
+    Fn.SIGMOID: lambda x: np.float32(1) / (np.float32(1) + np.exp(-x)),
+    Fn.RELU: lambda x: np.maximum(x, np.float32(0)),
+    Fn.ABS: np.abs,
+}
+REDUCE = {Reduce.SUM: np.sum, Reduce.MEAN: np.mean, Reduce.MAX: np.max}
+
+
+def unary(x: np.ndarray, fn: int) -> np.ndarray:
+    # IEEE results for inputs outside a function's domain (log(-1) = nan, exp(1e3) = inf)
+    with np.errstate(all="ignore"):
+        return UNARY[Fn(fn)](x).astype(np.float32)
+
+
+def _divide(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return a / b
+
+
+def _windows(x: np.ndarray, kh: int, kw: int, stride, dilation, out_hw):
+    """For each kernel offset (i, j): x's strided window under it, (..., Ho, Wo)."""
+    (sh, sw), (dh, dw), (ho, wo) = stride, dilation, out_hw
+    for i in range(kh):
+        for j in range(kw):
+            yield i, j, x[..., i * dh : i * dh + sh * (ho - 1) + 1 : sh, j * dw : j * dw + sw * (wo - 1) + 1 : sw]
+
+
+def _pad(x: np.ndarray, padding, value: float) -> np.ndarray:
+    ph, pw = padding
+    return np.pad(x, ((0, 0), (0, 0), (ph, ph), (pw, pw)), constant_values=value)
+
+
+def conv2d(x, w, stride, padding, dilation, groups: int) -> np.ndarray:
+    # x (N, C, H, W), w (O, C/g, kh, kw): per kernel offset, a product over the channels
+    n, o, (cg, kh, kw) = x.shape[0], w.shape[0], w.shape[1:]
+    h, wd = x.shape[2:]
+    ho = (h + 2 * padding[0] - dilation[0] * (kh - 1) - 1) // stride[0] + 1
+    wo = (wd + 2 * padding[1] - dilation[1] * (kw - 1) - 1) // stride[1] + 1
+    xg = _pad(x, padding, 0.0).reshape(n, groups, cg, h + 2 * padding[0], wd + 2 * padding[1])
+    wg = w.reshape(groups, o // groups, cg, kh, kw)
+    out = np.zeros((n, groups, o // groups, ho, wo), np.float32)
+    for i, j, patch in _windows(xg, kh, kw, stride, dilation, (ho, wo)):
+        out += np.einsum("ngchw,goc->ngohw", patch, wg[..., i, j])
+    return out.reshape(n, o, ho, wo)
+
+
+def pool2d(x, fn: int, kernel, stride, padding) -> np.ndarray:
+    (kh, kw), (h, w) = kernel, x.shape[2:]
+    ho = (h + 2 * padding[0] - kh) // stride[0] + 1
+    wo = (w + 2 * padding[1] - kw) // stride[1] + 1
+    biggest = Pool(fn) is Pool.MAX
+    xp = _pad(x, padding, -np.inf if biggest else 0.0)
+    out = np.full((*x.shape[:2], ho, wo), -np.inf if biggest else 0.0, np.float32)
+    for _, _, patch in _windows(xp, kh, kw, stride, (1, 1), (ho, wo)):
+        out = np.maximum(out, patch) if biggest else out + patch
+    return out if biggest else out / np.float32(kh * kw)
+
+
+KERNELS.update({
+    Op.CONV2D: conv2d,
+    Op.POOL2D: pool2d,
+    Op.SUB: lambda a, b: a - b,
+    Op.DIV: _divide,
+    Op.UNARY: unary,
+    Op.REDUCE: lambda x, fn: REDUCE[Reduce(fn)](x, axis=-1, keepdims=True).astype(np.float32),
+    Op.BMM: lambda a, b: np.matmul(a, b).astype(np.float32),
+    Op.CAST: lambda x: x.astype(np.float32),
+})
 
 
 class NumpyBackend(Executor):

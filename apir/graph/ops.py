@@ -60,6 +60,24 @@ Semantics, per op (``x`` etc. are inputs in order):
                                  largest (log-softmax, id), descending, ties lower id first.
                                  Ids travel as F32 (exact: V <= 2^24); a token outside
                                  [0, V) is clamped into it
+
+General tensor programs (apir.torch lowers PyTorch's ATen graphs to these and the above):
+  SUB, DIV   (a, b)             a - b, a / b, elementwise with numpy broadcasting
+  UNARY      (x)                fn(x) elementwise; fn is a ``Fn`` (exp, log, sqrt, rsqrt,
+                                 sin, cos, tanh, sigmoid, relu, abs), IEEE results for bad inputs
+  REDUCE     (x)                fn over the last axis, kept as size 1: (..., N) -> (..., 1);
+                                 fn is a ``Reduce`` (sum, mean, max)
+  BMM        (a, b)             batched product a (B, M, K) @ b (B, K, N) -> (B, M, N) f32
+  CAST       (x)                to F32 (I32 exactly up to 2^24; float values unchanged)
+  CONV2D     (x, w)             x (N, C, H, W), w (O, C/groups, kh, kw) -> (N, O, Ho, Wo) f32:
+                                 PyTorch's conv2d without bias; stride >= 1, dilation >= 1,
+                                 0 <= padding < kernel (zeros), groups divide C and O;
+                                 Ho = (H + 2 pad - dil (kh - 1) - 1) // stride + 1 >= 1
+  POOL2D     (x)                x (N, C, H, W) -> (N, C, Ho, Wo) f32, fn a ``Pool``: the max
+                                 (padding -inf) or the average (padding zeros, counted) of
+                                 each kernel window; kernel <= (H, W), padding <= kernel // 2
+  SOFTMAX gives 0, not NaN, on a row whose every entry is -inf (PyTorch's safe softmax,
+  what a fully masked attention row gets)
 """
 
 from __future__ import annotations
@@ -117,6 +135,45 @@ class Op(enum.IntEnum):
     SAMPLE = 71
     PENALIZE = 72
     LOGPROBS = 73
+    # general tensor programs (apir.torch)
+    SUB = 80
+    DIV = 81
+    UNARY = 82
+    REDUCE = 83
+    BMM = 84
+    CAST = 85
+    CONV2D = 86
+    POOL2D = 87
+
+
+class Fn(enum.IntEnum):
+    """UNARY's functions (its ``fn`` attribute)."""
+
+    EXP = 0
+    LOG = 1
+    SQRT = 2
+    RSQRT = 3
+    SIN = 4
+    COS = 5
+    TANH = 6
+    SIGMOID = 7
+    RELU = 8
+    ABS = 9
+
+
+class Reduce(enum.IntEnum):
+    """REDUCE's reductions (its ``fn`` attribute)."""
+
+    SUM = 0
+    MEAN = 1
+    MAX = 2
+
+
+class Pool(enum.IntEnum):
+    """POOL2D's pooling (its ``fn`` attribute)."""
+
+    MAX = 0
+    AVG = 1
 
 
 # Attribute kinds, as they are encoded on the wire.
@@ -420,6 +477,105 @@ def _logprobs(ins: Sequence[Spec], attrs: Attrs) -> Spec:
     return tuple(logits[0][:-1]) + (k + 1, 2), DType.F32
 
 
+# ---------------------------------------------------------------- general programs (apir.torch)
+
+
+def _fn_unary(ins: Sequence[Spec], attrs: Attrs) -> Spec:
+    (fn,) = attrs
+    if fn not in tuple(Fn):
+        raise GraphError(f"fn {fn} is not one of {[f'{f.value}={f.name}' for f in Fn]}")
+    return _unary(ins, attrs)
+
+
+def _reduce(ins: Sequence[Spec], attrs: Attrs) -> Spec:
+    (fn,) = attrs
+    if fn not in tuple(Reduce):
+        raise GraphError(f"fn {fn} is not one of {[f'{f.value}={f.name}' for f in Reduce]}")
+    _float(ins[0], "REDUCE input")
+    shape = ins[0][0]
+    if not shape or shape[-1] == T:
+        raise GraphError(f"REDUCE needs a fixed last axis, got {fmt_shape(shape)}")
+    return (*shape[:-1], 1), DType.F32
+
+
+def _bmm(ins: Sequence[Spec], attrs: Attrs) -> Spec:
+    a, b = ins
+    _float(a, "BMM left operand")
+    _float(b, "BMM right operand")
+    _rank(a, 3, "BMM left operand (B, M, K)")
+    _rank(b, 3, "BMM right operand (B, K, N)")
+    (n, m, k), (nb, kb, cols) = a[0], b[0]
+    if n != nb or k != kb:
+        raise GraphError(f"BMM shapes {fmt_shape(a[0])} and {fmt_shape(b[0])} do not multiply")
+    return (n, m, cols), DType.F32
+
+
+def _cast(ins: Sequence[Spec], attrs: Attrs) -> Spec:
+    if ins[0][1] not in (DType.I32, *FLOAT_DTYPES):
+        raise GraphError(f"CAST takes I32 or a float, got {ins[0][1].name}")
+    return ins[0][0], DType.F32
+
+
+def _pair(values: Sequence[int], what: str, low: int) -> tuple[int, int]:
+    if len(values) != 2 or min(values) < low:
+        raise GraphError(f"{what} must be two ints >= {low}, got {tuple(values)}")
+    return values[0], values[1]
+
+
+def _window(n: int, k: int, stride: int, pad: int, dil: int) -> int:
+    """Output length of a sliding window over n (padded by pad each side)."""
+    out = (n + 2 * pad - dil * (k - 1) - 1) // stride + 1
+    if n == T or out < 1:
+        raise GraphError(f"a window of {k} (dilation {dil}, padding {pad}) does not fit {n}")
+    return out
+
+
+def _conv2d(ins: Sequence[Spec], attrs: Attrs) -> Spec:
+    x, w = ins
+    stride, padding, dilation, groups = attrs
+    _float(x, "CONV2D input")
+    _float(w, "CONV2D weight")
+    _rank(x, 4, "CONV2D input (N, C, H, W)")
+    _rank(w, 4, "CONV2D weight (O, C/groups, kh, kw)")
+    (n, c, h, wd), (o, cg, kh, kw) = x[0], w[0]
+    sh, sw = _pair(stride, "CONV2D stride", 1)
+    ph, pw = _pair(padding, "CONV2D padding", 0)
+    dh, dw = _pair(dilation, "CONV2D dilation", 1)
+    if groups < 1 or c % groups or o % groups or cg * groups != c:
+        raise GraphError(f"CONV2D groups={groups} do not split input {fmt_shape(x[0])} and weight {fmt_shape(w[0])}")
+    if ph >= kh or pw >= kw:
+        raise GraphError(f"CONV2D padding {(ph, pw)} must be less than the kernel {(kh, kw)}")
+    return (n, o, _window(h, kh, sh, ph, dh), _window(wd, kw, sw, pw, dw)), DType.F32
+
+
+def _pool2d(ins: Sequence[Spec], attrs: Attrs) -> Spec:
+    fn, kernel, stride, padding = attrs
+    if fn not in tuple(Pool):
+        raise GraphError(f"fn {fn} is not one of {[f'{f.value}={f.name}' for f in Pool]}")
+    _float(ins[0], "POOL2D input")
+    _rank(ins[0], 4, "POOL2D input (N, C, H, W)")
+    n, c, h, w = ins[0][0]
+    kh, kw = _pair(kernel, "POOL2D kernel", 1)
+    sh, sw = _pair(stride, "POOL2D stride", 1)
+    ph, pw = _pair(padding, "POOL2D padding", 0)
+    if ph > kh // 2 or pw > kw // 2:
+        raise GraphError(f"POOL2D padding {(ph, pw)} must be at most half the kernel {(kh, kw)}")
+    if T in (h, w) or kh > h or kw > w:  # so a padded copy is at most twice the input
+        raise GraphError(f"POOL2D kernel {(kh, kw)} must fit the input {fmt_shape(ins[0][0])}")
+    return (n, c, _window(h, kh, sh, ph, 1), _window(w, kw, sw, pw, 1)), DType.F32
+
+
+def _conv2d_scratch(shapes: Sequence[tuple[int, ...]]) -> Scratch:
+    (n, c, h, w), (_, _, kh, kw) = shapes
+    # one padded copy of the input and one kernel offset's window of it (padding < kernel)
+    return ((n, c, h + 2 * kh, w + 2 * kw), 8), ((n, c, h + 2 * kh, w + 2 * kw), 4)
+
+
+def _pool2d_scratch(shapes: Sequence[tuple[int, ...]]) -> Scratch:
+    n, c, h, w = shapes[0]
+    return (((n, c, 2 * h, 2 * w), 8),)  # a padded copy (kernel <= input, padding <= kernel / 2)
+
+
 def _attention_scratch(shapes: Sequence[tuple[int, ...]]) -> Scratch:
     (tq, hq, d), (s, _, _), (_, _, dv) = shapes[:3]
     # scores and probabilities (Hq, Tq, S), keys and values repeated to Hq heads
@@ -465,6 +621,19 @@ OPS: dict[Op, OpSpec] = {
     Op.PENALIZE: OpSpec(4, (), _penalize, scratch=lambda shapes: ((shapes[0], 8),)),
     Op.LOGPROBS: OpSpec(2, (("k", INT),), _logprobs, scratch=_sample_scratch),
 }
+
+OPS.update({
+    Op.SUB: OpSpec(2, (), _binary),
+    Op.DIV: OpSpec(2, (), _binary),
+    Op.UNARY: OpSpec(1, (("fn", INT),), _fn_unary),
+    Op.REDUCE: OpSpec(1, (("fn", INT),), _reduce),
+    Op.BMM: OpSpec(2, (), _bmm),
+    Op.CAST: OpSpec(1, (), _cast),
+    Op.CONV2D: OpSpec(2, (("stride", INTS), ("padding", INTS), ("dilation", INTS), ("groups", INT)),
+                      _conv2d, scratch=_conv2d_scratch),
+    Op.POOL2D: OpSpec(1, (("fn", INT), ("kernel", INTS), ("stride", INTS), ("padding", INTS)), _pool2d,
+                      scratch=_pool2d_scratch),
+})
 
 LEAVES = (Op.INPUT, Op.WEIGHT, Op.STATE)
 

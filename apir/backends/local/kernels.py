@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from ...graph import DType, Op, SampleArgs
+from ...graph.ops import Fn, Pool, Reduce
 from ..base import BackendError
 from . import gemv, qmatmul
 from .dequant import dequantize
@@ -252,6 +253,12 @@ def logprobs(logits: torch.Tensor, token: torch.Tensor, k: int) -> torch.Tensor:
     return out.reshape(*logits.shape[:-1], k + 1, 2)
 
 
+def safe_softmax(x: torch.Tensor) -> torch.Tensor:
+    """softmax, 0 on a row of all -inf (as the reference's)."""
+    dead = x.amax(dim=-1, keepdim=True) == -math.inf
+    return torch.softmax(x.float(), dim=-1).masked_fill(dead, 0.0)
+
+
 def view(x: torch.Tensor, axis: int, start: int, length: int) -> torch.Tensor:
     n = x.shape[axis]
     if not -n <= start < n:  # on the T axis only known now; must not wrap around
@@ -273,7 +280,7 @@ KERNELS: dict = {
     Op.SWIGLU: lambda g, u: F.silu(g) * u,
     Op.GEGLU: lambda g, u: gelu(g) * u,
     Op.RMS_NORM: rms_norm,
-    Op.SOFTMAX: lambda x: torch.softmax(x, dim=-1),
+    Op.SOFTMAX: safe_softmax,
     Op.ROPE: rope,
     Op.ATTENTION: attention_filled,
     Op.RESHAPE: lambda x, shape: x.reshape(shape),
@@ -287,6 +294,45 @@ KERNELS: dict = {
     Op.PENALIZE: penalize,
     Op.LOGPROBS: logprobs,
 }
+
+# ---------------------------------------------------------------- general programs (apir.torch)
+
+
+UNARY = {
+    Fn.EXP: torch.exp,
+    Fn.LOG: torch.log,
+    Fn.SQRT: torch.sqrt,
+    Fn.RSQRT: torch.rsqrt,
+    Fn.SIN: torch.sin,
+    Fn.COS: torch.cos,
+    Fn.TANH: torch.tanh,
+    Fn.SIGMOID: torch.sigmoid,
+    Fn.RELU: torch.relu,
+    Fn.ABS: torch.abs,
+}
+REDUCE = {
+    Reduce.SUM: lambda x: x.sum(dim=-1, keepdim=True),
+    Reduce.MEAN: lambda x: x.mean(dim=-1, keepdim=True),
+    Reduce.MAX: lambda x: x.amax(dim=-1, keepdim=True),
+}
+
+def pool2d(x: torch.Tensor, fn: int, kernel, stride, padding) -> torch.Tensor:
+    if Pool(fn) is Pool.MAX:
+        return F.max_pool2d(x.float(), kernel, stride, padding)
+    return F.avg_pool2d(x.float(), kernel, stride, padding, count_include_pad=True)
+
+
+KERNELS.update({
+    Op.CONV2D: lambda x, w, stride, padding, dilation, groups: F.conv2d(
+        x.float(), w.float(), None, stride, padding, dilation, groups),
+    Op.POOL2D: pool2d,
+    Op.SUB: lambda a, b: a.float() - b.float(),
+    Op.DIV: lambda a, b: a.float() / b.float(),
+    Op.UNARY: lambda x, fn: UNARY[Fn(fn)](x.float()),
+    Op.REDUCE: lambda x, fn: REDUCE[Reduce(fn)](x.float()),
+    Op.BMM: lambda a, b: torch.bmm(a.float(), b.float()),
+    Op.CAST: lambda x: x.float(),
+})
 
 # Accelerators: no kernel may synchronise with the host.
 DEVICE_KERNELS = {**KERNELS, Op.ATTENTION: attention}  # over the whole cache, masked: fixed shapes

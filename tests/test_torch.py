@@ -1,0 +1,293 @@
+"""apir.torch: PyTorch programs compiled with torch.compile(backend="apir") give what eager
+PyTorch gives, on the local backend and through a real host daemon; weights cross once;
+an op without a lowering splits the graph with a warning instead of failing.
+
+The vision models are written here from torch.nn modules (ResNet-18 as torchvision builds
+it, and a small ViT; random weights): torchvision has no build that imports beside this
+project's torch 2.13.0 CPU wheel.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import apir.torch  # noqa: E402
+from apir.backends import create_backend  # noqa: E402
+
+F = torch.nn.functional
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()  # each test compiles afresh (Dynamo caches per code object)
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.fixture(params=["local", "remote"])
+def apir_backend(request):
+    if request.param == "local":
+        be = create_backend("local", device="cpu")
+    else:
+        be = create_backend("remote", remote=request.getfixturevalue("host").unix)
+    yield be
+    be.close()
+
+
+class Block(torch.nn.Module):
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm1, self.norm2 = torch.nn.LayerNorm(dim), torch.nn.LayerNorm(dim)
+        self.qkv, self.proj = torch.nn.Linear(dim, 3 * dim), torch.nn.Linear(dim, dim)
+        self.fc1, self.fc2 = torch.nn.Linear(dim, 2 * dim), torch.nn.Linear(2 * dim, dim)
+
+    def forward(self, x):  # x (B, N, D)
+        b, n, d = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(b, n, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, n, d)
+        x = x + self.proj(a)
+        return x + self.fc2(F.gelu(self.fc1(self.norm2(x)), approximate="tanh"))
+
+
+class TinyViT(torch.nn.Module):
+    """Patches of 4x4 pixels, two pre-norm blocks, mean pooling, a classifier."""
+
+    def __init__(self, dim: int = 32, classes: int = 10) -> None:
+        super().__init__()
+        self.patch = torch.nn.Linear(3 * 4 * 4, dim)
+        self.pos = torch.nn.Parameter(torch.randn(1, 16, dim) * 0.02)
+        self.blocks = torch.nn.Sequential(Block(dim, 4), Block(dim, 4))
+        self.norm, self.head = torch.nn.LayerNorm(dim), torch.nn.Linear(dim, classes)
+
+    def forward(self, img):  # img (B, 3, 16, 16)
+        b = img.shape[0]
+        p = img.reshape(b, 3, 4, 4, 4, 4).permute(0, 2, 4, 1, 3, 5).reshape(b, 16, 48)
+        x = self.blocks(self.patch(p) + self.pos)
+        return self.head(self.norm(x).mean(dim=1)).softmax(-1)
+
+
+def test_vit_matches_eager_and_uploads_weights_once() -> None:
+    torch.manual_seed(0)
+    model = TinyViT().eval()
+    be = create_backend("local", device="cpu")
+    compiled = torch.compile(model, backend="apir", options={"backend": be})
+    session = apir.torch.session_for({"backend": be})
+    params = sum(p.numel() * 4 for p in model.parameters())
+    with torch.no_grad():
+        for batch in (2, 2, 5):
+            img = torch.randn(batch, 3, 16, 16)
+            torch.testing.assert_close(compiled(img), model(img), rtol=1e-4, atol=1e-5)
+        assert session.uploaded == params  # once, however many calls and batch sizes
+        model.head.bias.add_(1.0)  # a changed weight is sent again, and used
+        img = torch.randn(2, 3, 16, 16)
+        torch.testing.assert_close(compiled(img), model(img), rtol=1e-4, atol=1e-5)
+    assert session.uploaded == params + model.head.bias.numel() * 4
+
+
+class BasicBlock(torch.nn.Module):
+    def __init__(self, cin: int, cout: int, stride: int) -> None:
+        super().__init__()
+        nn = torch.nn
+        self.conv1, self.bn1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False), nn.BatchNorm2d(cout)
+        self.conv2, self.bn2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False), nn.BatchNorm2d(cout)
+        self.downsample = None if stride == 1 and cin == cout else nn.Sequential(
+            nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+
+    def forward(self, x):
+        y = self.bn2(self.conv2(torch.relu(self.bn1(self.conv1(x)))))
+        return torch.relu(y + (x if self.downsample is None else self.downsample(x)))
+
+
+class ResNet18(torch.nn.Module):
+    """torchvision's resnet18, layer for layer (its modules, widths and strides)."""
+
+    def __init__(self, classes: int = 1000) -> None:
+        super().__init__()
+        nn = torch.nn
+        self.conv1, self.bn1 = nn.Conv2d(3, 64, 7, 2, 3, bias=False), nn.BatchNorm2d(64)
+        self.maxpool = nn.MaxPool2d(3, 2, 1)
+        blocks, cin = [], 64
+        for i, cout in enumerate((64, 128, 256, 512)):
+            blocks += [BasicBlock(cin, cout, 1 if i == 0 else 2), BasicBlock(cout, cout, 1)]
+            cin = cout
+        self.layers = nn.Sequential(*blocks)
+        self.avgpool, self.fc = nn.AdaptiveAvgPool2d((1, 1)), nn.Linear(512, classes)
+
+    def forward(self, x):
+        x = self.maxpool(torch.relu(self.bn1(self.conv1(x))))
+        return self.fc(torch.flatten(self.avgpool(self.layers(x)), 1))
+
+
+def test_resnet18_matches_eager(apir_backend) -> None:
+    torch.manual_seed(1)
+    model = ResNet18().eval()
+    for m in model.modules():  # random statistics, so batch norm is not the identity
+        if isinstance(m, torch.nn.BatchNorm2d):
+            m.running_mean.uniform_(-0.2, 0.2)
+            m.running_var.uniform_(0.5, 2.0)
+            m.weight.data.uniform_(0.5, 1.5)
+            m.bias.data.uniform_(-0.2, 0.2)
+    compiled = torch.compile(model, backend="apir", options={"backend": apir_backend})
+    img = torch.randn(2, 3, 64, 64)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.filterwarnings("error", message="apir.torch")  # all lowered, statistics static
+        got, want = compiled(img), model(img)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    assert got.argmax(-1).tolist() == want.argmax(-1).tolist()
+    with open("/proc/self/maps") as f:
+        assert "libcuda" not in f.read()  # the guest ran no CUDA library
+
+
+class Assorted(torch.nn.Module):
+    """Lowerings the models above do not reach: integer inputs, pow by each exponent,
+    reductions and softmax off the last axis, broadcast division, expand, select, slices,
+    an empty input (a cache before its first step)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(20, 6)
+        self.register_buffer("offset", torch.linspace(-1.0, 1.0, 6))
+
+    def forward(self, ids, x, past):  # ids (2, 3) int64, x (2, 3, 6), past (2, 0, 6): empty
+        h = self.emb(ids) + x.pow(2) - x.pow(3) / 4 + x.abs().pow(0.5) + self.offset
+        h = torch.cat([past, h], dim=1)
+        h = h / (1.0 + h.pow(2).sum(dim=0, keepdim=True))  # a reduction over the first axis
+        g = torch.softmax(h, dim=1) * torch.sigmoid(h).amax(dim=(0, 2), keepdim=True)
+        e = h[:, :1, :].expand(2, 3, 6) + h.select(1, 2).unsqueeze(1)
+        tail = torch.cat([h[..., 4:], 1.0 - h[..., :2].exp().log().pow(-0.5).pow(-1.0)], dim=-1)
+        return g + e, tail.mean(), (ids.float() * 2).pow(-1.0), torch.tanh(h).relu().rsqrt()
+
+
+def test_assorted_lowerings_match_eager() -> None:
+    torch.manual_seed(2)
+    model = Assorted().eval()
+    be = create_backend("numpy")
+    compiled = torch.compile(model, backend="apir", options={"backend": be})
+    ids, x = torch.tensor([[1, 2, 19], [0, 5, 7]]), torch.randn(2, 3, 6)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error")  # every op lowered: no graph break, no eager fallback
+        got = compiled(ids, x, torch.zeros(2, 0, 6))
+    want = model(ids, x, torch.zeros(2, 0, 6))
+    assert [t.dtype for t in got] == [t.dtype for t in want]
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, equal_nan=True)
+
+
+def test_op_without_a_lowering_is_a_graph_break_with_one_warning() -> None:
+    class Cumulative(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            return torch.relu(self.lin(x).cumsum(-1)) * 2, x.int() * 3  # integer arithmetic: PyTorch's
+
+    model = Cumulative().eval()
+    be = create_backend("numpy")
+    compiled = torch.compile(model, backend="apir", options={"backend": be})
+    x = torch.randn(3, 8)
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        first, second = compiled(x), compiled(x)
+    messages = sorted(str(w.message) for w in caught if "apir.torch" in str(w.message))
+    assert messages == [f"apir.torch: {op} has no apir lowering: it runs in PyTorch on the guest "
+                        "(a graph break)" for op in ("aten._to_copy.default", "aten.cumsum.default", "aten.mul.Tensor")]
+    with torch.no_grad():
+        want = model(x)
+    for got in (first, second):
+        torch.testing.assert_close(got, want)
+        assert got[1].dtype == torch.int32
+    assert apir.torch.session_for({"backend": be}).uploaded == sum(p.numel() * 4 for p in model.parameters())
+
+
+def test_a_graph_its_inputs_cannot_lower_runs_eagerly_with_one_warning() -> None:
+    model = torch.nn.Conv2d(3, 4, 1, padding=1).eval()  # CONV2D takes padding < kernel only
+    compiled = torch.compile(model, backend="apir", options={"backend": "numpy"})
+    x = torch.randn(1, 3, 5, 5)
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = [compiled(x) for _ in range(2)]
+    messages = [str(w.message) for w in caught if "apir.torch" in str(w.message)]
+    assert messages == ["apir.torch: cannot lower this graph for these inputs (GraphError: CONV2D: "
+                        "CONV2D padding (1, 1) must be less than the kernel (1, 1)); it runs in "
+                        "PyTorch on the guest"]
+    with torch.no_grad():
+        for g in got:
+            torch.testing.assert_close(g, model(x))
+
+
+def test_training_is_refused_with_a_clear_error() -> None:
+    compiled = torch.compile(torch.nn.Linear(4, 4), backend="apir", options={"backend": "numpy"})
+    with pytest.raises(Exception, match="inference only"):
+        compiled(torch.randn(2, 4))
+
+
+def test_unknown_options_are_named() -> None:
+    with pytest.raises(ValueError, match=r"unknown apir options \['remot'\]"):
+        apir.torch.session_for({"backend": "remote", "remot": "unix:///x"})
+
+
+# ---------------------------------------------------------------- transformers
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    """SmolLM2-135M's GGUF through transformers' GGUF loader, offline, cut to its first two
+    layers (the whole model takes minutes of Dynamo tracing on 2 cores; BENCHMARKS has it)."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    from apir.models.resolve import resolve_model
+
+    try:
+        path = resolve_model("smollm2-135m")
+    except Exception as e:  # noqa: BLE001 - the package is a test extra
+        pytest.skip(f"SmolLM2 GGUF not installed: {e}")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                num_hidden_layers=2).eval()
+
+
+def test_transformers_llama_generates_eager_tokens(smollm2, apir_backend) -> None:
+    ids = torch.tensor([[1, 504, 3458, 282, 4649, 314]])
+    with torch.no_grad():
+        want_logits = smollm2(ids).logits
+        want = smollm2.generate(ids, max_new_tokens=8, do_sample=False)
+        smollm2.forward = torch.compile(smollm2.forward, backend="apir", options={"backend": apir_backend})
+        try:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("error", message="apir.torch")  # every graph lowered whole
+                logits = smollm2(ids).logits
+                got = smollm2.generate(ids, max_new_tokens=8, do_sample=False)
+        finally:
+            del smollm2.forward  # the class's own forward again
+    torch.testing.assert_close(logits, want_logits, rtol=0, atol=1e-3)
+    assert got.tolist() == want.tolist()
+    assert len(set(want[0, 6:].tolist())) > 1  # a real continuation, not one token repeated
+
+
+def test_transformers_padded_batch_splits_graphs_and_keeps_eager_tokens(smollm2) -> None:
+    """Left padding makes transformers build its mask from the attention_mask input (ops
+    apir has no lowering for: where, index, integer casts): those run in PyTorch on the
+    guest, the rest on apir, and the tokens stay eager's."""
+    ids = torch.tensor([[2, 2, 1, 504, 3458, 282], [1, 504, 3458, 282, 4649, 314]])
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+    be = create_backend("local", device="cpu")
+    with torch.no_grad():
+        want = smollm2.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=2)
+        smollm2.forward = torch.compile(smollm2.forward, backend="apir", options={"backend": be})
+        try:
+            got = smollm2.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=2)
+        finally:
+            del smollm2.forward
+    assert got.tolist() == want.tolist()
+    assert apir.torch.session_for({"backend": be}).uploaded > 0  # apir ran the rest
