@@ -1,0 +1,85 @@
+"""Steps that carry the tokens of several sequences: a model's slotted KV cache and its
+batched sample graph.
+
+The graph, over the symbolic token count T and the fixed slot count S:
+  tokens, pos, seq, rows (T,) I32   each token, its position, its slot, its cache row
+                                    (seq * n_ctx + pos)
+  last (S,) I32                     per sampled sequence, its last token's index in the step
+  params (S, PARAMS_SIZE) F32       per sampled sequence, its packed SampleArgs
+  -> (S,) I32                       one token per entry of ``last``; unused entries point
+                                    at row 0 with greedy params, and their token is dropped
+Only token ids come back; each sequence keeps its own sampling knobs and seed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..backends import BufferPurpose
+from ..backends.base import ALIGNMENT
+from ..graph import DType, GraphBuilder, SampleArgs, T
+from ..graph.sampling import GREEDY, PARAMS_SIZE
+from ..models.slots import SlotCache
+from ..models.weights import KVLayout, Weights
+from .model import PAD_MIN, Model
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One sequence's part of a step: ``ids`` at positions ``start``... of ``slot``;
+    ``draw`` the packed params of the token sampled after its last id, None for none
+    (a prompt chunk that is not the prompt's last)."""
+
+    slot: int
+    ids: Sequence[int]
+    start: int
+    draw: SampleArgs | None
+
+
+class Batch:
+    """A KV cache of ``slots`` sequences of ``model.n_ctx`` tokens (its own buffer, beside
+    the model's single-sequence cache) and the graph that steps them together."""
+
+    def __init__(self, model: Model, slots: int) -> None:
+        if slots < 1:
+            raise ValueError(f"a batch needs at least one slot, got {slots}")
+        self.model, self.slots, self.n_ctx = model, slots, model.n_ctx
+        backend, heads = model.backend, model.arch.kv_heads(model.args)
+        size, layers = KVLayout.plan(slots * model.n_ctx, heads, model.kv.dtype, ALIGNMENT)
+        self.layout = KVLayout(backend.alloc_buffer(size, BufferPurpose.KV), slots * model.n_ctx,
+                               model.kv.dtype, tuple(layers))
+        g = GraphBuilder()
+        tokens, pos, seq, rows = (g.input(n, (T,), DType.I32) for n in ("tokens", "pos", "seq", "rows"))
+        last = g.input("last", (slots,), DType.I32)
+        params = g.input("params", (slots, PARAMS_SIZE), DType.F32)
+        kv = SlotCache(g, self.layout, slots, seq, rows)
+        logits = model.arch.build(g, model.args, Weights(g, model.weights), tokens, pos, kv, last)
+        self.graph = backend.register_graph(g.build(g.sample(logits, params)))
+        self._pad = "graph_cache" in backend.device().capabilities
+
+    def step(self, chunks: Sequence[Chunk]) -> list[int]:
+        """Run ``chunks`` (at most one per slot, at most ``slots`` of them) as one step; the
+        token sampled for each chunk, in order (-1 where its ``draw`` is None)."""
+        if not chunks or len(chunks) > self.slots:
+            raise ValueError(f"a step takes 1 to {self.slots} chunks, got {len(chunks)}")
+        tokens = np.concatenate([np.asarray(c.ids, np.int32) for c in chunks])
+        pos = np.concatenate([np.arange(c.start, c.start + len(c.ids), dtype=np.int32) for c in chunks])
+        seq = np.concatenate([np.full(len(c.ids), c.slot, np.int32) for c in chunks])
+        n = len(tokens)
+        if self._pad and n > PAD_MIN:
+            # as Model._step: repeat the last token, which writes the same row again
+            size = 1 << (n - 1).bit_length()
+            tokens, pos, seq = (np.concatenate([a, np.full(size - n, a[-1], np.int32)]) for a in (tokens, pos, seq))
+        last = np.zeros(self.slots, np.int32)
+        params = np.tile(GREEDY.pack(), (self.slots, 1))
+        end = np.cumsum([len(c.ids) for c in chunks]) - 1
+        for i, c in enumerate(chunks):
+            if c.draw is not None:
+                last[i], params[i] = end[i], c.draw.pack()
+        rows = seq * self.n_ctx + pos
+        (out,) = self.model.backend.compute(
+            self.graph, {"tokens": tokens, "pos": pos, "seq": seq, "rows": rows, "last": last, "params": params})
+        return [int(out[i]) if c.draw is not None else -1 for i, c in enumerate(chunks)]
