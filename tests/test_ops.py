@@ -11,8 +11,8 @@ fails when an op is added to ``Op`` without kernels in both executors or a case 
 from __future__ import annotations
 
 import math
-from dataclasses import astuple
 from collections.abc import Callable, Sequence
+from dataclasses import astuple
 
 import gguf
 import numpy as np

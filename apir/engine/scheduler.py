@@ -16,6 +16,7 @@ ever share the backend at once.
 from __future__ import annotations
 
 import collections
+import contextlib
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
@@ -25,7 +26,7 @@ import numpy as np
 from ..errors import ApirError
 from ..graph import SampleArgs
 from .batch import Batch, Chunk
-from .model import PREFILL_CHUNK, Model, SamplingParams
+from .model import PREFILL_CHUNK, Model, SamplingParams, texts
 
 
 class QueueFull(ApirError):
@@ -139,6 +140,11 @@ class Scheduler:
                 yield item
         finally:
             request.cancel()
+
+    def stream(self, prompt_ids: Sequence[int], params: SamplingParams) -> Iterator[str]:
+        """Text pieces of one request, as ``Model.stream`` gives them (stop strings cut)."""
+        with contextlib.closing(self.generate(prompt_ids, params)) as generated:
+            yield from texts(self.model.tokenizer, generated, params.stop)
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop after the current step; what is running or waiting ends cancelled."""
