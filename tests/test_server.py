@@ -458,7 +458,7 @@ def test_a_queued_request_whose_client_left_ends(monkeypatch):
     from apir.server.app import ServeConfig, create_app
 
     model = _Held()
-    app = create_app(ServeConfig(model="held"), loader=lambda: model)
+    app = create_app(ServeConfig(model="held", parallel=1), loader=lambda: model)
     with TestClient(app, raise_server_exceptions=False) as tc:
         _wait_ok(tc)
         first = []
