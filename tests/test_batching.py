@@ -4,11 +4,20 @@ bounded. Tiny random models (tests/tiny_models.py), local and remote backends.""
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import sys
 import threading
+import time
+from collections.abc import Callable
 
 import pytest
 
 pytest.importorskip("torch")
+httpx = pytest.importorskip("httpx")
 
 from tiny_models import TinyConfig, write_tiny_gguf  # noqa: E402
 
@@ -128,3 +137,91 @@ def test_cancel_frees_the_slot_and_a_full_queue_refuses(tiny):
             assert scheduler.busy == 0 and scheduler.queued == 0
         finally:
             scheduler.close()
+
+
+# ---------------------------------------------------------------- apir serve --parallel
+
+
+@pytest.fixture(scope="module")
+def two_slot_server(tmp_path_factory):
+    """``apir serve --parallel 2 --max-queue 0`` of a tiny model with room for long
+    generations: two running requests fill it."""
+    pytest.importorskip("uvicorn")
+    tmp = tmp_path_factory.mktemp("serve")
+    path = write_tiny_gguf(tmp / "tiny.gguf", TinyConfig(context_length=4096, endless=True), "F16")
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("APIR_")}
+    log = tmp / "serve.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "apir.cli", "serve", "-m", str(path), "--backend", "local",
+             "--device", "cpu", "--port", str(port), "--parallel", "2", "--max-queue", "0"],
+            stdout=out, stderr=subprocess.STDOUT, env=env)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180  # a guard against a hang, not a bound on speed
+        while True:
+            assert proc.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() < deadline, log.read_text()[-3000:]
+            try:
+                if httpx.get(f"{base}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        yield base
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _gauges(base: str) -> dict[str, float]:
+    lines = httpx.get(f"{base}/metrics", timeout=10).text.splitlines()
+    return {k: float(v) for k, v in (line.rsplit(" ", 1) for line in lines if line and line[0] != "#")}
+
+
+def _wait_for(base: str, want: Callable[[dict], bool]) -> dict:
+    deadline = time.monotonic() + WAIT
+    while not want(gauges := _gauges(base)):
+        assert time.monotonic() < deadline, gauges
+        time.sleep(0.05)
+    return gauges
+
+
+def test_full_server_says_429_and_a_hung_up_stream_frees_its_slot(two_slot_server):
+    base = two_slot_server
+    body = {"prompt": "Once upon a time", "max_tokens": 4000, "temperature": 0, "stream": True}
+    readers = []  # each stream's line iterator, kept: dropping one closes its connection
+    with contextlib.ExitStack() as streams:
+        for _ in range(2):
+            r = streams.enter_context(httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=WAIT))
+            assert r.status_code == 200
+            readers.append(r.iter_lines())
+            for line in readers[-1]:
+                if line.startswith("data: ") and json.loads(line[6:])["choices"][0]["text"]:
+                    break  # it runs
+        assert _gauges(base)["apir_slots_busy"] == 2
+        refused = httpx.post(f"{base}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=WAIT)
+        assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
+        assert "all 2 slots are busy" in refused.json()["error"]["message"]
+        readers.clear()
+    # both hung up mid-stream (4,000 tokens take far longer than noticing that)
+    gauges = _wait_for(base, lambda g: g["apir_slots_busy"] == 0)
+    assert gauges["apir_generations_cancelled_total"] == 2 and gauges["apir_slots"] == 2
+
+
+def test_served_prompt_reuses_a_cached_prefix(two_slot_server):
+    base = two_slot_server
+    first = "You are a terse assistant. Answer in one word. "
+    a = httpx.post(f"{base}/v1/completions", json={"prompt": first, "max_tokens": 3, "temperature": 0},
+                   timeout=WAIT).json()
+    b = httpx.post(f"{base}/v1/completions", json={"prompt": first + "Sky color?", "max_tokens": 3,
+                                                    "temperature": 0}, timeout=WAIT).json()
+    cached = b["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert a["usage"]["prompt_tokens"] <= cached < b["usage"]["prompt_tokens"]

@@ -439,7 +439,7 @@ def create_app(
             content, calls = tool_calls.parse(text)
             finish = "tool_calls" if calls else finish
         return JSONResponse(fmt.reply(content, finish, last.prompt_tokens, last.completion_tokens,
-                                      entries, calls))
+                                      entries, calls, last.cached_tokens))
 
     async def sse(job: Job, fmt: ChatFormat, tools: bool = False) -> AsyncIterator[bytes]:
         # Starlette cancels this generator when the client disconnects; `finally` then
@@ -461,7 +461,8 @@ def create_app(
                         yield _data(fmt.chunk(content, tool_calls=calls))
                     yield _data(fmt.chunk(finish=finish))
                     if fmt.include_usage:
-                        yield _data(fmt.usage_chunk(event.prompt_tokens, event.completion_tokens))
+                        yield _data(fmt.usage_chunk(event.prompt_tokens, event.completion_tokens,
+                                                        event.cached_tokens))
                 else:
                     yield _data(failure(event).body())
             yield b"data: [DONE]\n\n"

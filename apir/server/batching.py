@@ -49,6 +49,7 @@ class BatchRunner(Runner):
                 return
             if reason != "cancelled" and text.finish == "cancelled" and not job.cancelled:
                 text.finish = None  # ended by itself (an end token, max_tokens, the context)
+            text.cached = request.cached_tokens
             job.emit(text.done())
 
         request = _JobRequest(job, lambda t: text.feed(Token(t)), on_end)

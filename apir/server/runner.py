@@ -38,6 +38,7 @@ class Done:
     prompt_tokens: int
     completion_tokens: int
     result: object = None  # what a work job's function returned
+    cached_tokens: int = 0  # prompt tokens whose KV a slot already held (batched serving)
 
 
 @dataclass(frozen=True)
@@ -198,6 +199,7 @@ class _Text:
         self.finish: str | None = "cancelled"  # None: the generation ended by itself
         self.first: float | None = None
         self.entries: list[dict] = []  # logprobs not yet sent
+        self.cached = 0  # prompt tokens reused from a slot's cache
 
     def feed(self, token: Token) -> bool:
         """Take one token; False when the job is over (a stop string, or cancelled)."""
@@ -234,7 +236,7 @@ class _Text:
                                        cancelled=self.finish == "cancelled")
         if self.finish != "cancelled" and (len(self.text) > self.sent or self.entries):
             job.emit(Piece(self.text[self.sent :], tuple(self.entries)))
-        return Done(self.finish, len(job.prompt_ids), self.count)
+        return Done(self.finish, len(job.prompt_ids), self.count, cached_tokens=self.cached)
 
 
 def _find_stop(text: str, stops: Sequence[str], start: int) -> int:
