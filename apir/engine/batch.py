@@ -24,7 +24,7 @@ from ..graph import DType, GraphBuilder, SampleArgs, T
 from ..graph.sampling import GREEDY, PARAMS_SIZE
 from ..models.slots import SlotCache
 from ..models.weights import KVLayout, Weights
-from .model import PAD_MIN, Model
+from .model import PREFILL_CHUNK, Model
 
 
 @dataclass(frozen=True)
@@ -60,6 +60,23 @@ class Batch:
         self.graph = backend.register_graph(g.build(g.sample(logits, params)))
         self._pad = "graph_cache" in backend.device().capabilities
 
+    def warm_up(self) -> None:
+        """Run the decode steps of 1, 2, 4... sequences up to every slot, greedy and sampled,
+        so a host that records or compiles a graph per step length does it now (see
+        ``Model.warm_up``), and on one that compiles prefill chunks, each padded chunk
+        length. The rows written are overwritten before anything reads them (no slot's
+        cache is recorded as holding them)."""
+        sampled = SampleArgs(1.0, 40, 0.95, 0.05, 0.5)
+        compiled = "compiled_prefill" in self.model.backend.device().capabilities
+        n = 1
+        while n <= self.slots or (compiled and n <= min(PREFILL_CHUNK, self.n_ctx)):
+            for draw in (GREEDY, sampled):
+                if n <= self.slots:
+                    self.step([Chunk(s, [0], 0, draw) for s in range(n)])
+                else:  # one sequence's prompt chunk of n tokens
+                    self.step([Chunk(0, [0] * n, 0, draw)])
+            n *= 2
+
     def step(self, chunks: Sequence[Chunk]) -> list[int]:
         """Run ``chunks`` (at most one per slot, at most ``slots`` of them) as one step; the
         token sampled for each chunk, in order (-1 where its ``draw`` is None)."""
@@ -69,8 +86,9 @@ class Batch:
         pos = np.concatenate([np.arange(c.start, c.start + len(c.ids), dtype=np.int32) for c in chunks])
         seq = np.concatenate([np.full(len(c.ids), c.slot, np.int32) for c in chunks])
         n = len(tokens)
-        if self._pad and n > PAD_MIN:
-            # as Model._step: repeat the last token, which writes the same row again
+        if self._pad and n > 1:
+            # as Model._step: repeat the last token, which writes the same row again. Every
+            # length is padded (a decode step of 3 sequences runs as 4): few graphs to record
             size = 1 << (n - 1).bit_length()
             tokens, pos, seq = (np.concatenate([a, np.full(size - n, a[-1], np.int32)]) for a in (tokens, pos, seq))
         last = np.zeros(self.slots, np.int32)

@@ -36,8 +36,8 @@ class QueueFull(ApirError):
 class Request:
     """One generation: ``on_token(id) -> bool`` is called on the scheduler's thread for
     each generated token (False: stop here, as a stop string does), then ``on_end(reason)``
-    once, with "stop", "length", "cancelled" or "error" (``error`` holds the backend's
-    exception). The end-of-generation token is not passed on."""
+    once, with "stop", "length", "cancelled" or "error" (``error`` holds the exception: the
+    backend's, or what ``on_token`` raised). The end-of-generation token is not passed on."""
 
     def __init__(self, prompt_ids: Sequence[int], params: SamplingParams,
                  on_token: Callable[[int], bool], on_end: Callable[[str], None]) -> None:
@@ -256,7 +256,13 @@ class Scheduler:
                 continue
             request.ids.append(token)
             request.generated += 1
-            if not request.on_token(token):
+            try:
+                more = request.on_token(token)
+            except Exception as e:  # the caller's failure ends its request, not the scheduler
+                request.error = e
+                self._finish(request, "error")
+                continue
+            if not more:
                 self._finish(request, "stop")
             elif request.generated >= request.params.max_tokens or len(request.ids) > self.model.n_ctx:
                 self._finish(request, "length")

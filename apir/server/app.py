@@ -173,23 +173,28 @@ def create_app(
 
     def load_in_background() -> None:
         t0 = time.perf_counter()
+        model = None
         try:
             model = load()
+            slots = config.parallel or default_parallel(model)
+            runner = (Runner(model, state.metrics) if slots == 1
+                      else BatchRunner(model, state.metrics, slots, config.max_queue))
         except Exception as e:
             state.error = str(e) or type(e).__name__
             _log(f"error: could not load {config.model_id}: {state.error}")
+            if model is not None:
+                model.close()
             if on_load_error is not None:
                 on_load_error(e)
             return
         if state.closed:
+            runner.close()
             model.close()
             return
-        slots = config.parallel or default_parallel(model)
-        state.runner = (Runner(model, state.metrics) if slots == 1
-                        else BatchRunner(model, state.metrics, slots, config.max_queue))
-        state.model = model
+        state.runner, state.model = runner, model
         _log(f"{config.model_id} ready ({model.arch_name}, {model.backend.name}:"
-             f"{model.backend.device().name}, ctx {model.n_ctx}) in {time.perf_counter() - t0:.1f}s")
+             f"{model.backend.device().name}, ctx {model.n_ctx}, {slots} slot{'s' * (slots > 1)}) "
+             f"in {time.perf_counter() - t0:.1f}s")
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

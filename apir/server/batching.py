@@ -24,6 +24,7 @@ class BatchRunner(Runner):
         self.model, self.metrics = model, metrics
         self._current = None
         self.scheduler = Scheduler(model, slots, max_queue)
+        self.scheduler.call(self.scheduler.batch.warm_up).result()  # as Model.warm_up: before serving
 
     @property
     def queued(self) -> int:
