@@ -47,6 +47,10 @@ class Request:
         self.generated = 0
         self.error: Exception | None = None
         self._rng = np.random.default_rng(params.seed)
+        # Model.generate_tokens draws for each prompt chunk and samples the first token with
+        # the last chunk's draw: skipping the others, a seed gives the same tokens here
+        for _ in range(-(-len(self.prompt_ids) // PREFILL_CHUNK) - 1):
+            self._rng.random()
         self._cancelled = threading.Event()
         self.slot: int | None = None
         self.ids: list[int] = []  # prompt and generated tokens
@@ -119,7 +123,8 @@ class Scheduler:
         return future
 
     def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> Iterator[int]:
-        """The generated token ids of one request, as ``Model.generate_ids`` yields them."""
+        """The generated token ids of one request, as ``Model.generate_ids`` yields them
+        (the same ones for a seed); a failed step raises here."""
         out: collections.deque = collections.deque()
         ready = threading.Condition()
 
@@ -136,6 +141,8 @@ class Scheduler:
                     ready.wait_for(lambda: out)
                     item = out.popleft()
                 if item is None:
+                    if request.error is not None:
+                        raise request.error
                     return
                 yield item
         finally:
