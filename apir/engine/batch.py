@@ -1,13 +1,15 @@
 """Steps that carry the tokens of several sequences: a model's slotted KV cache and its
 batched sample graph.
 
-The graph, over the symbolic token count T and the fixed slot count S:
+The graph, over the symbolic token count T, the fixed slot count S and sampled rows B:
   tokens, pos, seq, rows (T,) I32   each token, its position, its slot, its cache row
                                     (seq * n_ctx + pos)
-  last (S,) I32                     per sampled sequence, its last token's index in the step
-  params (S, PARAMS_SIZE) F32       per sampled sequence, its packed SampleArgs
-  -> (S,) I32                       one token per entry of ``last``; unused entries point
+  last (B,) I32                     per sampled sequence, its last token's index in the step
+  params (B, PARAMS_SIZE) F32       per sampled sequence, its packed SampleArgs
+  -> (B,) I32                       one token per entry of ``last``; unused entries point
                                     at row 0 with greedy params, and their token is dropped
+One graph per B in 1, 2, 4... up to S (the sequences a step samples, rounded up), so the
+projection to the vocabulary runs only for rows that are used.
 Only token ids come back; each sequence keeps its own sampling knobs and seed.
 """
 
@@ -51,14 +53,22 @@ class Batch:
         size, layers = KVLayout.plan(slots * model.n_ctx, heads, model.kv.dtype, ALIGNMENT)
         self.layout = KVLayout(backend.alloc_buffer(size, BufferPurpose.KV), slots * model.n_ctx,
                                model.kv.dtype, tuple(layers))
-        g = GraphBuilder()
-        tokens, pos, seq, rows = (g.input(n, (T,), DType.I32) for n in ("tokens", "pos", "seq", "rows"))
-        last = g.input("last", (slots,), DType.I32)
-        params = g.input("params", (slots, PARAMS_SIZE), DType.F32)
-        kv = SlotCache(g, self.layout, slots, seq, rows)
-        logits = model.arch.build(g, model.args, Weights(g, model.weights), tokens, pos, kv, last)
-        self.graph = backend.register_graph(g.build(g.sample(logits, params)))
+        self._graphs: dict[int, int] = {}  # sampled rows B -> the graph, registered on first use
         self._pad = "graph_cache" in backend.device().capabilities
+
+    def _graph(self, n_sampled: int) -> tuple[int, int]:
+        """(B, graph) for a step sampling ``n_sampled`` sequences: B the next power of two
+        (at most ``slots``), so a lone stream projects one row to the vocabulary, not S."""
+        b = min(self.slots, 1 << max(n_sampled - 1, 0).bit_length())
+        if b not in self._graphs:
+            model, g = self.model, GraphBuilder()
+            tokens, pos, seq, rows = (g.input(n, (T,), DType.I32) for n in ("tokens", "pos", "seq", "rows"))
+            last = g.input("last", (b,), DType.I32)
+            params = g.input("params", (b, PARAMS_SIZE), DType.F32)
+            kv = SlotCache(g, self.layout, self.slots, seq, rows)
+            logits = model.arch.build(g, model.args, Weights(g, model.weights), tokens, pos, kv, last)
+            self._graphs[b] = model.backend.register_graph(g.build(g.sample(logits, params)))
+        return b, self._graphs[b]
 
     def warm_up(self) -> None:
         """Run the decode steps of 1, 2, 4... sequences up to every slot, greedy and sampled,
@@ -91,13 +101,17 @@ class Batch:
             # length is padded (a decode step of 3 sequences runs as 4): few graphs to record
             size = 1 << (n - 1).bit_length()
             tokens, pos, seq = (np.concatenate([a, np.full(size - n, a[-1], np.int32)]) for a in (tokens, pos, seq))
-        last = np.zeros(self.slots, np.int32)
-        params = np.tile(GREEDY.pack(), (self.slots, 1))
         end = np.cumsum([len(c.ids) for c in chunks]) - 1
-        for i, c in enumerate(chunks):
-            if c.draw is not None:
-                last[i], params[i] = end[i], c.draw.pack()
+        sampled = [i for i, c in enumerate(chunks) if c.draw is not None]
+        b, graph = self._graph(len(sampled))
+        last = np.zeros(b, np.int32)
+        params = np.tile(GREEDY.pack(), (b, 1))
+        for row, i in enumerate(sampled):
+            last[row], params[row] = end[i], chunks[i].draw.pack()
         rows = seq * self.n_ctx + pos
         (out,) = self.model.backend.compute(
-            self.graph, {"tokens": tokens, "pos": pos, "seq": seq, "rows": rows, "last": last, "params": params})
-        return [int(out[i]) if c.draw is not None else -1 for i, c in enumerate(chunks)]
+            graph, {"tokens": tokens, "pos": pos, "seq": seq, "rows": rows, "last": last, "params": params})
+        tokens_out = [-1] * len(chunks)
+        for row, i in enumerate(sampled):
+            tokens_out[i] = int(out[row])
+        return tokens_out
