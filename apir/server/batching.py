@@ -14,7 +14,7 @@ from ..engine import Model
 from ..engine.model import Token
 from ..engine.scheduler import Request, Scheduler
 from .metrics import Metrics
-from .runner import Failed, Job, Runner, _Text
+from .runner import Failed, Job, JobText, Runner
 
 
 class BatchRunner(Runner):
@@ -42,7 +42,7 @@ class BatchRunner(Runner):
             future = self.scheduler.call(lambda: self._serve_one(job))
             future.add_done_callback(lambda f: job.cancel() if f.cancelled() else None)
             return
-        text = _Text(job, self)
+        text = JobText(job, self)
 
         def on_end(reason: str) -> None:
             if reason == "error":

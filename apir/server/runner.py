@@ -164,8 +164,8 @@ class Runner:
             self._current = None
 
     def _run(self, job: Job) -> Done:
-        """Generate on the model's own cache, one token at a time (see ``_Text``)."""
-        text = _Text(job, self)
+        """Generate on the model's own cache, one token at a time (see ``JobText``)."""
+        text = JobText(job, self)
         ids = self.model.generate_tokens(job.prompt_ids, job.params, job.constraint)
         try:
             for token in ids:
@@ -186,7 +186,7 @@ class Runner:
         return {**one(token.id, token.logprob), "top_logprobs": [one(*t) for t in token.top]}
 
 
-class _Text:
+class JobText:
     """One job's text as tokens arrive: emits pieces as it is safe to, never half a
     character and never a piece of a stop string (up to the longest stop string's length
     is held back)."""
