@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import astuple
 
 import gguf
 import numpy as np
@@ -20,7 +21,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from apir.backends import create_backend, numpy_ref  # noqa: E402
-from apir.backends.base import Backend, ExecutorConfig  # noqa: E402
+from apir.backends.base import Backend, BackendError, ExecutorConfig  # noqa: E402
 from apir.backends.local import kernels as local_kernels  # noqa: E402
 from apir.graph import OPS, Alias, DType, GraphBuilder, Op, SampleArgs, T, Value  # noqa: E402
 from apir.graph.dtypes import NUMPY_DTYPES  # noqa: E402
@@ -783,6 +784,51 @@ def test_argmax() -> None:
     np.testing.assert_array_equal(b, y.argmax(-1))
 
 
+@covers(Op.ATTENTION_SEQ)
+@pytest.mark.parametrize("window", [0, 3])
+def test_attention_seq_keeps_each_token_to_its_slot(window: int) -> None:
+    """Tokens of three sequences in one step (slots 2, 0, 2 and 3, as a batched step
+    interleaves them): each attends to its own slot as ATTENTION would over that slot
+    alone; the device kernel (whole slots, masked) agrees with the CPU one."""
+    rng = np.random.default_rng(16)
+    n_slots, n, hq, hkv, d = 4, 10, 4, 2, 8
+    seq = np.array([2, 2, 0, 3, 3, 3, 2], np.int32)
+    pos = np.array([4, 5, 0, 6, 7, 8, 6], np.int32)
+    q = randn(rng, len(pos), hq, d)
+    k, v = randn(rng, n_slots, n, hkv, d), randn(rng, n_slots, n, hkv, d)
+
+    def build(g):
+        return g.attention(g.input("q", (T, hq, d)), g.input("k", k.shape), g.input("v", v.shape),
+                           g.input("pos", (T,), DType.I32), 0.3, window=window,
+                           seq=g.input("seq", (T,), DType.I32))
+
+    (out,) = check(build, {"q": q, "k": k, "v": v, "pos": pos, "seq": seq})
+    for t in range(len(pos)):
+        want = attention_ref(q[t : t + 1], k[seq[t]], v[seq[t]], pos[t : t + 1], 0.3, window, 0.0)
+        np.testing.assert_allclose(out[t : t + 1], want, rtol=1e-5, atol=1e-5)
+    device = local_kernels.attention_seq(*(torch.from_numpy(a) for a in (q, k, v, pos, seq)), 0.3, window, 0.0)
+    np.testing.assert_allclose(device.numpy(), out, rtol=1e-5, atol=1e-5)
+
+
+def test_attention_seq_refuses_bad_slots_and_positions() -> None:
+    g = GraphBuilder()
+    q, pos = g.input("q", (T, 4, 8)), g.input("pos", (T,), DType.I32)
+    k, v = g.input("k", (2, 6, 2, 8)), g.input("v", (2, 6, 2, 8))
+    with pytest.raises(GraphError, match="ATTENTION_SEQ has .* positions but"):
+        g.attention(q, k, v, pos, 1.0, seq=g.input("seq", (3,), DType.I32))
+    with pytest.raises(GraphError, match="same fixed slots"):
+        g.attention(q, k, g.input("v3", (3, 6, 2, 8)), pos, 1.0, seq=g.input("s", (T,), DType.I32))
+    inputs = {"q": np.zeros((1, 4, 8), np.float32), "k": np.zeros((2, 6, 2, 8), np.float32),
+              "v": np.zeros((2, 6, 2, 8), np.float32)}
+    for name in BACKENDS:
+        for seq, p, what in ((2, 0, "slot index out of range"), (0, 6, "position index out of range")):
+            with pytest.raises(BackendError, match=what):
+                run_on(name, lambda g: g.attention(
+                    g.input("q", (T, 4, 8)), g.input("k", (2, 6, 2, 8)), g.input("v", (2, 6, 2, 8)),
+                    g.input("pos", (T,), DType.I32), 1.0, seq=g.input("seq", (T,), DType.I32)),
+                    {**inputs, "pos": ids_of(p), "seq": ids_of(seq)})
+
+
 # ---------------------------------------------------------------- SAMPLE
 
 
@@ -835,10 +881,31 @@ def test_sample_args_wire_layout() -> None:
     packed = args.pack()
     assert packed.dtype == np.float32 and packed.shape == (PARAMS_SIZE,) == (5,)
     np.testing.assert_array_equal(packed, np.array([0.7, 40, 0.9, 0.05, 0.25], np.float32))
-    assert SampleArgs.unpack(packed.tolist()) == SampleArgs(*(float(np.float32(v)) for v in (0.7, 40, 0.9, 0.05, 0.25)))
+    assert SampleArgs.unpack(packed) == SampleArgs(*(float(np.float32(v)) for v in (0.7, 40, 0.9, 0.05, 0.25)))
     unpacked = SampleArgs.unpack(torch.from_numpy(packed))  # 0-d tensors, read without a sync
     assert float(unpacked.top_p) == float(np.float32(0.9)) and not unpacked.greedy
     assert SampleArgs.unpack(GREEDY.pack()).greedy
+
+
+@covers(Op.SAMPLE)
+def test_sample_with_a_draw_per_row() -> None:
+    """params (rows, PARAMS_SIZE): each row sampled with its own knobs and u, as if alone."""
+    rng = np.random.default_rng(25)
+    logits = randn(rng, 3, 30, scale=2.0)
+    rows = [SampleArgs(0.0, 1, 1.0, 0.0, 0.0), SampleArgs(1.0, 0, 1.0, 0.0, 0.7),
+            SampleArgs(0.8, 5, 0.9, 0.0, 0.2)]
+    params = np.stack([r.pack() for r in rows])
+
+    def build(g):
+        return g.sample(g.input("logits", (3, 30)), g.input("params", (3, PARAMS_SIZE)))
+
+    (got,) = check(build, {"logits": logits, "params": params}, rtol=0, atol=0)
+    one = Sampler((30,))
+    alone = [int(one.same(logits[i], *astuple(r))) for i, r in enumerate(rows)]
+    assert got.tolist() == alone and got[0] == logits[0].argmax()
+    with pytest.raises(GraphError, match="one per row"):
+        g = GraphBuilder()
+        g.sample(g.input("logits", (3, 30)), g.input("params", (2, PARAMS_SIZE)))
 
 
 @covers(Op.SAMPLE)

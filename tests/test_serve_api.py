@@ -488,7 +488,7 @@ def test_embeddings_need_a_pooling_type():
 
     model = _Held()
     model.file = SimpleNamespace(path=None, get=lambda key, default=None: default)  # no pooling_type
-    with TestClient(create_app(ServeConfig(model="held"), loader=lambda: model)) as tc:
+    with TestClient(create_app(ServeConfig(model="held", parallel=1), loader=lambda: model)) as tc:
         _wait_ok(tc)
         r = tc.post("/v1/embeddings", json={"input": "x"})
         assert r.status_code == 400 and "--pooling mean, cls or last" in r.json()["error"]["message"]

@@ -46,6 +46,9 @@ class TinyConfig:
     rope_base: float = 10000.0
     sliding_window: int = 8  # gemma3 only
     tied: bool = False
+    # the output rows of the end tokens (</s>, <|im_end|>) zeroed: among ~260 random logits
+    # a zero is (almost surely) never the largest, so a greedy generation runs to its limit
+    endless: bool = False
 
 
 def write_tiny_gguf(path: Path, cfg: TinyConfig = TinyConfig(), weight_type: str = "F16",
@@ -83,6 +86,8 @@ def write_tiny_gguf(path: Path, cfg: TinyConfig = TinyConfig(), weight_type: str
         data = (rng.standard_normal(shape) * scale).astype(np.float32)
         if name.endswith("norm.weight"):
             data += 1.0  # norm gains sit around one
+        if name == "output.weight" and cfg.endless:
+            data[[257, 259]] = 0.0
         if qtype == "F32":
             w.add_tensor(name, data)
         elif qtype == "F16":

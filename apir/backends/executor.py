@@ -388,6 +388,13 @@ def check_indices(index: Sequence[tuple[int, int, str]], args: Sequence) -> None
             raise BackendError(f"{what} index out of range: values must lie in [0, {limit})")
 
 
+def check_positions(pos, n: int) -> None:
+    """ATTENTION_SEQ's positions (a numpy array or a CPU tensor) must lie in [0, n), a
+    slot's rows. A device's kernel reads no row by position (it masks), so none checks there."""
+    if len(pos) and (int(pos.min()) < 0 or int(pos.max()) >= n):
+        raise BackendError(f"ATTENTION_SEQ position index out of range: values must lie in [0, {n})")
+
+
 def _check_names(reg: Registered, inputs: Mapping[str, object], fed: Mapping[str, object]) -> None:
     """Every input of the graph either sent or fed, nothing else."""
     missing = set(reg.inputs) - set(inputs) - set(fed)

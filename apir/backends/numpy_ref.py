@@ -14,7 +14,7 @@ from ..graph import OPS, DType, Graph, Op, SampleArgs
 from ..graph.dtypes import NUMPY_DTYPES
 from ..graph.ops import Fn, Pool, Reduce
 from .base import BackendError, DeviceInfo
-from .executor import Buffer, Executor, Registered, check_indices
+from .executor import Buffer, Executor, Registered, check_indices, check_positions
 
 
 def to_f32(arr: np.ndarray, dtype: DType, shape: tuple[int, ...]) -> np.ndarray:
@@ -111,13 +111,25 @@ def attention(q, k, v, pos, scale: float, window: int, softcap: float) -> np.nda
     return np.einsum("hts,shd->thd", softmax(scores), v).astype(np.float32)
 
 
+def attention_seq(q, k, v, pos, seq, scale: float, window: int, softcap: float) -> np.ndarray:
+    # k (S, N, Hkv, D): each query row attends, as ATTENTION does, to its own slot's keys
+    check_positions(pos, k.shape[1])
+    out = np.empty((q.shape[0], q.shape[1], v.shape[-1]), np.float32)
+    for s in np.unique(seq):
+        rows = seq == s
+        out[rows] = attention(q[rows], k[s], v[s], pos[rows], scale, window, softcap)
+    return out
+
+
 def sample(logits: np.ndarray, params: np.ndarray) -> np.ndarray:
-    a = SampleArgs.unpack(params.tolist())
-    if a.greedy:
-        return logits.argmax(axis=-1).astype(np.int32)
     rows = logits.reshape(-1, logits.shape[-1])
+    draws = np.broadcast_to(params.reshape(-1, params.shape[-1]), (len(rows), params.shape[-1]))
     out = np.empty(len(rows), np.int32)
     for r, row in enumerate(rows):
+        a = SampleArgs(*draws[r].tolist())
+        if a.greedy:
+            out[r] = row.argmax()
+            continue
         if np.isneginf(row).all():  # every token forbidden (a grammar and a ban): id 0, as torch
             out[r] = 0
             continue
@@ -189,6 +201,7 @@ KERNELS = {
     Op.SOFTMAX: safe_softmax,
     Op.ROPE: rope,
     Op.ATTENTION: attention,
+    Op.ATTENTION_SEQ: attention_seq,
     Op.RESHAPE: lambda x, shape: x.reshape([-1 if d == -1 else d for d in shape]),
     Op.PERMUTE: lambda x, axes: x.transpose(axes),
     Op.TRANSPOSE: lambda x, a, b: np.swapaxes(x, a, b),

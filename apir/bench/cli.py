@@ -45,6 +45,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         print(run_profile(args.synthetic, args.device, args.n_gen, args.n_prompt))
         return 0
+    if args.bench_action == "serve":
+        from .runner import Source
+        from .serve import run as run_serve
+
+        source = Source(args.synthetic, synthetic=True) if args.synthetic else Source(args.model)
+        options = BackendOptions(args.device, args.remote, args.token_file, ExecutorConfig.from_env())
+        print(run_serve(source, parse_backends(args.backends), options, args.concurrency,
+                        args.n_prompt, args.n_gen, eprint))
+        return 0
     from .report import emit
     from .runner import BenchConfig, Source, run
 
@@ -131,7 +140,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-history", action="store_true", help="do not append to the history file")
     p.set_defaults(func=cmd_bench, bench_action=None)
 
-    actions = p.add_subparsers(dest="bench_action", metavar="{compare,transport,profile}")
+    actions = p.add_subparsers(dest="bench_action", metavar="{compare,transport,profile,serve}")
     t = actions.add_parser("transport", help="null-call, one-token and 512-token round trips, "
                                              "upload GB/s, per transport, side by side")
     t.add_argument("--remote", action="append", metavar="URL",
@@ -148,6 +157,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     pr.add_argument("-n", "--n-gen", type=int, default=32, help="decode steps profiled")
     pr.add_argument("-p", "--n-prompt", type=int, default=512, help="prefill tokens profiled (0 = none)")
     pr.add_argument("--device", choices=("cpu", "cuda", "mps"), default=env.DEVICE.get())
+    sv = actions.add_parser("serve", help="aggregate and per-stream t/s and time to first token of "
+                                          "many streams at once (continuous batching)")
+    sv.add_argument("-m", "--model", default=env.MODEL.get() or DEFAULT_MODEL, help="model name or .gguf path")
+    sv.add_argument("--synthetic", metavar="SHAPE[:TYPE]", help="random weights of a real shape instead")
+    sv.add_argument("--concurrency", type=_ints, default=[1, 2, 4, 8], metavar="N[,N...]",
+                    help="streams at once, one round each (default 1,2,4,8)")
+    sv.add_argument("-p", "--n-prompt", type=int, default=128, help="prompt tokens per stream (default 128)")
+    sv.add_argument("-n", "--n-gen", type=int, default=128, help="tokens generated per stream (default 128)")
+    sv.add_argument("--backends", default=DEFAULT_BACKENDS, metavar="LIST",
+                    help=f"comma-separated: {', '.join(BACKENDS)} (default: {DEFAULT_BACKENDS})")
+    sv.add_argument("--device", choices=("cpu", "cuda", "mps"), default=env.DEVICE.get())
+    sv.add_argument("--remote", metavar="URL", help="remote-* use the daemon already at URL")
+    sv.add_argument("--token-file", default=env.TOKEN_FILE.get(), help="its shared secret (tcp/vsock)")
     c = actions.add_parser("compare", help="compare two result files; exit 1 on a regression",
                            description="BASE and NEW are files written by -o json / -o jsonl or "
                                        "the history file (the last run of each test counts).")

@@ -410,28 +410,8 @@ class Model:
         """Yield text pieces as they are generated; never half a UTF-8 character."""
         params = params or SamplingParams()
         ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
-        decoder = self.tokenizer.stream()
-        hold = max((len(s) for s in params.stop), default=1) - 1  # a stop string may be forming
-        text, emitted = "", 0
-
-        def stop_at() -> int:
-            return min((i for i in (text.find(s, emitted) for s in params.stop) if i >= 0), default=-1)
-
-        for tid in self.generate_ids(ids, params):
-            text += decoder.feed(tid)
-            hit = stop_at()
-            if hit >= 0:
-                if hit > emitted:
-                    yield text[emitted:hit]
-                return
-            if len(text) - hold > emitted:
-                yield text[emitted : len(text) - hold]
-                emitted = len(text) - hold
-        text += decoder.flush()
-        hit = stop_at()
-        end = hit if hit >= 0 else len(text)
-        if end > emitted:
-            yield text[emitted:end]
+        with contextlib.closing(self.generate_ids(ids, params)) as generated:
+            yield from texts(self.tokenizer, generated, params.stop)
 
     def generate(self, prompt: str | Sequence[int], **kwargs) -> str:
         """The whole completion as a string; keyword arguments are ``SamplingParams`` fields."""
@@ -445,6 +425,33 @@ class Model:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def texts(tokenizer: Tokenizer, ids: Iterator[int], stop: Sequence[str]) -> Iterator[str]:
+    """The text of generated ``ids`` in pieces, never half a UTF-8 character, ending
+    before the first ``stop`` string (and then no more ids are taken)."""
+    decoder = tokenizer.stream()
+    hold = max((len(s) for s in stop), default=1) - 1  # a stop string may be forming
+    text, emitted = "", 0
+
+    def stop_at() -> int:
+        return min((i for i in (text.find(s, emitted) for s in stop) if i >= 0), default=-1)
+
+    for tid in ids:
+        text += decoder.feed(tid)
+        hit = stop_at()
+        if hit >= 0:
+            if hit > emitted:
+                yield text[emitted:hit]
+            return
+        if len(text) - hold > emitted:
+            yield text[emitted : len(text) - hold]
+            emitted = len(text) - hold
+    text += decoder.flush()
+    hit = stop_at()
+    end = hit if hit >= 0 else len(text)
+    if end > emitted:
+        yield text[emitted:end]
 
 
 def _token(outputs: list[np.ndarray], logprobs: int | None) -> Token:

@@ -169,9 +169,13 @@ class GraphBuilder:
 
     def attention(
         self, q: Value, k: Value, v: Value, pos: Value, scale: float,
-        window: int = 0, softcap: float = 0.0,
+        window: int = 0, softcap: float = 0.0, seq: Value | None = None,
     ) -> Value:
-        return self.op(Op.ATTENTION, q, k, v, pos, attrs=(float(scale), int(window), float(softcap)))
+        """ATTENTION; with ``seq`` (each token's slot), ATTENTION_SEQ over a slotted cache."""
+        attrs = (float(scale), int(window), float(softcap))
+        if seq is not None:
+            return self.op(Op.ATTENTION_SEQ, q, k, v, pos, seq, attrs=attrs)
+        return self.op(Op.ATTENTION, q, k, v, pos, attrs=attrs)
 
     def reshape(self, x: Value, shape: Sequence[int]) -> Value:
         return self.op(Op.RESHAPE, x, attrs=(tuple(int(d) for d in shape),))

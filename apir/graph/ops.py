@@ -33,6 +33,12 @@ Semantics, per op (``x`` etc. are inputs in order):
                                  Scores are q.k * scale, then softcap*tanh(s/softcap) when
                                  softcap > 0. Grouped-query: Hq // Hkv queries share a key
                                  head. -> (T, Hq, Dv) f32
+  ATTENTION_SEQ (q, k, v, pos, seq)
+                                ATTENTION over a cache of S sequence slots: k (S, N, Hkv, D),
+                                 v (S, N, Hkv, Dv), pos and seq (T,) i32. Query t sees key
+                                 (s, j) iff s == seq[t], j <= pos[t] and (window == 0 or
+                                 pos[t] - j < window): the tokens of several sequences share
+                                 one step, each attending only to its own slot
   RESHAPE    (x)                to shape (same element count; T stays T)
   PERMUTE    (x)                axes permutation
   TRANSPOSE  (x)                swap two axes
@@ -40,7 +46,8 @@ Semantics, per op (``x`` etc. are inputs in order):
   CONTIGUOUS (x)                a dense copy (no-op in value)
   CONCAT     (a, b)             along axis
   ARGMAX     (x)                index of the first maximum over the last axis -> i32
-  SAMPLE     (logits, params)   one token per row; params is a packed ``SampleArgs``
+  SAMPLE     (logits, params)   one token per row; params is a packed ``SampleArgs``, or
+                                 one per row (rows of logits, PARAMS_SIZE)
                                  (apir.graph.sampling: temperature, top_k, top_p, min_p and
                                  u, a uniform draw in [0, 1) from the guest's seeded RNG).
                                  temperature <= 0 is argmax. Otherwise: scale by
@@ -123,6 +130,7 @@ class Op(enum.IntEnum):
     # position and attention
     ROPE = 50
     ATTENTION = 51
+    ATTENTION_SEQ = 52
     # layout
     RESHAPE = 60
     PERMUTE = 61
@@ -373,6 +381,20 @@ def _attention(ins: Sequence[Spec], attrs: Attrs) -> Spec:
     return (tq, hq, dv), DType.F32
 
 
+def _attention_seq(ins: Sequence[Spec], attrs: Attrs) -> Spec:
+    q, k, v, pos, seq = ins
+    _rank(k, 4, "ATTENTION_SEQ key (S, N, Hkv, D)")
+    _rank(v, 4, "ATTENTION_SEQ value (S, N, Hkv, Dv)")
+    if T in k[0] or tuple(k[0][:2]) != tuple(v[0][:2]):
+        raise GraphError(f"ATTENTION_SEQ key {fmt_shape(k[0])} and value {fmt_shape(v[0])} "
+                         "need the same fixed slots (S, N)")
+    _i32(seq, "ATTENTION_SEQ slots")
+    if tuple(seq[0]) != tuple(pos[0]):
+        raise GraphError(f"ATTENTION_SEQ has {fmt_shape(pos[0])} positions but {fmt_shape(seq[0])} slots")
+    rows = k[0][0] * k[0][1]  # the checks of ATTENTION over the slots laid end to end
+    return _attention([q, ((rows, *k[0][2:]), k[1]), ((rows, *v[0][2:]), v[1]), pos], attrs)
+
+
 def _reshape(ins: Sequence[Spec], attrs: Attrs) -> Spec:
     (shape,) = attrs
     if any(d < T or d == 0 for d in shape):
@@ -439,8 +461,10 @@ def _argmax(ins: Sequence[Spec], attrs: Attrs) -> Spec:
 def _sample(ins: Sequence[Spec], attrs: Attrs) -> Spec:
     logits, params = ins
     _float(logits, "SAMPLE logits")
-    if params[1] is not DType.F32 or tuple(params[0]) != (PARAMS_SIZE,):
-        raise GraphError(f"SAMPLE params must be F32 of shape ({PARAMS_SIZE},)")
+    rows = tuple(logits[0][:-1])
+    if params[1] is not DType.F32 or tuple(params[0]) not in ((PARAMS_SIZE,), (*rows, PARAMS_SIZE)):
+        raise GraphError(f"SAMPLE params must be F32 of shape ({PARAMS_SIZE},) or one per row "
+                         f"{fmt_shape((*rows, PARAMS_SIZE))}")
     return logits[0][:-1], DType.I32
 
 
@@ -582,6 +606,11 @@ def _attention_scratch(shapes: Sequence[tuple[int, ...]]) -> Scratch:
     return ((hq, tq, s), 8), ((s, hq, max(d, dv)), 8)
 
 
+def _attention_seq_scratch(shapes: Sequence[tuple[int, ...]]) -> Scratch:
+    q, (s, n, hk, d), v = shapes[:3]
+    return _attention_scratch((q, (s * n, hk, d), (s * n, hk, v[3])))
+
+
 def _sample_scratch(shapes: Sequence[tuple[int, ...]]) -> Scratch:
     return ((shapes[0], 32),)  # sort, softmax, cumsums of the logits
 
@@ -608,6 +637,10 @@ OPS: dict[Op, OpSpec] = {
     Op.ATTENTION: OpSpec(
         4, (("scale", FLOAT), ("window", INT), ("softcap", FLOAT)), _attention,
         index=((3, 1, "ATTENTION position"),), memo=True, scratch=_attention_scratch,
+    ),
+    Op.ATTENTION_SEQ: OpSpec(
+        5, (("scale", FLOAT), ("window", INT), ("softcap", FLOAT)), _attention_seq,
+        index=((4, 1, "ATTENTION_SEQ slot"),), scratch=_attention_seq_scratch,
     ),
     # a reshape of a permuted value copies (numpy and torch alike)
     Op.RESHAPE: OpSpec(1, (("shape", INTS),), _reshape, Alias.MAYBE),

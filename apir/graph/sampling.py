@@ -34,13 +34,15 @@ class SampleArgs:
 
     @classmethod
     def unpack(cls, params: Any) -> SampleArgs:  # an ndarray, or a torch tensor on the host
-        """The fields of a packed vector: floats from a numpy array, 0-d tensors from a
-        device tensor (so a kernel reads them without a host sync)."""
-        return cls(*(params[i] for i in range(PARAMS_SIZE)))
+        """The fields of packed vectors (..., PARAMS_SIZE), each of shape (...): scalars
+        from one vector, tensors from a device tensor (so a kernel reads them without a
+        host sync)."""
+        return cls(*(params[..., i] for i in range(PARAMS_SIZE)))
 
     @property
     def greedy(self) -> bool:
-        return float(self.temperature) <= 0
+        """Whether every draw is an argmax."""
+        return bool(np.all(np.asarray(self.temperature) <= 0))
 
 
 PARAMS_SIZE = len(fields(SampleArgs))

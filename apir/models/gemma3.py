@@ -20,7 +20,8 @@ import gguf
 from ..graph import GraphBuilder, Value
 from .gguf_file import GGUFFile
 from .llama import ModelArgs as LlamaArgs
-from .llama import attention_block, linear, norm
+from .llama import attention_block, head, linear, norm
+from .slots import SlotCache
 from .weights import KVCache, Weights
 
 K = gguf.Keys
@@ -52,10 +53,10 @@ def kv_heads(a: ModelArgs) -> list[tuple[int, int, int]]:
 
 
 def build(
-    g: GraphBuilder, a: ModelArgs, w: Weights, tokens: Value, pos: Value, kv: KVCache,
-    last_only: bool,
+    g: GraphBuilder, a: ModelArgs, w: Weights, tokens: Value, pos: Value, kv: KVCache | SlotCache,
+    last_only: bool | Value,
 ) -> Value:
-    """Logits for ``tokens`` at ``pos``: (T, vocab), or (1, vocab) when ``last_only``."""
+    """Logits for ``tokens`` at ``pos``: rows as ``llama.head`` picks them."""
     x = g.scale(g.get_rows(w["token_embd.weight"], tokens), math.sqrt(a.n_embd))
     for il in range(a.n_layer):
         p = f"blk.{il}"
@@ -71,7 +72,4 @@ def build(
         ff = g.geglu(linear(g, m, w, f"{p}.ffn_gate"), linear(g, m, w, f"{p}.ffn_up"))
         ff = linear(g, ff, w, f"{p}.ffn_down")
         x = g.add(x, norm(g, ff, w[f"{p}.post_ffw_norm.weight"], a.rms_eps))
-    if last_only:
-        x = g.view(x, 0, -1, 1)
-    x = norm(g, x, w["output_norm.weight"], a.rms_eps)
-    return g.matmul(x, w.output(), label="output")
+    return head(g, a, w, x, last_only)

@@ -19,6 +19,7 @@ import gguf
 from ..graph import GraphBuilder, T, Value
 from .errors import ModelLoadError
 from .gguf_file import GGUFFile
+from .slots import SlotCache
 from .weights import KVCache, Weights
 
 K = gguf.Keys
@@ -87,7 +88,7 @@ def linear(g: GraphBuilder, x: Value, w: Weights, name: str, bias: bool = False)
 
 
 def attention_block(
-    g: GraphBuilder, a: ModelArgs, w: Weights, il: int, x: Value, pos: Value, kv: KVCache,
+    g: GraphBuilder, a: ModelArgs, w: Weights, il: int, x: Value, pos: Value, kv: KVCache | SlotCache,
     rope_base: float, window: int = 0, scale: float | None = None,
 ) -> Value:
     """q/k/v projections, optional q/k norm, RoPE, cached attention, output projection."""
@@ -100,17 +101,17 @@ def attention_block(
         k = norm(g, k, w[f"{p}.attn_k_norm.weight"], a.rms_eps)
     q = g.rope(q, pos, a.rope_dims, rope_base, a.rope_neox, a.rope_freq_scale)
     k = g.rope(k, pos, a.rope_dims, rope_base, a.rope_neox, a.rope_freq_scale)
-    k_all, v_all = kv.write(g, il, k, v, pos)
     scale = 1.0 / math.sqrt(a.head_dim) if scale is None else scale
-    out = g.attention(q, k_all, v_all, pos, scale, window=window)  # (T, H, D)
+    out = kv.attend(g, il, q, k, v, pos, scale, window)  # (T, H, D)
     return linear(g, g.reshape(out, (T, a.n_head * a.head_dim)), w, f"{p}.attn_output")
 
 
 def build(
-    g: GraphBuilder, a: ModelArgs, w: Weights, tokens: Value, pos: Value, kv: KVCache,
-    last_only: bool,
+    g: GraphBuilder, a: ModelArgs, w: Weights, tokens: Value, pos: Value, kv: KVCache | SlotCache,
+    last_only: bool | Value,
 ) -> Value:
-    """Logits for ``tokens`` at ``pos``: (T, vocab), or (1, vocab) when ``last_only``."""
+    """Logits for ``tokens`` at ``pos``: (T, vocab), (1, vocab) when ``last_only``, or one
+    row per index of a ``last_only`` value (see ``head``)."""
     x = g.get_rows(w["token_embd.weight"], tokens)  # (T, n_embd)
     for il in range(a.n_layer):
         n = norm(g, x, w[f"blk.{il}.attn_norm.weight"], a.rms_eps)
@@ -118,8 +119,17 @@ def build(
         m = norm(g, x, w[f"blk.{il}.ffn_norm.weight"], a.rms_eps)
         ff = g.swiglu(linear(g, m, w, f"blk.{il}.ffn_gate"), linear(g, m, w, f"blk.{il}.ffn_up"))
         x = g.add(x, linear(g, ff, w, f"blk.{il}.ffn_down"))
-    if last_only:
+    return head(g, a, w, x, last_only)
+
+
+def head(g: GraphBuilder, a: ModelArgs, w: Weights, x: Value, last_only: bool | Value) -> Value:
+    """The output norm and projection of the hidden states x (T, n_embd): of every row, of
+    the last one (``last_only`` True), or of the rows a (B,) I32 value ``last_only`` picks
+    (each sequence's last of a batched step)."""
+    if last_only is True:
         x = g.view(x, 0, -1, 1)
+    elif last_only is not False:
+        x = g.get_rows(x, last_only)
     x = norm(g, x, w["output_norm.weight"], a.rms_eps)
     return g.matmul(x, w.output(), label="output")
 

@@ -86,3 +86,9 @@ class KVCache:
             cache = g.state(self.layout.buffer, slot.offset, slot.shape, slot.dtype, f"cache_{kind}.{il}")
             out.append(g.set_rows(cache, rows, pos))
         return out[0], out[1]
+
+    def attend(self, g: GraphBuilder, il: int, q: Value, k: Value, v: Value, pos: Value,
+               scale: float, window: int) -> Value:
+        """Write this step's k, v (T, Hkv, D) of layer ``il``; q's attention over the cache."""
+        k_all, v_all = self.write(g, il, k, v, pos)
+        return g.attention(q, k_all, v_all, pos, scale, window=window)  # (T, H, D)

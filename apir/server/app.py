@@ -42,14 +42,18 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from ..backends.base import ALIGNMENT
 from ..engine import ContextOverflowError, Model
 from ..engine.constraint import GrammarError
 from ..engine.model import POOLINGS
+from ..engine.scheduler import QueueFull
 from ..models.errors import ChatTemplateError, TokenizerError
 from ..models.resolve import DEFAULT_MODEL
+from ..models.weights import KVLayout
 from . import metrics as prom
 from . import ollama
 from . import tools as tool_calls
+from .batching import BatchRunner
 from .replies import ChatFormat, CompletionFormat
 from .runner import Done, Failed, Job, Piece, Runner
 from .schemas import (
@@ -90,8 +94,12 @@ class ServeConfig:
     aliases: tuple[str, ...] = ()  # more names clients may ask for (--alias)
     any_model_name: bool = False  # any name serves the model, as llama-server does
     pooling: str | None = None  # embeddings: mean, cls or last; None: the GGUF's pooling_type
+    parallel: int | None = None  # generations at once (slots); None: see default_parallel
+    max_queue: int = 64  # requests waiting for a slot before the server answers 429
 
     def __post_init__(self) -> None:
+        if self.parallel is not None and self.parallel < 1 or self.max_queue < 0:
+            raise ValueError(f"parallel must be >= 1 and max_queue >= 0, got {self.parallel}, {self.max_queue}")
         if self.pooling is not None and self.pooling not in POOLINGS:
             raise ValueError(f"pooling must be one of {', '.join(POOLINGS)}, got {self.pooling!r}")
         if not 0 <= self.port <= 65535:
@@ -116,6 +124,16 @@ def load_model(config: ServeConfig, path: str | None = None) -> Model:
         _log(note)
     model.warm_up()  # a GPU host compiles its decode step now: /health says "loading" meanwhile
     return model
+
+
+def default_parallel(model: Model) -> int:
+    """Slots when --parallel is not given: 4 on an accelerator; on a CPU as many (up to 4)
+    as leave three quarters of the free memory after their KV caches, at least 1."""
+    if model.backend.device().kind != "cpu":
+        return 4
+    heads = model.arch.kv_heads(model.args)
+    per_slot = KVLayout.plan(model.n_ctx, heads, model.kv.dtype, ALIGNMENT)[0]
+    return max(1, min(4, model.backend.device().memory_free // 4 // max(per_slot, 1)))
 
 
 class _State:
@@ -156,21 +174,28 @@ def create_app(
 
     def load_in_background() -> None:
         t0 = time.perf_counter()
+        model = None
         try:
             model = load()
+            slots = config.parallel or default_parallel(model)
+            runner = (Runner(model, state.metrics) if slots == 1
+                      else BatchRunner(model, state.metrics, slots, config.max_queue))
         except Exception as e:
             state.error = str(e) or type(e).__name__
             _log(f"error: could not load {config.model_id}: {state.error}")
+            if model is not None:
+                model.close()
             if on_load_error is not None:
                 on_load_error(e)
             return
         if state.closed:
+            runner.close()
             model.close()
             return
-        state.runner = Runner(model, state.metrics)
-        state.model = model
+        state.runner, state.model = runner, model
         _log(f"{config.model_id} ready ({model.arch_name}, {model.backend.name}:"
-             f"{model.backend.device().name}, ctx {model.n_ctx}) in {time.perf_counter() - t0:.1f}s")
+             f"{model.backend.device().name}, ctx {model.n_ctx}, {slots} slot{'s' * (slots > 1)}) "
+             f"in {time.perf_counter() - t0:.1f}s")
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -284,6 +309,8 @@ def create_app(
         gauges = prom.Gauges(
             loaded=state.model is not None,
             queued=state.runner.queued if state.runner is not None else 0,
+            slots=state.runner.scheduler.slots if isinstance(state.runner, BatchRunner) else 1,
+            slots_busy=state.runner.busy if isinstance(state.runner, BatchRunner) else 0,
             round_trip_seconds=float(rtt) if rtt is not None else None,
         )
         return Response(state.metrics.render(gauges), media_type=prom.CONTENT_TYPE)
@@ -402,7 +429,10 @@ def create_app(
     def submit(job: Job) -> Job:
         if state.closed or state.runner is None:
             raise RequestError("the server is shutting down", None, 503, None, "server_error")
-        state.runner.submit(job)
+        try:
+            state.runner.submit(job)
+        except QueueFull as e:
+            raise RequestError(str(e), None, 429, None, "server_error") from None
         return job
 
     async def outcome(request: Request, job: Job) -> tuple[list[Piece], Done]:
@@ -438,7 +468,7 @@ def create_app(
             content, calls = tool_calls.parse(text)
             finish = "tool_calls" if calls else finish
         return JSONResponse(fmt.reply(content, finish, last.prompt_tokens, last.completion_tokens,
-                                      entries, calls))
+                                      entries, calls, last.cached_tokens))
 
     async def sse(job: Job, fmt: ChatFormat, tools: bool = False) -> AsyncIterator[bytes]:
         # Starlette cancels this generator when the client disconnects; `finally` then
@@ -460,7 +490,8 @@ def create_app(
                         yield _data(fmt.chunk(content, tool_calls=calls))
                     yield _data(fmt.chunk(finish=finish))
                     if fmt.include_usage:
-                        yield _data(fmt.usage_chunk(event.prompt_tokens, event.completion_tokens))
+                        yield _data(fmt.usage_chunk(event.prompt_tokens, event.completion_tokens,
+                                                        event.cached_tokens))
                 else:
                     yield _data(failure(event).body())
             yield b"data: [DONE]\n\n"
@@ -517,7 +548,8 @@ def _data(body: dict) -> bytes:
 # ---------------------------------------------------------------- errors as OpenAI bodies
 async def _request_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, RequestError)
-    return JSONResponse(exc.body(), exc.status)
+    headers = {"Retry-After": "1"} if exc.status == 429 else None  # a slot frees within seconds
+    return JSONResponse(exc.body(), exc.status, headers=headers)
 
 
 async def _context_overflow(request: Request, exc: Exception) -> Response:

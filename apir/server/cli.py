@@ -33,6 +33,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="another model name requests may use (repeatable)")
     p.add_argument("--any-model-name", action="store_true",
                    help="serve the model whatever name a request gives (as llama-server does)")
+    p.add_argument("-np", "--parallel", type=int, default=None,
+                   help="generations at once, batched in each step (default: 4 on a GPU; on a CPU "
+                        "up to 4, as many as leave 3/4 of the free memory after their KV caches)")
+    p.add_argument("--max-queue", type=int, default=64,
+                   help="requests waiting for a slot before the server answers 429 (default 64)")
     p.add_argument("--pooling", choices=("mean", "cls", "last"),
                    help="how /v1/embeddings pools hidden states (default: the model's own "
                         "pooling type; a generative model has none)")
@@ -57,6 +62,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             ctx_size=run.ctx_size, remote=run.remote, token_file=run.token_file,
             api_key=args.api_key or None, host=args.bind, port=args.port,
             aliases=tuple(args.alias), any_model_name=args.any_model_name, pooling=args.pooling,
+            parallel=args.parallel, max_queue=args.max_queue,
         )
         failed: list[Exception] = []
 

@@ -21,6 +21,8 @@ class Gauges:
     loaded: bool
     queued: int
     round_trip_seconds: float | None  # the remote backend's last round trip; None = local
+    slots: int = 1  # generations that can run at once (--parallel)
+    slots_busy: int = 0  # of those, running now (batched serving only)
 
 
 class Metrics:
@@ -76,6 +78,8 @@ class Metrics:
                 ("apir_requests_in_flight", "gauge", "/v1 requests being served or queued.",
                  self.in_flight),
                 ("apir_requests_queued", "gauge", "Generations waiting for the model.", gauges.queued),
+                ("apir_slots", "gauge", "Generations that can run at once (--parallel).", gauges.slots),
+                ("apir_slots_busy", "gauge", "Slots running a generation now.", gauges.slots_busy),
                 ("apir_generation_tokens_per_second", "gauge",
                  "Decode rate of the last generation (tokens/s).", self.last_tps),
                 ("apir_generation_tokens_per_second_avg", "gauge",

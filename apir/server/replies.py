@@ -6,11 +6,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """OpenAI's usage; ``cached_tokens``: prompt tokens whose KV a slot already held."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
 
 
@@ -32,14 +34,14 @@ class ChatFormat:
         return {"content": list(entries), "refusal": None} if self.logprobs else None
 
     def reply(self, text: str | None, finish: str, prompt_tokens: int, completion_tokens: int,
-              entries: Sequence[dict] = (), tool_calls: Sequence[dict] = ()) -> dict:
+              entries: Sequence[dict] = (), tool_calls: Sequence[dict] = (), cached_tokens: int = 0) -> dict:
         message: dict = {"role": "assistant", "content": text}
         if tool_calls:
             message["tool_calls"] = list(tool_calls)
         choice = {"index": 0, "message": message, "logprobs": self._logprobs(entries),
                   "finish_reason": finish}
         return {**self._head("chat.completion"), "choices": [choice],
-                "usage": usage(prompt_tokens, completion_tokens)}
+                "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
 
     def chunk(self, text: str | None = None, finish: str | None = None, first: bool = False,
               entries: Sequence[dict] = (), tool_calls: Sequence[dict] = ()) -> dict:
@@ -60,9 +62,9 @@ class ChatFormat:
     def first_chunk(self) -> dict | None:
         return self.chunk(first=True)
 
-    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict:
+    def usage_chunk(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
         return {**self._head("chat.completion.chunk"), "choices": [],
-                "usage": usage(prompt_tokens, completion_tokens)}
+                "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
 
 
 @dataclass(frozen=True)
@@ -83,10 +85,10 @@ class CompletionFormat(ChatFormat):
                 "text_offset": offsets}
 
     def reply(self, text: str | None, finish: str, prompt_tokens: int, completion_tokens: int,
-              entries: Sequence[dict] = (), tool_calls: Sequence[dict] = ()) -> dict:
+              entries: Sequence[dict] = (), tool_calls: Sequence[dict] = (), cached_tokens: int = 0) -> dict:
         choice = {"index": 0, "text": text, "logprobs": self._logprobs(entries), "finish_reason": finish}
         return {**self._head("text_completion"), "choices": [choice],
-                "usage": usage(prompt_tokens, completion_tokens)}
+                "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
 
     def chunk(self, text: str | None = None, finish: str | None = None, first: bool = False,
               entries: Sequence[dict] = (), tool_calls: Sequence[dict] = ()) -> dict:
@@ -100,6 +102,6 @@ class CompletionFormat(ChatFormat):
     def first_chunk(self) -> dict | None:
         return None  # completions streams start with text
 
-    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict:
+    def usage_chunk(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
         return {**self._head("text_completion"), "choices": [],
-                "usage": usage(prompt_tokens, completion_tokens)}
+                "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}

@@ -38,6 +38,7 @@ class Done:
     prompt_tokens: int
     completion_tokens: int
     result: object = None  # what a work job's function returned
+    cached_tokens: int = 0  # prompt tokens whose KV a slot already held (batched serving)
 
 
 @dataclass(frozen=True)
@@ -147,61 +148,35 @@ class Runner:
             if self._closed:
                 job.cancel()  # closing: what is still queued ends, cancelled
                 continue
-            if not job.start():
-                continue  # cancelled while queued: it has emitted its Done
-            self._current = job
-            try:
-                if job.work is not None:
-                    job.emit(Done("stop", len(job.prompt_ids), 0, job.work(self.model, job)))
-                else:
-                    job.emit(self._run(job))
-            except Exception as e:  # a failed generation fails its request, not the server
-                job.emit(Failed(e))
-            finally:
-                self._current = None
+            self._serve_one(job)
+
+    def _serve_one(self, job: Job) -> None:
+        if not job.start():
+            return  # cancelled while queued: it has emitted its Done
+        self._current = job
+        try:
+            if job.work is not None:
+                job.emit(Done("stop", len(job.prompt_ids), 0, job.work(self.model, job)))
+            else:
+                job.emit(self._run(job))
+        except Exception as e:  # a failed generation fails its request, not the server
+            job.emit(Failed(e))
+        finally:
+            self._current = None
 
     def _run(self, job: Job) -> Done:
-        """Generate, emitting text as it is safe to: never half a character and never a
-        piece of a stop string (up to the longest stop string's length is held back)."""
-        params, tokenizer = job.params, self.model.tokenizer
-        decoder = tokenizer.stream()
-        hold = max((len(s) for s in params.stop), default=1) - 1
-        text, sent, count = "", 0, 0
-        finish, first = None, None
-        entries: list[dict] = []  # logprobs not yet sent
-        ids = self.model.generate_tokens(job.prompt_ids, params, job.constraint)
+        """Generate on the model's own cache, one token at a time (see ``JobText``)."""
+        text = JobText(job, self)
+        ids = self.model.generate_tokens(job.prompt_ids, job.params, job.constraint)
         try:
             for token in ids:
-                count += 1
-                first = first or time.perf_counter()
-                text += decoder.feed(token.id)
-                if token.logprob is not None:
-                    entries.append(self._entry(token))
-                cut = _find_stop(text, params.stop, sent)
-                if cut >= 0:
-                    text, finish = text[:cut], "stop"
+                if not text.feed(token):
                     break
-                if job.cancelled:
-                    finish = "cancelled"
-                    break
-                if len(text) - hold > sent:
-                    job.emit(Piece(text[sent : len(text) - hold], tuple(entries)))
-                    sent, entries = len(text) - hold, []
             else:
-                text += decoder.flush()
-                cut = _find_stop(text, params.stop, sent)
-                if cut >= 0:
-                    text, finish = text[:cut], "stop"
-                else:
-                    finish = "length" if count >= params.max_tokens else "stop"
+                text.finish = None  # the generation ended by itself
         finally:
             ids.close()
-            decode_seconds = time.perf_counter() - first if first else 0.0
-            self.metrics.generation(len(job.prompt_ids), count, decode_seconds,
-                                    cancelled=finish == "cancelled")
-        if finish != "cancelled" and (len(text) > sent or entries):
-            job.emit(Piece(text[sent:], tuple(entries)))
-        return Done(finish, len(job.prompt_ids), count)
+        return text.done()
 
     def _entry(self, token: Token) -> dict:
         """A token's logprobs as OpenAI's chat ``logprobs.content`` entry."""
@@ -210,6 +185,59 @@ class Runner:
             return {"token": data.decode("utf-8", "replace"), "logprob": logprob, "bytes": list(data)}
 
         return {**one(token.id, token.logprob), "top_logprobs": [one(*t) for t in token.top]}
+
+
+class JobText:
+    """One job's text as tokens arrive: emits pieces as it is safe to, never half a
+    character and never a piece of a stop string (up to the longest stop string's length
+    is held back)."""
+
+    def __init__(self, job: Job, runner: Runner) -> None:
+        self.job, self.runner = job, runner
+        self.decoder = runner.model.tokenizer.stream()
+        self.hold = max((len(s) for s in job.params.stop), default=1) - 1
+        self.text, self.sent, self.count = "", 0, 0
+        self.finish: str | None = "cancelled"  # None: the generation ended by itself
+        self.first: float | None = None
+        self.entries: list[dict] = []  # logprobs not yet sent
+        self.cached = 0  # prompt tokens reused from a slot's cache
+
+    def feed(self, token: Token) -> bool:
+        """Take one token; False when the job is over (a stop string, or cancelled)."""
+        job = self.job
+        self.count += 1
+        self.first = self.first or time.perf_counter()
+        self.text += self.decoder.feed(token.id)
+        if token.logprob is not None:
+            self.entries.append(self.runner._entry(token))
+        cut = _find_stop(self.text, job.params.stop, self.sent)
+        if cut >= 0:
+            self.text, self.finish = self.text[:cut], "stop"
+            return False
+        if job.cancelled:
+            self.finish = "cancelled"
+            return False
+        if len(self.text) - self.hold > self.sent:
+            job.emit(Piece(self.text[self.sent : len(self.text) - self.hold], tuple(self.entries)))
+            self.sent, self.entries = len(self.text) - self.hold, []
+        return True
+
+    def done(self) -> Done:
+        """The job's last piece and its Done (``finish`` None: it ended by itself)."""
+        job = self.job
+        if self.finish is None:
+            self.text += self.decoder.flush()
+            cut = _find_stop(self.text, job.params.stop, self.sent)
+            if cut >= 0:
+                self.text, self.finish = self.text[:cut], "stop"
+            else:
+                self.finish = "length" if self.count >= job.params.max_tokens else "stop"
+        decode_seconds = time.perf_counter() - self.first if self.first else 0.0
+        self.runner.metrics.generation(len(job.prompt_ids), self.count, decode_seconds,
+                                       cancelled=self.finish == "cancelled")
+        if self.finish != "cancelled" and (len(self.text) > self.sent or self.entries):
+            job.emit(Piece(self.text[self.sent :], tuple(self.entries)))
+        return Done(self.finish, len(job.prompt_ids), self.count, cached_tokens=self.cached)
 
 
 def _find_stop(text: str, stops: Sequence[str], start: int) -> int:

@@ -20,7 +20,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from ...graph import DType, Graph, Op, SampleArgs
+from ...graph import DType, Graph, Op, SampleArgs, T
 from ..base import (
     DEFAULT_EXECUTOR,
     NO_LIMITS,
@@ -249,7 +249,10 @@ class LocalBackend(Executor):
     def _run(self, reg: Registered, inputs: dict[str, object], bounds: dict[str, int | None]) -> list[torch.Tensor]:
         """``inputs``: numpy arrays, or device tensors where fed (see Backend.compute)."""
         prog = reg.program
+        n_tokens = next((inputs[name].shape[shape.index(T)] for name, (shape, _) in reg.inputs.items()
+                         if T in shape), 0)  # as _bind checked it
         for name, limit, what in prog.index_checks:
+            limit = n_tokens if limit == T else limit
             ids = inputs[name]
             if isinstance(ids, torch.Tensor):  # fed: safe by construction, or checked here
                 if bounds.get(name) is not None and bounds[name] <= limit:
@@ -260,7 +263,6 @@ class LocalBackend(Executor):
         # the host sees the sampling params: a greedy step needs no sort of the vocabulary
         greedy = bool(prog.sample_params) and all(SampleArgs.unpack(inputs[n]).greedy
                                                   for n in prog.sample_params)
-        n_tokens = next((a.shape[0] for a in inputs.values() if a.ndim), 0)
         if prog.device_safe and self.cuda_graphs and capturable(n_tokens):
             outs = self._replay(reg, inputs, n_tokens, greedy)
         else:

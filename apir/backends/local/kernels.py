@@ -17,7 +17,9 @@ import torch.nn.functional as F
 
 from ...graph import DType, Op, SampleArgs
 from ...graph.ops import Fn, Pool, Reduce
+from ...graph.sampling import PARAMS_SIZE
 from ..base import BackendError
+from ..executor import check_positions
 from . import gemv, qmatmul
 from .dequant import dequantize
 
@@ -144,23 +146,30 @@ def attention_mask(pos: torch.Tensor, n_kv: int, window: int, group: int) -> tor
 
 def attention(q, k, v, pos, scale: float, window: int, softcap: float, *, memo=None, key=None) -> torch.Tensor:
     """ATTENTION over the keys k[:n_kv] (n_kv = the cache length; on the CPU only the
-    filled part). Grouped-query heads without copying k or v per query head: for each kv
-    head one batched matmul of its group's queries, all positions at once:
-        q (T, Hq, D) -> (Hkv, T*G, D);  k (S, Hkv, D) -> (Hkv, D, S);  scores (Hkv, T*G, S)
-    (decode steps under torch.compile: the same as products and sums, see SMALL_ROWS;
-    without a softcap, PyTorch's fused attention).
-    The mask is shared (``memo``) by every layer of a run that reads position node ``key``."""
-    n_tok, n_head, dim = q.shape
-    n_kv, n_head_kv = k.shape[0], k.shape[1]
-    group = n_head // n_head_kv
-    qh = q.float().reshape(n_tok, n_head_kv, group, dim).permute(1, 0, 2, 3).reshape(n_head_kv, n_tok * group, dim)
-    kh, vh = k.float().transpose(0, 1), v.float().transpose(0, 1)  # (Hkv, S, D), (Hkv, S, Dv)
+    filled part). The mask is shared (``memo``) by every layer of a run that reads position
+    node ``key``."""
+    n_kv, group = k.shape[0], q.shape[1] // k.shape[1]
     mk = ("mask", key, n_kv, window, group)
     mask = memo.get(mk) if memo is not None else None
     if mask is None:
         mask = attention_mask(pos, n_kv, window, group)
         if memo is not None:
             memo[mk] = mask
+    return attend(q, k, v, mask, scale, softcap)
+
+
+def attend(q, k, v, mask: torch.Tensor, scale: float, softcap: float) -> torch.Tensor:
+    """Attention of q (T, Hq, D) over k (S, Hkv, D), v (S, Hkv, Dv) where ``mask`` (T*G,
+    S) allows. Grouped-query heads without copying k or v per query head: for each kv
+    head one batched matmul of its group's queries, all positions at once:
+        q (T, Hq, D) -> (Hkv, T*G, D);  k (S, Hkv, D) -> (Hkv, D, S);  scores (Hkv, T*G, S)
+    (decode steps under torch.compile: the same as products and sums, see SMALL_ROWS;
+    without a softcap, PyTorch's fused attention)."""
+    n_tok, n_head, dim = q.shape
+    n_head_kv = k.shape[1]
+    group = n_head // n_head_kv
+    qh = q.float().reshape(n_tok, n_head_kv, group, dim).permute(1, 0, 2, 3).reshape(n_head_kv, n_tok * group, dim)
+    kh, vh = k.float().transpose(0, 1), v.float().transpose(0, 1)  # (Hkv, S, D), (Hkv, S, Dv)
     if torch.compiler.is_compiling() and n_tok <= SMALL_ROWS:
         scores = (qh[:, :, None, :] * kh[:, None, :, :]).sum(-1) * scale
         if softcap:
@@ -181,6 +190,27 @@ def attention_filled(q, k, v, pos, scale: float, window: int, softcap: float, *,
     """CPU ATTENTION: only keys up to the highest position (a host sync, free on the CPU)."""
     n_kv = int(pos.max()) + 1
     return attention(q, k[:n_kv], v[:n_kv], pos, scale, window, softcap, memo=memo, key=key)
+
+
+def attention_seq(q, k, v, pos, seq, scale: float, window: int, softcap: float) -> torch.Tensor:
+    """ATTENTION_SEQ: k (S, N, Hkv, D) laid end to end, one mask (T*G, S*N) keeping each
+    query to its own slot (``seq``) at positions up to its own. Fixed shapes on a device."""
+    n_slots, n_kv = k.shape[:2]
+    group = q.shape[1] // k.shape[2]
+    p = pos.long().repeat_interleave(group)[:, None]
+    j = torch.arange(n_slots * n_kv, device=pos.device)[None, :]
+    mask = (j // n_kv == seq.long().repeat_interleave(group)[:, None]) & (j % n_kv <= p)
+    if window:
+        mask &= p - j % n_kv < window
+    flat = (n_slots * n_kv, *k.shape[2:])
+    return attend(q, k.reshape(flat), v.reshape(*flat[:2], v.shape[-1]), mask, scale, softcap)
+
+
+def attention_seq_filled(q, k, v, pos, seq, scale: float, window: int, softcap: float) -> torch.Tensor:
+    """CPU ATTENTION_SEQ: each slot's keys only up to the highest position of the step."""
+    check_positions(pos, k.shape[1])
+    n_kv = int(pos.max()) + 1
+    return attention_seq(q, k[:, :n_kv], v[:, :n_kv], pos, seq, scale, window, softcap)
 
 
 ARGMAX_CHUNK = 1024
@@ -206,7 +236,8 @@ def sample(logits: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
     """Op.SAMPLE without a host sync (capturable in a CUDA graph): every step of the
     reference is a tensor op, and the kept sets are always prefixes of the sorted order."""
     rows = logits.reshape(-1, logits.shape[-1]).float()
-    a = SampleArgs.unpack(params.float())  # 0-d tensors: no host sync
+    # fields (1, 1), or (rows, 1) with a draw per row: tensors, no host sync
+    a = SampleArgs.unpack(params.float().reshape(-1, 1, PARAMS_SIZE))
     vals, order = torch.sort(rows, dim=-1, descending=True, stable=True)
     rank = torch.arange(vals.shape[-1], device=rows.device)
     keep = (a.top_k <= 0) | (rank < a.top_k)
@@ -223,7 +254,7 @@ def sample(logits: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
     pick = torch.minimum(pick, keep.sum(dim=-1, keepdim=True) - 1).clamp(min=0)
     token = torch.gather(order, -1, pick).squeeze(-1)
     greedy = argmax(rows)
-    return torch.where(a.temperature <= 0, greedy, token).int().reshape(logits.shape[:-1])
+    return torch.where(a.temperature.reshape(-1) <= 0, greedy, token).int().reshape(logits.shape[:-1])
 
 
 def sample_greedy(logits: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
@@ -283,6 +314,7 @@ KERNELS: dict = {
     Op.SOFTMAX: safe_softmax,
     Op.ROPE: rope,
     Op.ATTENTION: attention_filled,
+    Op.ATTENTION_SEQ: attention_seq_filled,
     Op.RESHAPE: lambda x, shape: x.reshape(shape),
     Op.PERMUTE: lambda x, axes: x.permute(axes) if axes else x,  # torch refuses () on a 0-d tensor
     Op.TRANSPOSE: lambda x, a, b: x.transpose(a, b),
@@ -335,4 +367,4 @@ KERNELS.update({
 })
 
 # Accelerators: no kernel may synchronise with the host.
-DEVICE_KERNELS = {**KERNELS, Op.ATTENTION: attention}  # over the whole cache, masked: fixed shapes
+DEVICE_KERNELS = {**KERNELS, Op.ATTENTION: attention, Op.ATTENTION_SEQ: attention_seq}  # over the whole cache, masked: fixed shapes

@@ -68,7 +68,8 @@ class Program:
     steps: list  # one per node: Step, Input, Leaf, FusedMatmul or Part
     outputs: tuple[int, ...]
     # (input name, exclusive limit, what): index operands checked on the host before launch,
-    # one per input (the tightest of its uses: a llama's pos indexes 90 caches and masks)
+    # one per input and limit (a llama's pos indexes 90 caches: one check); a limit of T is
+    # the step's token count (rows picked from a value of T rows)
     index_checks: tuple[tuple[str, int, str], ...] = ()
     device_safe: bool = False  # every index operand is an input: no device-side checks needed
     weight_buffers: tuple[int, ...] = ()
@@ -96,15 +97,13 @@ def compile_program(graph: Graph, accelerated: bool, weight_dtype) -> Program:
     that are inputs are checked on the host instead (if one is computed, the graph keeps
     the kernels' own checks)."""
     nodes = graph.nodes
-    checks: dict[str, tuple[int, str]] = {}  # input name -> (tightest limit, what)
+    checks: dict[tuple[str, int], str] = {}  # (input name, limit: T for the step's tokens) -> what
     device_safe = True
     for node in nodes:
         for idx, target, what in OPS[node.op].index:
             src = nodes[node.inputs[idx]]
             if src.op is Op.INPUT:
-                name, limit = src.attrs[0], nodes[node.inputs[target]].shape[0]
-                if name not in checks or limit < checks[name][0]:
-                    checks[name] = (limit, what)
+                checks.setdefault((src.attrs[0], nodes[node.inputs[target]].shape[0]), what)
             else:
                 device_safe = False
     accelerated = accelerated and device_safe
@@ -143,7 +142,7 @@ def compile_program(graph: Graph, accelerated: bool, weight_dtype) -> Program:
     if len(sample_params) != sum(n.op is Op.SAMPLE for n in nodes):
         sample_params = ()  # a computed params tensor: the host cannot know it is greedy
     return Program(
-        steps, graph.outputs, tuple((name, *check) for name, check in checks.items()), accelerated,
+        steps, graph.outputs, tuple((*key, what) for key, what in checks.items()), accelerated,
         tuple(sorted({n.attrs[0] for n in nodes if n.op is Op.WEIGHT})),
         sample_params,
     )

@@ -1,0 +1,117 @@
+"""Steps that carry the tokens of several sequences: a model's slotted KV cache and its
+batched sample graph.
+
+The graph, over the symbolic token count T, the fixed slot count S and sampled rows B:
+  tokens, pos, seq, rows (T,) I32   each token, its position, its slot, its cache row
+                                    (seq * n_ctx + pos)
+  last (B,) I32                     per sampled sequence, its last token's index in the step
+  params (B, PARAMS_SIZE) F32       per sampled sequence, its packed SampleArgs
+  -> (B,) I32                       one token per entry of ``last``; unused entries point
+                                    at row 0 with greedy params, and their token is dropped
+One graph per B in 1, 2, 4... up to S (the sequences a step samples, rounded up), so the
+projection to the vocabulary runs only for rows that are used.
+Only token ids come back; each sequence keeps its own sampling knobs and seed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..backends import BufferPurpose
+from ..backends.base import ALIGNMENT
+from ..graph import DType, GraphBuilder, SampleArgs, T
+from ..graph.sampling import GREEDY, PARAMS_SIZE
+from ..models.slots import SlotCache
+from ..models.weights import KVLayout, Weights
+from .model import PREFILL_CHUNK, Model
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One sequence's part of a step: ``ids`` at positions ``start``... of ``slot``;
+    ``draw`` the packed params of the token sampled after its last id, None for none
+    (a prompt chunk that is not the prompt's last)."""
+
+    slot: int
+    ids: Sequence[int]
+    start: int
+    draw: SampleArgs | None
+
+
+class Batch:
+    """A KV cache of ``slots`` sequences of ``model.n_ctx`` tokens (its own buffer, beside
+    the model's single-sequence cache) and the graph that steps them together."""
+
+    def __init__(self, model: Model, slots: int) -> None:
+        if slots < 1:
+            raise ValueError(f"a batch needs at least one slot, got {slots}")
+        self.model, self.slots, self.n_ctx = model, slots, model.n_ctx
+        backend, heads = model.backend, model.arch.kv_heads(model.args)
+        size, layers = KVLayout.plan(slots * model.n_ctx, heads, model.kv.dtype, ALIGNMENT)
+        self.layout = KVLayout(backend.alloc_buffer(size, BufferPurpose.KV), slots * model.n_ctx,
+                               model.kv.dtype, tuple(layers))
+        self._graphs: dict[int, int] = {}  # sampled rows B -> the graph, registered on first use
+        self._pad = "graph_cache" in backend.device().capabilities
+
+    def _graph(self, n_sampled: int) -> tuple[int, int]:
+        """(B, graph) for a step sampling ``n_sampled`` sequences: B the next power of two
+        (at most ``slots``), so a lone stream projects one row to the vocabulary, not S."""
+        b = min(self.slots, 1 << max(n_sampled - 1, 0).bit_length())
+        if b not in self._graphs:
+            model, g = self.model, GraphBuilder()
+            tokens, pos, seq, rows = (g.input(n, (T,), DType.I32) for n in ("tokens", "pos", "seq", "rows"))
+            last = g.input("last", (b,), DType.I32)
+            params = g.input("params", (b, PARAMS_SIZE), DType.F32)
+            kv = SlotCache(g, self.layout, self.slots, seq, rows)
+            logits = model.arch.build(g, model.args, Weights(g, model.weights), tokens, pos, kv, last)
+            self._graphs[b] = model.backend.register_graph(g.build(g.sample(logits, params)))
+        return b, self._graphs[b]
+
+    def warm_up(self) -> None:
+        """Run the decode steps of 1, 2, 4... sequences up to every slot, greedy and sampled,
+        so a host that records or compiles a graph per step length does it now (see
+        ``Model.warm_up``), and on one that compiles prefill chunks, each padded chunk
+        length. The rows written are overwritten before anything reads them (no slot's
+        cache is recorded as holding them)."""
+        sampled = SampleArgs(1.0, 40, 0.95, 0.05, 0.5)
+        compiled = "compiled_prefill" in self.model.backend.device().capabilities
+        n = 1
+        while n <= self.slots or (compiled and n <= min(PREFILL_CHUNK, self.n_ctx)):
+            for draw in (GREEDY, sampled):
+                if n <= self.slots:
+                    self.step([Chunk(s, [0], 0, draw) for s in range(n)])
+                else:  # one sequence's prompt chunk of n tokens
+                    self.step([Chunk(0, [0] * n, 0, draw)])
+            n *= 2
+
+    def step(self, chunks: Sequence[Chunk]) -> list[int]:
+        """Run ``chunks`` (at most one per slot, at most ``slots`` of them) as one step; the
+        token sampled for each chunk, in order (-1 where its ``draw`` is None)."""
+        if not chunks or len(chunks) > self.slots:
+            raise ValueError(f"a step takes 1 to {self.slots} chunks, got {len(chunks)}")
+        tokens = np.concatenate([np.asarray(c.ids, np.int32) for c in chunks])
+        pos = np.concatenate([np.arange(c.start, c.start + len(c.ids), dtype=np.int32) for c in chunks])
+        seq = np.concatenate([np.full(len(c.ids), c.slot, np.int32) for c in chunks])
+        n = len(tokens)
+        if self._pad and n > 1:
+            # as Model._step: repeat the last token, which writes the same row again. Every
+            # length is padded (a decode step of 3 sequences runs as 4): few graphs to record
+            size = 1 << (n - 1).bit_length()
+            tokens, pos, seq = (np.concatenate([a, np.full(size - n, a[-1], np.int32)]) for a in (tokens, pos, seq))
+        end = np.cumsum([len(c.ids) for c in chunks]) - 1
+        sampled = [i for i, c in enumerate(chunks) if c.draw is not None]
+        b, graph = self._graph(len(sampled))
+        last = np.zeros(b, np.int32)
+        params = np.tile(GREEDY.pack(), (b, 1))
+        for row, i in enumerate(sampled):
+            last[row], params[row] = end[i], chunks[i].draw.pack()
+        rows = seq * self.n_ctx + pos
+        (out,) = self.model.backend.compute(
+            graph, {"tokens": tokens, "pos": pos, "seq": seq, "rows": rows, "last": last, "params": params})
+        tokens_out = [-1] * len(chunks)
+        for row, i in enumerate(sampled):
+            tokens_out[i] = int(out[row])
+        return tokens_out
