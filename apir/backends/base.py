@@ -197,6 +197,13 @@ class Backend(ABC):
         except ApirError as e:
             return Pending(error=e)
 
+    def open_published(self, name: str, layout: bytes, size: int) -> int | None:
+        """A buffer handle on the host's read-only copy of published model ``name``'s
+        weights, laid out as ``layout`` says (``apir.models.layout``) in ``size`` bytes;
+        None where this backend shares no weights; a remote one raises BackendError where
+        its host refuses (no such model published, or laid out otherwise)."""
+        return None
+
     @abstractmethod
     def synchronize(self) -> None:
         """Wait for queued work; errors of earlier requests surface here at the latest."""

@@ -32,6 +32,7 @@ from ..protocol import messages as m
 from ..protocol.messages import HEADER, MAX_BODY, decode_body, decode_header, encode
 from ..transport import Address, Connection, listen
 from .handshake import HANDSHAKE_MAX, MAX_PENDING, Gate, RateLimitedLog, check_hello, peer_key
+from .published import KEEP_ALIVE, REQUEST_MAX, PublishedModel, Shelf, ask
 from .session import SessionConfig
 from .worker import (
     MAX_SLOTS,
@@ -73,6 +74,8 @@ class HostConfig:
     # a worker's OS memory cap past its start, bytes (0: --max-memory plus headroom, see
     # worker.os_memory_cap; none without --max-memory)
     os_memory: int = 0
+    models: tuple[PublishedModel, ...] = ()  # published: their weights are shared (--model)
+    keep_alive: float = KEEP_ALIVE  # seconds a shared copy outlives its last session (<0: forever)
 
     def __post_init__(self) -> None:
         if not self.listen:
@@ -129,6 +132,7 @@ class Worker:
     # to tell the guest why (_reap); elsewhere closed at once, so a dead worker's guest
     # sees the hang-up without waiting for the reap
     sock: socket.socket | None = None
+    pool: socket.socket | None = None  # its socketpair with the daemon: published model requests
 
 
 @dataclass
@@ -163,6 +167,7 @@ class Daemon:
         self.stopping = False
         self.gate = Gate()
         self.refusals = RateLimitedLog(log)
+        self.shelf = Shelf(config.models, config.keep_alive)
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -186,7 +191,10 @@ class Daemon:
                         self._read_handshake(self.pending[sock])
                     elif key.data in self.idle:
                         self._pool_event(key.data)
+                    elif key.data in self.workers:
+                        self._worker_request(key.data)
                 self._expire_handshakes()
+                self.shelf.expire(time.monotonic())
                 self._reap()
         except KeyboardInterrupt:
             pass
@@ -219,6 +227,7 @@ class Daemon:
         for pid in list(self.workers):
             os.kill(pid, signal.SIGKILL)
         self._reap(block=True)
+        self.shelf.close()
 
     # ------------------------------------------------------------ handshake
     def _accept(self, listener: socket.socket) -> None:
@@ -342,15 +351,15 @@ class Daemon:
             try:  # a small message into an empty buffer: never blocks
                 socket.send_fds(w.sock, [bind], [p.sock.fileno()])
             except OSError:  # it died since: its exit is reaped like any child's
-                continue
-            finally:
                 w.sock.close()
+                continue
             how = "warm" if w.ready else "cold"
             self.served[how] += 1
             # the guest's socket stays open here only where the worker's cgroup can kill it:
             # then the daemon tells the guest why (see _reap)
             keep = session_cgroup(session, os.getpid()) is not None
-            self.workers[pid] = Worker(session, slot, p.peer, time.monotonic(), p.sock if keep else None)
+            self.workers[pid] = Worker(session, slot, p.peer, time.monotonic(), p.sock if keep else None, w.sock)
+            self.selector.register(w.sock, selectors.EVENT_READ, pid)  # its published model requests
             log.info("session %d start: peer %s, client %r (%s worker pid %d)", session, p.peer,
                      hello.client[:80], how, pid)  # %r: a guest's string never forges log lines
             break
@@ -376,8 +385,11 @@ class Daemon:
             _die_with_parent()
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             self.selector.close()
-            for sock in [*self.listeners, *self.pending, *(w.sock for w in self.idle.values()), ours]:
+            for sock in [*self.listeners, *self.pending, *(w.sock for w in self.idle.values()),
+                         *(w.pool for w in self.workers.values() if w.pool), ours]:
                 sock.close()
+            for fd in self.shelf.fds():  # a copy's pages must not outlive its users in this worker
+                os.close(fd)
             self._work(theirs)
         except BaseException:  # noqa: BLE001 - a worker must never return into the parent's loop
             log.exception("worker failed")
@@ -390,9 +402,14 @@ class Daemon:
         """A worker's life, in the forked process: initialise, wait for the session, serve it."""
         warm_up(self.config.device, self.config.executor)
         got = wait_for_bind(pool)
-        pool.close()
         if got is None:
             return
+        copies: dict[str, tuple[memoryview, bytes]] = {}
+
+        def published(name: str) -> tuple[memoryview, bytes]:
+            if name not in copies:
+                copies[name] = ask(pool, name, self.config.io_timeout)
+            return copies[name]
         bind, sock = got
         slot = bind.slot
 
@@ -403,7 +420,8 @@ class Daemon:
         cfg = SessionConfig(self.config.device, limits, self.config.max_arena, bind.session, bind.peer,
                             self.config.io_timeout, self.config.spin_us, self.config.executor,
                             self.config.max_compute_seconds, self.config.os_memory)
-        run_worker(Connection.over(sock, bind.peer, self.config.max_message), bind.hello, cfg, publish)
+        run_worker(Connection.over(sock, bind.peer, self.config.max_message), bind.hello, cfg, publish,
+                   published)
 
     # ------------------------------------------------------------ warm workers
     def _fill_pool(self) -> None:
@@ -435,6 +453,26 @@ class Daemon:
                     "; sessions will start cold" if self.pool_failures >= POOL_RETRIES else "")
         self._fill_pool()
 
+    def _worker_request(self, pid: int) -> None:
+        """A session's worker asks for a published model (or exited: its pool end closed)."""
+        w = self.workers[pid]
+        try:
+            data = w.pool.recv(REQUEST_MAX + 1)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if data == READY:  # a cold worker's, sent before it got its session
+            return
+        if not data or not self.shelf.answer(w.pool, w.session, data):
+            self._close_pool(w)
+
+    def _close_pool(self, w: Worker) -> None:
+        if w.pool is not None:
+            self.selector.unregister(w.pool)
+            w.pool.close()
+            w.pool = None
+
     def _drop_idle(self, pid: int) -> Idle:
         w = self.idle.pop(pid)
         self.selector.unregister(w.sock)
@@ -451,6 +489,8 @@ class Daemon:
             w = self.workers.pop(pid, None)
             if w is None:
                 continue
+            self._close_pool(w)
+            self.shelf.release(w.session, time.monotonic())
             killed = release_cgroup(w.session)
             if w.sock is not None:
                 if killed:  # the guest's last frame: one small Error into its socket, never blocks
@@ -479,7 +519,8 @@ class Daemon:
         ready = sum(w.ready for w in self.idle.values())
         return m.Status(PROTOCOL_VERSION, m.Device(dev, dev, "", 0, 0, ()), sessions,
                         self.config.max_sessions, self.config.max_memory, self.config.warm_workers,
-                        ready, self.served["warm"], self.served["cold"])
+                        ready, self.served["warm"], self.served["cold"], self.shelf.names(),
+                        self.shelf.resident_bytes(), self.shelf.loads)
 
 
 def run(config: HostConfig) -> None:

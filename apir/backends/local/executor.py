@@ -15,6 +15,7 @@ cached dequantized copies (faster on a CPU, several times the memory).
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Callable
 
 import numpy as np
@@ -91,6 +92,8 @@ class LocalBackend(Executor):
         self.cuda_graphs = config.cuda_graphs and self.torch_device.type == "cuda"
         self.compile = self.cuda_graphs and config.compile != "off"
         self.compile_prefill = config.compile == "all"
+        # a shared weights mapping is computed on in place on the CPU; a GPU copies it
+        self._lends = self.torch_device.type == "cpu"
         # told before a graph is compiled (tens of seconds); a host session tells its guest
         self.on_compile: Callable[[str], None] = lambda what: None
 
@@ -125,6 +128,13 @@ class LocalBackend(Executor):
     # ------------------------------------------------------------ storage
     def _alloc(self, size: int) -> torch.Tensor:
         return torch.zeros(size, dtype=torch.uint8, device=self.torch_device)
+
+    def _share(self, data: memoryview) -> torch.Tensor:
+        """A view of the read-only pages every session maps (a write would fault; the
+        executor refuses writes before that)."""
+        with warnings.catch_warnings():  # torch warns that the mapping is not writable
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.frombuffer(data, dtype=torch.uint8)
 
     def _fill(self, buf: Buffer, value: int) -> None:
         buf.storage.fill_(value)

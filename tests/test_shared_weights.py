@@ -1,0 +1,140 @@
+"""Published models (``apir host --model``): guests of one model share the host's one
+read-only copy of its weights, counted once; a guest cannot write it, cannot claim a model
+the host does not publish, and a worker's crash leaves the copy and the other sessions
+alone; the copy goes ``--keep-alive`` seconds after its last session."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import time
+
+import numpy as np
+import pytest
+from hosts import start_host
+from tiny_models import TinyConfig, write_tiny_gguf
+
+import apir
+from apir.backends.base import BackendError
+from apir.backends.remote import HostGoneError, RemoteBackend
+from apir.engine import SamplingParams
+from apir.graph import DType, GraphBuilder
+from apir.models.gguf_file import GGUFFile
+from apir.models.layout import layout_digest, weight_slots
+
+PROMPT = "Once upon a time"
+KEEP_ALIVE = 1.0  # seconds: long enough for back-to-back loads, short for the unload test
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> str:
+    return str(write_tiny_gguf(tmp_path_factory.mktemp("tiny") / "tiny.gguf", TinyConfig(context_length=256), seed=7))
+
+
+@pytest.fixture(scope="module")
+def layout(tiny) -> tuple[bytes, int]:
+    slots, size = weight_slots(GGUFFile(tiny).tensors.values())
+    return layout_digest(slots), size
+
+
+@pytest.fixture(scope="module")
+def host(tmp_path_factory, tiny):
+    h = start_host(tmp_path_factory.mktemp("shared"), "--model", tiny, "--keep-alive", str(KEEP_ALIVE))
+    yield h
+    h.stop()
+
+
+@pytest.fixture(scope="module")
+def expected(tiny) -> list[int]:
+    with apir.load(tiny, backend="local", device="cpu") as local:
+        return _ids(local)
+
+
+def _ids(model) -> list[int]:
+    return list(model.generate_ids(model.tokenize(PROMPT), SamplingParams(temperature=0, max_tokens=12)))
+
+
+def until(host, cond, what: str, timeout: float = 60.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        st = host.status()
+        if cond(st):
+            return st
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not reached; status {st}")
+        time.sleep(0.02)
+
+
+def _allocated(host, model) -> int:
+    return next(s.allocated for s in host.status().sessions if s.session == model.backend.session)
+
+
+def test_sessions_share_one_copy_uploaded_by_nobody(host, tiny, layout, expected, tmp_path):
+    until(host, lambda st: not st.sessions and not st.shared_bytes, "an idle host")
+    loads = host.status().shared_loads
+    own = shutil.copy(tiny, tmp_path / "unpublished.gguf")  # same tensors, a name not published
+    with apir.load(tiny, backend="remote", remote=host.unix) as first, \
+            apir.load(tiny, backend="remote", remote=host.unix) as second, \
+            apir.load(own, backend="remote", remote=host.unix) as uploader:
+        assert _ids(first) == _ids(second) == _ids(uploader) == expected
+        st = host.status()
+        assert st.published == ("tiny",)
+        assert st.shared_loads == loads + 1  # read from disk once, for both sessions
+        assert st.shared_bytes == layout[1]  # counted once, beside the sessions
+        # a sharing session holds what the uploader holds but its weights
+        assert _allocated(host, uploader) - _allocated(host, first) == layout[1]
+        assert _allocated(host, first) == _allocated(host, second)
+    # after the last session, the copy stays keep-alive seconds, then goes
+    st = until(host, lambda st: not st.sessions, "sessions ended")
+    until(host, lambda st: st.shared_bytes == 0, "the copy unloaded after --keep-alive")
+    with apir.load(tiny, backend="remote", remote=host.unix) as again:
+        assert _ids(again) == expected
+        assert host.status().shared_loads == loads + 2  # loaded anew
+
+
+def test_a_model_not_published_is_refused_clearly(host, layout):
+    with RemoteBackend(host.unix) as b:
+        with pytest.raises(BackendError, match=r"publishes no model named 'secret' \(published: tiny\)"):
+            b.open_published("secret", *layout)
+        with pytest.raises(BackendError, match="not laid out as this guest's file"):
+            b.open_published("tiny", b"\0" * 32, layout[1])
+        with pytest.raises(BackendError, match="not a model name"):
+            b.open_published("../etc/passwd", *layout)
+
+
+def test_shared_weights_are_read_only(host, layout):
+    with RemoteBackend(host.unix) as b:
+        handle = b.open_published("tiny", *layout)
+        before = b.get_tensor(handle, 0, 64)
+        own = b.alloc_buffer(64)
+        for write in (lambda: b.set_tensor(handle, 0, np.ones(16, np.float32)),
+                      lambda: b.clear_buffer(handle, 7),
+                      lambda: b.copy_tensor(own, 0, handle, 0, 64)):
+            write()
+            with pytest.raises(BackendError, match=f"buffer {handle} holds a published model's shared weights"):
+                b.synchronize()
+        g = GraphBuilder()  # a KV-style write into the weights: their leaf as a STATE
+        state = g.state(handle, 0, (4, 4), DType.F32)
+        rows = g.input("rows", (1, 4), DType.F32)
+        with pytest.raises(BackendError, match="holds shared weights, which are read-only"):
+            b.register_graph(g.build(g.set_rows(state, rows, g.input("ids", (1,), DType.I32))))
+        assert b.get_tensor(handle, 0, 64) == before
+        b.free_buffer(handle)  # drops this session's use only
+        b.synchronize()
+    with RemoteBackend(host.unix) as other:
+        assert other.get_tensor(other.open_published("tiny", *layout), 0, 64) == before
+
+
+def test_a_killed_worker_leaves_the_copy_and_other_sessions(host, tiny, expected):
+    with apir.load(tiny, backend="remote", remote=host.unix) as bystander, \
+            apir.load(tiny, backend="remote", remote=host.unix) as victim:
+        assert _ids(victim) == expected
+        pid = next(s.pid for s in host.status().sessions if s.session == victim.backend.session)
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(HostGoneError):
+            _ids(victim)
+        until(host, lambda st: len(st.sessions) == 1, "the killed session reaped")
+        assert _ids(bystander) == expected
+        assert host.status().shared_bytes > 0
+    assert host.proc.poll() is None
