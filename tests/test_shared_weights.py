@@ -19,7 +19,9 @@ import apir
 from apir.backends.base import BackendError
 from apir.backends.remote import HostGoneError, RemoteBackend
 from apir.engine import SamplingParams
+from apir.errors import ApirError
 from apir.graph import DType, GraphBuilder
+from apir.host.published import PublishedModel, Shelf
 from apir.models.gguf_file import GGUFFile
 from apir.models.layout import layout_digest, weight_slots
 
@@ -138,3 +140,23 @@ def test_a_killed_worker_leaves_the_copy_and_other_sessions(host, tiny, expected
         assert _ids(bystander) == expected
         assert host.status().shared_bytes > 0
     assert host.proc.poll() is None
+
+
+def test_keep_alive_negative_loads_at_start_and_keeps(tiny, layout):
+    shelf = Shelf((PublishedModel.parse(tiny),), keep_alive=-1)
+    try:
+        assert shelf.loads == 1 and shelf.resident_bytes() == layout[1]  # before any guest
+        assert shelf.acquire("tiny", 1).digest == layout[0]
+        shelf.release(1, now=0.0)
+        shelf.expire(now=1e12)
+        assert shelf.resident_bytes() == layout[1] and shelf.loads == 1
+    finally:
+        shelf.close()
+
+
+def test_published_model_flags_are_checked(tiny):
+    assert PublishedModel.parse(f"small={tiny}").name == "small"
+    with pytest.raises(ApirError, match="a model's name is"):
+        PublishedModel.parse(f"../x={tiny}")
+    with pytest.raises(ApirError, match="no file"):
+        PublishedModel.parse("small=/nonexistent/model.gguf")

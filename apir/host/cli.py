@@ -7,6 +7,7 @@ import grp
 import json
 import os
 import re
+from dataclasses import replace
 
 from .. import env
 from ..backends.base import ExecutorConfig
@@ -59,7 +60,8 @@ def cmd_host(args: argparse.Namespace) -> int:
         listen=tuple(parse_address(u) for u in listen), device=args.device, token=token,
         max_memory=max_memory, max_compute_seconds=args.max_compute_seconds,
         max_sessions=args.max_sessions, group=group, spin_us=env.spin_us(),
-        executor=ExecutorConfig.from_env(),
+        executor=replace(ExecutorConfig.from_env(), **({"compile_cache": args.compile_cache}
+                                                       if args.compile_cache else {})),
         warm_workers=int(gpu_host(args.device)) if args.warm_workers is None else args.warm_workers,
         models=tuple(PublishedModel.parse(spec) for spec in args.model or ()), keep_alive=args.keep_alive,
         **{k: v for k, v in limits.items() if v is not None},
@@ -192,6 +194,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "(default 300, as Ollama's keep_alive); negative: loaded at start and "
                         "kept, so no guest can tell from its start-up time whether another "
                         "guest uses it")
+    p.add_argument("--compile-cache", metavar="DIR",
+                   help="where compiled decode steps are kept (one subdirectory per torch and apir "
+                        "version, mode 0700), so a later session of the same model and device "
+                        "loads them instead of compiling again (default: $APIR_COMPILE_CACHE, "
+                        "else ~/.cache/apir/compile)")
     p.add_argument("--group", help="make the unix socket usable by this group (mode 0660)")
     add_threads(p, "each session's worker computes with")
     p.set_defaults(func=cmd_host)
