@@ -8,11 +8,11 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import time
 
 import numpy as np
 import pytest
 from hosts import start_host
+from test_warm import PROMPT, _ids, until  # the same prompt and waits
 from tiny_models import TinyConfig, write_tiny_gguf
 
 import apir
@@ -25,7 +25,6 @@ from apir.host.published import PublishedModel, Shelf
 from apir.models.gguf_file import GGUFFile
 from apir.models.layout import layout_digest, weight_slots
 
-PROMPT = "Once upon a time"
 KEEP_ALIVE = 1.0  # seconds: long enough for back-to-back loads, short for the unload test
 
 
@@ -51,21 +50,6 @@ def host(tmp_path_factory, tiny):
 def expected(tiny) -> list[int]:
     with apir.load(tiny, backend="local", device="cpu") as local:
         return _ids(local)
-
-
-def _ids(model) -> list[int]:
-    return list(model.generate_ids(model.tokenize(PROMPT), SamplingParams(temperature=0, max_tokens=12)))
-
-
-def until(host, cond, what: str, timeout: float = 60.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        st = host.status()
-        if cond(st):
-            return st
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not reached; status {st}")
-        time.sleep(0.02)
 
 
 def _allocated(host, model) -> int:
@@ -129,16 +113,19 @@ def test_shared_weights_are_read_only(host, layout):
 
 
 def test_a_killed_worker_leaves_the_copy_and_other_sessions(host, tiny, expected):
+    """The victim is killed while the bystander's decode is half done, on the same copy."""
     with apir.load(tiny, backend="remote", remote=host.unix) as bystander, \
             apir.load(tiny, backend="remote", remote=host.unix) as victim:
-        assert _ids(victim) == expected
-        pid = next(s.pid for s in host.status().sessions if s.session == victim.backend.session)
-        os.kill(pid, signal.SIGKILL)
+        steps = bystander.generate_ids(bystander.tokenize(PROMPT), SamplingParams(temperature=0, max_tokens=12))
+        first = [next(steps) for _ in range(6)]
+        workers = {s.session: s.pid for s in host.status().sessions}
+        os.kill(workers[victim.backend.session], signal.SIGKILL)
         with pytest.raises(HostGoneError):
             _ids(victim)
-        until(host, lambda st: len(st.sessions) == 1, "the killed session reaped")
-        assert _ids(bystander) == expected
-        assert host.status().shared_bytes > 0
+        st = until(host, lambda st: [s.session for s in st.sessions] == [bystander.backend.session],
+                   "only the bystander's session left")
+        assert st.shared_bytes > 0  # the copy outlives the worker that mapped it
+        assert first + list(steps) == expected
     assert host.proc.poll() is None
 
 
