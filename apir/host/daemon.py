@@ -464,8 +464,12 @@ class Daemon:
             data = b""
         if data == READY:  # a cold worker's, sent before it got its session
             return
+        t0 = time.monotonic()
         if not data or not self.shelf.answer(w.pool, w.session, data):
             self._close_pool(w)
+        busy = time.monotonic() - t0  # reading a model from disk: seconds the daemon was away,
+        for p in self.pending.values():  # which no guest's handshake deadline may pay for
+            p.deadline += busy
 
     def _close_pool(self, w: Worker) -> None:
         if w.pool is not None:
