@@ -147,3 +147,21 @@ def test_published_model_flags_are_checked(tiny):
         PublishedModel.parse(f"../x={tiny}")
     with pytest.raises(ApirError, match="no file"):
         PublishedModel.parse("small=/nonexistent/model.gguf")
+
+
+@pytest.mark.parametrize("lends", [True, False], ids=["in-place", "device-copy"])
+def test_an_adopted_buffer_is_read_only_and_charged_only_when_copied(lends):
+    """In place (a CPU) the mapping is computed on and charged to nobody; a device that
+    needs its own copy (a GPU: ``_lends`` False) charges it like an upload."""
+    from apir.backends.local import LocalBackend
+
+    data = memoryview(bytes(range(256)) * (3 << 15))  # 24 MiB: more than one copy piece
+    with LocalBackend("cpu") as b:
+        b._lends = lends
+        b.adopt_buffer(5, data)
+        assert b.allocated_bytes() == (0 if lends else len(data))
+        assert b.get_tensor(5, len(data) - 256, 256) == bytes(range(256))
+        with pytest.raises(BackendError, match="read-only"):
+            b.set_tensor(5, 0, b"\0")
+        b.free_buffer(5)
+        assert b.allocated_bytes() == 0

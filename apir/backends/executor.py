@@ -31,6 +31,7 @@ from .base import (
 )
 
 FEED_MAX_BYTES = 64 << 10  # outputs kept on the device for feeding (tokens, not logits)
+ADOPT_CHUNK = 8 << 20  # a shared mapping is copied to a device in pieces of this size
 
 
 @dataclass
@@ -131,8 +132,10 @@ class Executor(Backend):
                                            read_only=True, lent=True)
         else:
             handle = self.alloc_buffer(len(data), BufferPurpose.WEIGHTS, handle)
-            self._write(self._buffers[handle], 0, np.frombuffer(data, np.uint8))
-            self._buffers[handle].read_only = True
+            buf = self._buffers[handle]
+            for start in range(0, len(data), ADOPT_CHUNK):  # a read-only piece is copied once more
+                self._write(buf, start, np.frombuffer(data[start : start + ADOPT_CHUNK], np.uint8))
+            buf.read_only = True
 
     def free_buffer(self, handle: int) -> None:
         buf = self._buffer(handle)
