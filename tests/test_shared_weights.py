@@ -21,9 +21,11 @@ from apir.backends.remote import HostGoneError, RemoteBackend
 from apir.engine import SamplingParams
 from apir.errors import ApirError
 from apir.graph import DType, GraphBuilder
+from apir.host.daemon import HostConfig
 from apir.host.published import PublishedModel, Shelf
 from apir.models.gguf_file import GGUFFile
 from apir.models.layout import layout_digest, weight_slots
+from apir.transport import parse_address
 
 KEEP_ALIVE = 1.0  # seconds: long enough for back-to-back loads, short for the unload test
 
@@ -141,8 +143,16 @@ def test_keep_alive_negative_loads_at_start_and_keeps(tiny, layout):
         shelf.close()
 
 
-def test_published_model_flags_are_checked(tiny):
-    assert PublishedModel.parse(f"small={tiny}").name == "small"
+def test_published_model_flags_are_checked(tiny, layout):
+    named = PublishedModel.parse(f"small={tiny}")
+    assert named.name == "small"
+    shelf = Shelf((named,), keep_alive=0)
+    try:  # asked for by its file's name, as a guest's engine asks, it is the same copy
+        assert shelf.acquire("tiny", 1) is shelf.acquire("small", 2) and shelf.loads == 1
+    finally:
+        shelf.close()
+    with pytest.raises(ApirError, match="two models are published as 'small'"):
+        HostConfig((parse_address("unix:///tmp/x.sock"),), models=(named, named))
     with pytest.raises(ApirError, match="a model's name is"):
         PublishedModel.parse(f"../x={tiny}")
     with pytest.raises(ApirError, match="no file"):

@@ -186,9 +186,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "a fork of the daemon and an idle worker would only hold memory (max 8)")
     p.add_argument("--model", action="append", metavar="NAME=PATH",
                    help="publish a GGUF model: the host loads its weights itself, once, and every "
-                        "guest whose own GGUF file is named NAME.gguf (and has the same tensors) "
-                        "uses that read-only copy instead of uploading its own; a PATH alone is "
-                        "published under its file name less .gguf; repeatable")
+                        "guest whose own GGUF file has PATH's name, or NAME.gguf, and the same "
+                        "tensors uses that read-only copy instead of uploading its own; a PATH "
+                        "alone is published as its file name less .gguf; repeatable")
     p.add_argument("--keep-alive", type=float, default=KEEP_ALIVE, metavar="S",
                    help="seconds a published model stays loaded after its last session ends "
                         "(default 300, as Ollama's keep_alive); negative: loaded at start and "

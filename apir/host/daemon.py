@@ -97,6 +97,9 @@ class HostConfig:
         if not 0 <= self.warm_workers <= min(MAX_WARM, self.max_sessions):
             raise ApirError(f"--warm-workers must be in 0..{min(MAX_WARM, self.max_sessions)} "
                             "(at most 8, and at most --max-sessions)")
+        names = [p.name for p in self.models]
+        if len(set(names)) < len(names):
+            raise ApirError(f"--model: two models are published as {next(n for n in names if names.count(n) > 1)!r}")
         if self.max_compute_seconds < 0 or self.os_memory < 0:
             raise ApirError("--max-compute-seconds must not be negative")
 

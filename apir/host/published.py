@@ -52,8 +52,8 @@ class PublishedModel:
 
     @staticmethod
     def parse(spec: str) -> PublishedModel:
-        """``NAME=PATH``, or a GGUF ``PATH`` whose file name (less ``.gguf``) is the name: the
-        name a guest's engine asks for is its own GGUF's file name."""
+        """``NAME=PATH``, or a GGUF ``PATH`` whose file name (less ``.gguf``) is the name. A
+        guest's engine asks for its own GGUF's file name, which ``PATH``'s also answers to."""
         name, sep, path = spec.partition("=")
         if not sep:
             name, path = Path(spec).stem, spec
@@ -101,6 +101,8 @@ class Shelf:
 
     def __init__(self, models: tuple[PublishedModel, ...], keep_alive: float) -> None:
         self.models = {p.name: p for p in models}
+        # a guest's engine asks by its file's name: NAME=PATH answers to PATH's file name too
+        self.aliases = {**{p.path.stem: p.name for p in models}, **{n: n for n in self.models}}
         self.keep_alive = keep_alive  # negative: loaded at start, kept for the daemon's life
         self.copies: dict[str, SharedCopy] = {}
         self.loads = 0  # copies read from disk
@@ -119,6 +121,7 @@ class Shelf:
 
     def acquire(self, name: str, session: int) -> SharedCopy:
         """Model ``name``'s copy, loaded if it is not resident, now used by ``session``."""
+        name = self.aliases.get(name, name)
         if name not in self.models:
             listed = ", ".join(self.names()) or "none"
             raise BackendError(f"the host publishes no model named {name[:NAME_MAX]!r} (published: {listed}); "
