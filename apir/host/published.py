@@ -11,6 +11,13 @@ crashes unmaps its view and nothing else; the pages live while the daemon or any
 holds the fd or a mapping. The daemon counts which sessions use which copy and closes
 its fd ``keep_alive`` seconds after the last one ended.
 
+On a CPU the sessions compute on the mapping itself: one copy in memory however many
+sessions use it. A GPU session copies the mapping to its device (no upload from the
+guest, but a device copy per session): CUDA memory cannot be made before the fork (CUDA
+does not survive one), and a copy one process exports to the others by CUDA IPC must be
+held by a process that runs no session, whose crash would otherwise take the copy, and
+every session's graphs, with it; that holder is not built yet.
+
 The daemon and a worker speak over the worker's socketpair (SOCK_SEQPACKET):
 
     worker -> daemon   b"want\\0" + name (UTF-8, at most NAME_MAX bytes)
