@@ -11,6 +11,7 @@ directory, as for a new worker process (one process saves two torch imports)."""
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -37,6 +38,7 @@ def _session(tiny: str, config: ExecutorConfig, device: str = "cpu") -> tuple[li
     return ids, {k: counters["inductor"][k] - before.get(k, 0) for k in ("fxgraph_cache_hit", "fxgraph_cache_miss")}
 
 
+@pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++")), reason="Inductor on a CPU needs a C++ compiler")
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # torch, on the torn entry
 def test_a_second_session_loads_its_compiled_step_and_a_corrupt_one_is_rebuilt(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "unused"))  # restored after the test
