@@ -18,6 +18,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from .backends.base import DEFAULT_COMPILE_CACHE
 from .errors import ApirError
 from .models.resolve import DEFAULT_CACHE_DIR
 
@@ -125,7 +126,7 @@ COMPILE = EnvVar(
     "and sampling mode, which apir serve does before it reports ready)",
 )
 COMPILE_CACHE = EnvVar(
-    "APIR_COMPILE_CACHE", str(Path.home() / ".cache" / "apir" / "compile"),
+    "APIR_COMPILE_CACHE", DEFAULT_COMPILE_CACHE,
     "host: the directory compiled programs are kept in, so a later session or process "
     "loads them instead of compiling again (apir host --compile-cache wins)",
 )

@@ -14,6 +14,7 @@ import platform
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -54,6 +55,7 @@ class Limits:
 NO_LIMITS = Limits()
 
 COMPILE_MODES = ("off", "decode", "all")
+DEFAULT_COMPILE_CACHE = str(Path.home() / ".cache" / "apir" / "compile")
 
 
 @dataclass(frozen=True)
@@ -77,7 +79,7 @@ class ExecutorConfig:
     compile_cpu: bool = False
     # where compiled programs outlive the session and the process (Inductor's on-disk
     # caches, in a subdirectory per torch and apir version); "": torch's own default
-    compile_cache: str = ""
+    compile_cache: str = DEFAULT_COMPILE_CACHE
 
     def __post_init__(self) -> None:
         if self.compile not in COMPILE_MODES:
