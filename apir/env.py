@@ -18,7 +18,6 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from .backends.base import DEFAULT_COMPILE_CACHE
 from .errors import ApirError
 from .models.resolve import DEFAULT_CACHE_DIR
 
@@ -126,9 +125,10 @@ COMPILE = EnvVar(
     "and sampling mode, which apir serve does before it reports ready)",
 )
 COMPILE_CACHE = EnvVar(
-    "APIR_COMPILE_CACHE", DEFAULT_COMPILE_CACHE,
+    "APIR_COMPILE_CACHE", None,
     "host: the directory compiled programs are kept in, so a later session or process "
-    "loads them instead of compiling again (apir host --compile-cache wins)",
+    "loads them instead of compiling again (default ~/.cache/apir/compile; apir host "
+    "--compile-cache wins)",
 )
 DEQUANT_CACHE = EnvVar(
     "APIR_DEQUANT_CACHE", None,

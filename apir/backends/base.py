@@ -14,7 +14,6 @@ import platform
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
@@ -55,7 +54,6 @@ class Limits:
 NO_LIMITS = Limits()
 
 COMPILE_MODES = ("off", "decode", "all")
-DEFAULT_COMPILE_CACHE = str(Path.home() / ".cache" / "apir" / "compile")
 
 
 @dataclass(frozen=True)
@@ -78,8 +76,8 @@ class ExecutorConfig:
     # Inductor's C++ build of a model's step takes minutes on a small CPU host
     compile_cpu: bool = False
     # where compiled programs outlive the session and the process (Inductor's on-disk
-    # caches, in a subdirectory per torch and apir version); "": torch's own default
-    compile_cache: str = DEFAULT_COMPILE_CACHE
+    # caches, in a subdirectory per torch and apir version); "": ~/.cache/apir/compile
+    compile_cache: str = ""
 
     def __post_init__(self) -> None:
         if self.compile not in COMPILE_MODES:
@@ -94,7 +92,7 @@ class ExecutorConfig:
         mode = env.COMPILE.get() or "1"
         cache = env.DEQUANT_CACHE.get()
         return cls(env.CUDA_GRAPHS.get() != "0", {"0": "off", "all": "all"}.get(mode, "decode"),
-                   None if cache is None else cache == "1", compile_cache=env.COMPILE_CACHE.get())
+                   None if cache is None else cache == "1", compile_cache=env.COMPILE_CACHE.get() or "")
 
 
 DEFAULT_EXECUTOR = ExecutorConfig()

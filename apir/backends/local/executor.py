@@ -94,8 +94,8 @@ class LocalBackend(Executor):
         self.cuda_graphs = config.cuda_graphs and self.torch_device.type == "cuda"
         self.compile = config.compile != "off" and (self.cuda_graphs or config.compile_cpu and
                                                     self.torch_device.type == "cpu")
-        if self.compile and config.compile_cache:
-            use_compile_cache(config.compile_cache)
+        if self.compile:
+            use_compile_cache(config.compile_cache or DEFAULT_COMPILE_CACHE)
         self.compile_prefill = config.compile == "all"
         # a shared weights mapping is computed on in place on the CPU; a GPU copies it
         self._lends = self.torch_device.type == "cpu"
@@ -360,6 +360,9 @@ class LocalBackend(Executor):
             step = step or CapturedStep(run, inputs, dtypes, self.torch_device, versions)
             prog.captured[key] = step
         return step(inputs)
+
+
+DEFAULT_COMPILE_CACHE = "~/.cache/apir/compile"
 
 
 def use_compile_cache(directory: str) -> None:
