@@ -124,6 +124,12 @@ COMPILE = EnvVar(
     "all = prefill chunks too: ~1.5x faster prefill on an H200, a compile per chunk length "
     "and sampling mode, which apir serve does before it reports ready)",
 )
+COMPILE_CACHE = EnvVar(
+    "APIR_COMPILE_CACHE", None,
+    "host: the directory compiled programs are kept in, so a later session or process "
+    "loads them instead of compiling again (default ~/.cache/apir/compile; apir host "
+    "--compile-cache wins)",
+)
 DEQUANT_CACHE = EnvVar(
     "APIR_DEQUANT_CACHE", None,
     "host: 1 = keep dequantized copies of quantized and F16 weights (faster, several times "
@@ -165,7 +171,8 @@ CONFIG = EnvVar(
 
 ALL = (
     CONFIG, MODEL, BACKEND, DEVICE, CTX_SIZE, THREADS, REMOTE, TOKEN, TOKEN_FILE, HOST_LISTEN, API_KEY,
-    CACHE_DIR, HF_ENDPOINT, HF_TOKEN, BENCH_HISTORY, CUDA_GRAPHS, COMPILE, DEQUANT_CACHE, SPIN_US,
+    CACHE_DIR, HF_ENDPOINT, HF_TOKEN, BENCH_HISTORY, CUDA_GRAPHS, COMPILE, COMPILE_CACHE, DEQUANT_CACHE,
+    SPIN_US,
 )
 
 _cached: tuple[tuple, dict[str, str]] = ((), {})  # (path, mtime, size) -> parsed values

@@ -72,6 +72,12 @@ class ExecutorConfig:
     # GPU, where the fused kernels read the blocks (and a session's memory cap holds a model
     # only as stored: an 8B Q4 dequantized is ~18 GB)
     dequant_cache: bool | None = None
+    # compile decode steps on a CPU device too (no CUDA graph there); off by default:
+    # Inductor's C++ build of a model's step takes minutes on a small CPU host
+    compile_cpu: bool = False
+    # where compiled programs outlive the session and the process (Inductor's on-disk
+    # caches, in a subdirectory per torch and apir version); "": ~/.cache/apir/compile
+    compile_cache: str = ""
 
     def __post_init__(self) -> None:
         if self.compile not in COMPILE_MODES:
@@ -86,7 +92,7 @@ class ExecutorConfig:
         mode = env.COMPILE.get() or "1"
         cache = env.DEQUANT_CACHE.get()
         return cls(env.CUDA_GRAPHS.get() != "0", {"0": "off", "all": "all"}.get(mode, "decode"),
-                   None if cache is None else cache == "1")
+                   None if cache is None else cache == "1", compile_cache=env.COMPILE_CACHE.get() or "")
 
 
 DEFAULT_EXECUTOR = ExecutorConfig()
@@ -196,6 +202,13 @@ class Backend(ABC):
             return Pending(self.compute(gid, inputs, feed))
         except ApirError as e:
             return Pending(error=e)
+
+    def open_published(self, name: str, layout: bytes, size: int) -> int | None:
+        """A buffer handle on the host's read-only copy of published model ``name``'s
+        weights, laid out as ``layout`` says (``apir.models.layout``) in ``size`` bytes;
+        None where this backend shares no weights; a remote one raises BackendError where
+        its host refuses (no such model published, or laid out otherwise)."""
+        return None
 
     @abstractmethod
     def synchronize(self) -> None:

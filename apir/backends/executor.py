@@ -30,6 +30,7 @@ from .base import (
     QuotaError,
 )
 
+ADOPT_CHUNK = 8 << 20  # a shared mapping is copied to a device in pieces of this size
 
 @dataclass
 class Buffer:
@@ -37,6 +38,8 @@ class Buffer:
     purpose: BufferPurpose
     storage: object  # executor-specific: bytearray, torch.Tensor, ...
     version: int = 0  # bumped on every write, so cached derived forms know to refresh
+    read_only: bool = False  # a published model's weights (see adopt_buffer)
+    lent: bool = False  # bytes the host holds once for every session: not charged to this one
 
 
 @dataclass
@@ -63,6 +66,7 @@ class Executor(Backend):
         self._graphs: dict[int, Registered] = {}
         self._ids = itertools.count(1)
         self.closed = False
+        self._lends = True  # computes on a shared mapping in place (see adopt_buffer)
         # executor forms of WEIGHT leaves (dequantized, or several concatenated), keyed by
         # the leaves' (handle, offset, dtype, shape): (their buffers' versions, the form)
         self._weights: dict[tuple, tuple[tuple[int, ...], object]] = {}
@@ -113,14 +117,40 @@ class Executor(Backend):
             raise BackendError(f"handle {handle} is already in use")
         return handle
 
+    def adopt_buffer(self, handle: int, data: memoryview) -> None:
+        """Give ``handle`` to ``data``, a published model's weights shared by every session
+        that uses it (a read-only mapping): writes and STATE leaves on it are refused. An
+        executor that computes on the mapping itself charges this session nothing (the host
+        counts it once) and freeing it only forgets it; one that needs its own copy of it
+        (a GPU's) makes and charges it like an upload."""
+        self._check_open()
+        if self._lends:
+            handle = self._new_handle(handle, self._buffers)
+            self._buffers[handle] = Buffer(len(data), BufferPurpose.WEIGHTS, self._share(data),
+                                           read_only=True, lent=True)
+        else:
+            handle = self.alloc_buffer(len(data), BufferPurpose.WEIGHTS, handle)
+            buf = self._buffers[handle]
+            for start in range(0, len(data), ADOPT_CHUNK):  # a read-only piece is copied once more
+                self._write(buf, start, np.frombuffer(data[start : start + ADOPT_CHUNK], np.uint8))
+            buf.read_only = True
+
     def free_buffer(self, handle: int) -> None:
         buf = self._buffer(handle)
         del self._buffers[handle]
-        self.ledger.free_buffer(handle, buf.size)
+        if not buf.lent:
+            self.ledger.free_buffer(handle, buf.size)
         self._release(buf)
 
-    def clear_buffer(self, handle: int, value: int = 0) -> None:
+    def _writable(self, handle: int) -> Buffer:
         buf = self._buffer(handle)
+        if buf.read_only:
+            raise BackendError(f"buffer {handle} holds a published model's shared weights, which "
+                               "are read-only")
+        return buf
+
+    def clear_buffer(self, handle: int, value: int = 0) -> None:
+        buf = self._writable(handle)
         if not 0 <= value <= 255:
             raise BackendError(f"clear value must be a byte, got {value}")
         self._fill(buf, value)
@@ -144,7 +174,7 @@ class Executor(Backend):
     def set_tensor(self, handle: int, offset: int, data: bytes | memoryview | np.ndarray) -> None:
         view = memoryview(data).cast("B") if not isinstance(data, np.ndarray) else None
         raw = np.frombuffer(view, np.uint8) if view is not None else data.reshape(-1).view(np.uint8)
-        buf = self._buffer(handle)
+        buf = self._writable(handle)
         self._check_range(handle, buf, offset, raw.nbytes)
         self._write(buf, offset, raw)
         buf.version += 1
@@ -176,6 +206,9 @@ class Executor(Backend):
                 if offset % ALIGNMENT:
                     raise BackendError(f"{what}: offset {offset} is not {ALIGNMENT}-byte aligned")
                 self._check_range(handle, self._buffers[handle], offset, node.dtype.nbytes(node.shape))
+                if node.op is Op.STATE and self._buffers[handle].read_only:
+                    raise BackendError(f"{what}: buffer {handle} holds shared weights, which are "
+                                       "read-only; state lives in a buffer of the session's own")
                 used[handle] = self._buffers[handle]
         gid = self._new_handle(gid, self._graphs)
         charge = self.ledger.graph_charge(graph)
@@ -352,6 +385,10 @@ class Executor(Backend):
             cached = self._weights[key] = (versions, make())
             self.ledger.add_form(key, size)
         return cached[1]
+
+    def _share(self, data: memoryview) -> object:
+        """A lent buffer's storage (see adopt_buffer): ``data`` itself, as the executor reads it."""
+        return data
 
     @abstractmethod
     def _fill(self, buf: Buffer, value: int) -> None: ...

@@ -344,6 +344,13 @@ class RemoteBackend(Backend):
         self._layouts[gid] = StepLayout.of(graph)
         return gid
 
+    def open_published(self, name: str, layout: bytes, size: int) -> int:
+        """The host's copy of published model ``name``; a BackendError says why not (the
+        host publishes no such model, or lays it out otherwise than this guest's file)."""
+        handle = next(self._ids)
+        self._call(m.OpenPublished(handle, name, layout, size))
+        return handle
+
     def free_graph(self, gid: int) -> None:
         self._layouts.pop(gid, None)
         self._post(m.FreeGraph(gid))

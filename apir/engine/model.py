@@ -23,14 +23,15 @@ from typing import Protocol
 import numpy as np
 
 from ..backends import Backend, BufferPurpose
-from ..backends.base import ALIGNMENT
+from ..backends.base import ALIGNMENT, BackendError
 from ..errors import ApirError
 from ..graph import DType, Graph, GraphBuilder, Op, SampleArgs, T
 from ..graph.sampling import GREEDY, PARAMS_SIZE
 from ..models.gguf_file import GGUFFile
+from ..models.layout import layout_digest, weight_slots
 from ..models.registry import architecture
 from ..models.tokenizer import Tokenizer
-from ..models.weights import KVCache, KVLayout, TensorSlot, Weights, WeightTable
+from ..models.weights import KVCache, KVLayout, Weights, WeightTable
 
 DEFAULT_CTX = 4096  # like llama.cpp: a model's full context is opt-in (it sizes the KV cache)
 PREFILL_CHUNK = 512  # llama.cpp's default micro-batch
@@ -149,10 +150,14 @@ class Model:
 
     # ------------------------------------------------------------ setup
     def _upload_weights(self, progress: Progress | None) -> WeightTable:
-        slots, offset = {}, 0
-        for t in self.file.tensors.values():
-            slots[t.name] = TensorSlot(offset, t.dtype, t.shape)
-            offset += -(-t.data.nbytes // ALIGNMENT) * ALIGNMENT
+        slots, offset = weight_slots(self.file.tensors.values())
+        # a host that publishes this model (by the file's name) lends its copy: no upload
+        try:
+            shared = self.backend.open_published(self.file.path.stem, layout_digest(slots), offset)
+        except BackendError:  # not published there, or another layout: upload our own
+            shared = None
+        if shared is not None:
+            return WeightTable(shared, slots)
         buffer = self.backend.alloc_buffer(offset, BufferPurpose.WEIGHTS)
         done = 0
         for t in self.file.tensors.values():

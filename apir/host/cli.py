@@ -7,12 +7,14 @@ import grp
 import json
 import os
 import re
+from dataclasses import replace
 
 from .. import env
 from ..backends.base import ExecutorConfig
 from ..errors import ApirError
 from ..flags import add_threads, eprint, set_threads
 from ..transport import default_socket_path, parse_address
+from .published import KEEP_ALIVE
 
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
@@ -27,6 +29,7 @@ def parse_size(text: str) -> int:
 
 def cmd_host(args: argparse.Namespace) -> int:
     from .daemon import HostConfig, gpu_host, run
+    from .published import PublishedModel
 
     if args.action == "status":
         return cmd_status(args)
@@ -57,8 +60,10 @@ def cmd_host(args: argparse.Namespace) -> int:
         listen=tuple(parse_address(u) for u in listen), device=args.device, token=token,
         max_memory=max_memory, max_compute_seconds=args.max_compute_seconds,
         max_sessions=args.max_sessions, group=group, spin_us=env.spin_us(),
-        executor=ExecutorConfig.from_env(),
+        executor=replace(ExecutorConfig.from_env(), **({"compile_cache": args.compile_cache}
+                                                       if args.compile_cache else {})),
         warm_workers=int(gpu_host(args.device)) if args.warm_workers is None else args.warm_workers,
+        models=tuple(PublishedModel.parse(spec) for spec in args.model or ()), keep_alive=args.keep_alive,
         **{k: v for k, v in limits.items() if v is not None},
     )
     why = _device_missing(config.device) if config.device in ("cuda", "mps") else None
@@ -137,7 +142,9 @@ def cmd_status(args: argparse.Namespace) -> int:
     pool = {"size": st.warm_workers, "ready": st.idle_ready, "served_warm": st.served_warm,
             "served_cold": st.served_cold}
     print(json.dumps({"version": st.version, "device": st.device.name, "max_sessions": st.max_sessions,
-                      "max_memory": st.max_memory, "sessions": sessions, "warm_workers": pool}, indent=2))
+                      "max_memory": st.max_memory, "sessions": sessions, "warm_workers": pool,
+                      "published": {"models": list(st.published), "resident_bytes": st.shared_bytes,
+                                    "loads": st.shared_loads}}, indent=2))
     return 0
 
 
@@ -177,6 +184,21 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "at once instead of after torch's CUDA setup (~5 s); each holds a device "
                         "context. Default 1 on a GPU host, 0 on a CPU one, where a cold start is "
                         "a fork of the daemon and an idle worker would only hold memory (max 8)")
+    p.add_argument("--model", action="append", metavar="NAME=PATH",
+                   help="publish a GGUF model: the host loads its weights itself, once, and every "
+                        "guest whose own GGUF file has PATH's name, or NAME.gguf, and the same "
+                        "tensors uses that read-only copy instead of uploading its own; a PATH "
+                        "alone is published as its file name less .gguf; repeatable")
+    p.add_argument("--keep-alive", type=float, default=KEEP_ALIVE, metavar="S",
+                   help="seconds a published model stays loaded after its last session ends "
+                        "(default 300, as Ollama's keep_alive); negative: loaded at start and "
+                        "kept, so no guest can tell from its start-up time whether another "
+                        "guest uses it")
+    p.add_argument("--compile-cache", metavar="DIR",
+                   help="where compiled decode steps are kept (one subdirectory per torch and apir "
+                        "version, mode 0700), so a later session of the same model and device "
+                        "loads them instead of compiling again (default: $APIR_COMPILE_CACHE, "
+                        "else ~/.cache/apir/compile)")
     p.add_argument("--group", help="make the unix socket usable by this group (mode 0660)")
     add_threads(p, "each session's worker computes with")
     p.set_defaults(func=cmd_host)

@@ -32,6 +32,7 @@ from ..protocol import messages as m
 from ..protocol.messages import HEADER, MAX_BODY, decode_body, decode_header, encode
 from ..transport import Address, Connection, listen
 from .handshake import HANDSHAKE_MAX, MAX_PENDING, Gate, RateLimitedLog, check_hello, peer_key
+from .published import KEEP_ALIVE, REQUEST_MAX, PublishedModel, Shelf, ask
 from .session import SessionConfig
 from .worker import (
     MAX_SLOTS,
@@ -73,6 +74,8 @@ class HostConfig:
     # a worker's OS memory cap past its start, bytes (0: --max-memory plus headroom, see
     # worker.os_memory_cap; none without --max-memory)
     os_memory: int = 0
+    models: tuple[PublishedModel, ...] = ()  # published: their weights are shared (--model)
+    keep_alive: float = KEEP_ALIVE  # seconds a shared copy outlives its last session (<0: forever)
 
     def __post_init__(self) -> None:
         if not self.listen:
@@ -98,6 +101,9 @@ class HostConfig:
         if not 0 <= self.warm_workers <= min(MAX_WARM, self.max_sessions):
             raise ApirError(f"--warm-workers must be in 0..{min(MAX_WARM, self.max_sessions)} "
                             "(at most 8, and at most --max-sessions)")
+        names = [p.name for p in self.models]
+        if len(set(names)) < len(names):
+            raise ApirError(f"--model: two models are published as {next(n for n in names if names.count(n) > 1)!r}")
         if self.max_compute_seconds < 0:
             raise ApirError("--max-compute-seconds must not be negative")
         if self.os_memory < 0:
@@ -135,6 +141,7 @@ class Worker:
     # to tell the guest why (_reap); elsewhere closed at once, so a dead worker's guest
     # sees the hang-up without waiting for the reap
     sock: socket.socket | None = None
+    pool: socket.socket | None = None  # its socketpair with the daemon: published model requests
 
 
 @dataclass
@@ -169,6 +176,7 @@ class Daemon:
         self.stopping = False
         self.gate = Gate()
         self.refusals = RateLimitedLog(log)
+        self.shelf = Shelf(config.models, config.keep_alive)
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -192,7 +200,10 @@ class Daemon:
                         self._read_handshake(self.pending[sock])
                     elif key.data in self.idle:
                         self._pool_event(key.data)
+                    elif key.data in self.workers:
+                        self._worker_request(key.data)
                 self._expire_handshakes()
+                self.shelf.expire(time.monotonic())
                 self._reap()
         except KeyboardInterrupt:
             pass
@@ -225,6 +236,7 @@ class Daemon:
         for pid in list(self.workers):
             os.kill(pid, signal.SIGKILL)
         self._reap(block=True)
+        self.shelf.close()
 
     # ------------------------------------------------------------ handshake
     def _accept(self, listener: socket.socket) -> None:
@@ -347,12 +359,13 @@ class Daemon:
                 self._fork_worker()
             taken = self._hand_over(bind, p.sock)
             if taken is not None:
-                pid, how = taken
+                pid, how, pool = taken
                 self.served[how] += 1
                 # the guest's socket stays open here only where the worker's cgroup can kill
                 # it: then the daemon tells the guest why (see _reap)
                 keep = session_cgroup(session, os.getpid()) is not None
-                self.workers[pid] = Worker(session, slot, p.peer, time.monotonic(), p.sock if keep else None)
+                self.workers[pid] = Worker(session, slot, p.peer, time.monotonic(), p.sock if keep else None, pool)
+                self.selector.register(pool, selectors.EVENT_READ, pid)  # its published model requests
                 log.info("session %d start: peer %s, client %r (%s worker pid %d)", session, p.peer,
                          hello.client[:80], how, pid)  # %r: a guest's string never forges log lines
                 break
@@ -365,19 +378,18 @@ class Daemon:
             p.sock.close()
         self._fill_pool()
 
-    def _hand_over(self, bind: bytes, guest: socket.socket) -> tuple[int, str] | None:
+    def _hand_over(self, bind: bytes, guest: socket.socket) -> tuple[int, str, socket.socket] | None:
         """Give the guest's socket and its Bind to an idle worker, ready ones first: the
-        worker's pid and "warm" or "cold" (still starting), or None when every idle worker
-        has died."""
+        worker's pid, "warm" or "cold" (still starting) and its pool socket (kept open for
+        its requests), or None when every idle worker has died."""
         for pid in sorted(self.idle, key=lambda pid: not self.idle[pid].ready):
             w = self._drop_idle(pid)
             try:  # a small message into an empty buffer: never blocks
                 socket.send_fds(w.sock, [bind], [guest.fileno()])
             except OSError:  # it died since: its exit is reaped like any child's
-                continue
-            finally:
                 w.sock.close()
-            return pid, "warm" if w.ready else "cold"
+                continue
+            return pid, "warm" if w.ready else "cold", w.sock
         return None
 
     def _fork_worker(self) -> None:
@@ -395,10 +407,14 @@ class Daemon:
             _die_with_parent()
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             self.selector.close()
-            # nor another session's guest socket: that guest must see its worker's exit
+            # nor another session's guest socket (that guest must see its worker's exit),
+            # nor another worker's pool socket
             for sock in [*self.listeners, *self.pending, *(w.sock for w in self.idle.values()),
-                         *(w.sock for w in self.workers.values() if w.sock is not None), ours]:
+                         *(w.sock for w in self.workers.values() if w.sock is not None),
+                         *(w.pool for w in self.workers.values() if w.pool), ours]:
                 sock.close()
+            for fd in self.shelf.fds():  # a copy's pages must not outlive its users in this worker
+                os.close(fd)
             self._work(theirs)
         except BaseException:  # noqa: BLE001 - a worker must never return into the parent's loop
             log.exception("worker failed")
@@ -411,9 +427,14 @@ class Daemon:
         """A worker's life, in the forked process: initialise, wait for the session, serve it."""
         warm_up(self.config.device, self.config.executor)
         got = wait_for_bind(pool)
-        pool.close()
         if got is None:
             return
+        copies: dict[str, tuple[memoryview, bytes]] = {}
+
+        def published(name: str) -> tuple[memoryview, bytes]:
+            if name not in copies:
+                copies[name] = ask(pool, name, self.config.io_timeout)
+            return copies[name]
         bind, sock = got
         slot = bind.slot
 
@@ -424,7 +445,8 @@ class Daemon:
         cfg = SessionConfig(self.config.device, limits, self.config.max_arena, bind.session, bind.peer,
                             self.config.io_timeout, self.config.spin_us, self.config.executor,
                             self.config.max_compute_seconds, self.config.os_memory)
-        run_worker(Connection.over(sock, bind.peer, self.config.max_message), bind.hello, cfg, publish)
+        run_worker(Connection.over(sock, bind.peer, self.config.max_message), bind.hello, cfg, publish,
+                   published)
 
     # ------------------------------------------------------------ warm workers
     def _fill_pool(self) -> None:
@@ -456,6 +478,30 @@ class Daemon:
                     "; sessions will start cold" if self.pool_failures >= POOL_RETRIES else "")
         self._fill_pool()
 
+    def _worker_request(self, pid: int) -> None:
+        """A session's worker asks for a published model (or exited: its pool end closed)."""
+        w = self.workers[pid]
+        try:
+            data = w.pool.recv(REQUEST_MAX + 1)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if data == READY:  # a cold worker's, sent before it got its session
+            return
+        t0 = time.monotonic()
+        if not data or not self.shelf.answer(w.pool, w.session, data):
+            self._close_pool(w)
+        busy = time.monotonic() - t0  # reading a model from disk: seconds the daemon was away,
+        for p in self.pending.values():  # which no guest's handshake deadline may pay for
+            p.deadline += busy
+
+    def _close_pool(self, w: Worker) -> None:
+        if w.pool is not None:
+            self.selector.unregister(w.pool)
+            w.pool.close()
+            w.pool = None
+
     def _drop_idle(self, pid: int) -> Idle:
         w = self.idle.pop(pid)
         self.selector.unregister(w.sock)
@@ -473,6 +519,8 @@ class Daemon:
             w = self.workers.pop(pid, None)
             if w is None:
                 continue
+            self._close_pool(w)
+            self.shelf.release(w.session, time.monotonic())
             killed = release_cgroup(w.session)
             if w.sock is not None:
                 if killed:  # the guest's last frame: one small Error into its socket, never blocks
@@ -501,7 +549,8 @@ class Daemon:
         ready = sum(w.ready for w in self.idle.values())
         return m.Status(PROTOCOL_VERSION, m.Device(dev, dev, "", 0, 0, ()), sessions,
                         self.config.max_sessions, self.config.max_memory, self.config.warm_workers,
-                        ready, self.served["warm"], self.served["cold"])
+                        ready, self.served["warm"], self.served["cold"], self.shelf.names(),
+                        self.shelf.resident_bytes(), self.shelf.loads)
 
 
 def run(config: HostConfig) -> None:

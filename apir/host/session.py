@@ -125,8 +125,11 @@ def error_for(exc: BaseException) -> m.Error:
 
 class Session:
     def __init__(self, chan: Channel, backend: Executor, arena: Arena | None, config: SessionConfig,
-                 publish=None, liveness: socket.socket | None = None) -> None:
+                 publish=None, liveness: socket.socket | None = None,
+                 published: Callable[[str], tuple[memoryview, bytes]] | None = None) -> None:
         self.chan, self.backend, self.arena, self.config = chan, backend, arena, config
+        # a published model's read-only mapping and layout digest, by name (the daemon's)
+        self.published = published
         # the guest's socket, watched for a hang-up (with rings, frames no longer use it)
         self.liveness = liveness
         self.deferred: m.Error | None = None  # first failure of a request nobody waited for
@@ -349,6 +352,8 @@ class Session:
             case m.FreeGraph(graph_id=gid):
                 b.free_graph(gid)
                 self.layouts.pop(gid, None)
+            case m.OpenPublished(handle=h, name=name, layout=layout, size=size):
+                b.adopt_buffer(h, self._published_weights(name, layout, size))
             case m.Synchronize():
                 b.synchronize()
             case m.Hello():
@@ -356,6 +361,16 @@ class Session:
             case _:
                 raise ProtocolError(f"{type(msg).__name__} is not a request")
         return m.Ok()
+
+    def _published_weights(self, name: str, layout: bytes, size: int) -> memoryview:
+        """The daemon's copy of published model ``name``, if it is laid out as the guest's."""
+        if self.published is None:
+            raise BackendError("this host shares no weights; upload them")
+        data, digest = self.published(name)
+        if digest != layout or len(data) != size:
+            raise BackendError(f"the host's published model {name!r} is not laid out as this guest's "
+                               "file (another version or quantization of it?); upload the weights instead")
+        return data
 
     def _start_step(self, rid: int, gid: int, n_tokens: int, out_offset: int, capacity: int,
                     inline: bytes | memoryview, arena_offset: int, size: int,

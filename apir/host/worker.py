@@ -17,6 +17,7 @@ import resource
 import socket
 import struct
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -122,10 +123,11 @@ HEADROOM = 256 << 20
 CGROUP = Path("/sys/fs/cgroup")  # the cgroup v2 hierarchy (a hybrid host's v1 controllers are not used)
 
 
-def run_worker(conn: Connection, hello: m.Hello, config: SessionConfig, publish) -> None:
+def run_worker(conn: Connection, hello: m.Hello, config: SessionConfig, publish,
+               published: Callable[[str], tuple[memoryview, bytes]] | None = None) -> None:
     """Entry point of a session's worker process (after fork): build, welcome, serve.
     ``conn``: the guest's connection as the handshake left it (a socket, or a VM's rings
-    and arena)."""
+    and arena); ``published``: the daemon's published models, by name (see Session)."""
     started = time.monotonic()
     from ..backends.local import LocalBackend  # torch: only worker processes execute
 
@@ -147,7 +149,8 @@ def run_worker(conn: Connection, hello: m.Hello, config: SessionConfig, publish)
         conn.channel.spin_seconds = spin_seconds(device.kind, config.spin_us)  # the next step is µs away on a GPU
         backend.on_compile = functools.partial(_notify, conn.channel)
         try:
-            Session(conn.channel, backend, conn.arena, config, publish, liveness=conn.liveness).serve()
+            Session(conn.channel, backend, conn.arena, config, publish, liveness=conn.liveness,
+                    published=published).serve()
         except MemoryError:  # outside any request (a frame being read): end with the reason
             log.warning("session %d ran out of memory under its OS limit (%s)", config.session, cap)
             with contextlib.suppress(ConnectionClosed, OSError):

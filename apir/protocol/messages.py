@@ -40,7 +40,9 @@ MAGIC = b"APIR"
 # 3: Step and Compute carry ``feed`` (inputs bound on the host to the previous outputs)
 # 4: Step is the one compute (Compute and its Outputs reply retired): inputs off the
 #    registered layout are an error, not a slower message
-PROTOCOL_VERSION = 4
+# 5: OpenPublished (a model the host's operator published, shared read-only); Status
+#    lists the published models and the bytes their resident copies hold
+PROTOCOL_VERSION = 5
 HEADER = struct.Struct("<4sHHII")
 MAX_BODY = 64 << 20  # one frame; bulk uploads are chunked below this
 WANT_REPLY = 1
@@ -198,6 +200,19 @@ class Synchronize:
 
 
 @dataclass(frozen=True)
+class OpenPublished:
+    """Bind ``handle`` to the host's read-only copy of the weights of published model
+    ``name`` instead of uploading them: its tensors laid out as the guest's own file's
+    would be (``layout``: ``apir.models.layout.layout_digest``, ``size`` bytes). Graphs may
+    read the buffer; writing it is refused, freeing it drops only this session's use."""
+
+    handle: int
+    name: str
+    layout: bytes
+    size: int
+
+
+@dataclass(frozen=True)
 class Goodbye:
     pass
 
@@ -260,6 +275,9 @@ class Status:
     idle_ready: int = 0  # of those, ready now (device initialised)
     served_warm: int = 0  # sessions started on a ready idle worker
     served_cold: int = 0  # sessions that waited for their worker to start
+    published: tuple[str, ...] = ()  # models the operator published (apir host --model)
+    shared_bytes: int = 0  # bytes of their copies resident now, counted once for all sessions
+    shared_loads: int = 0  # copies of them read from disk since the daemon started
 
 
 # Pinned opcodes. Never renumber or reuse: add new messages with new values.
@@ -277,6 +295,7 @@ OPCODES: dict[int, type] = {
     41: FreeGraph,
     # 42: Compute, retired in version 4
     43: Step,
+    45: OpenPublished,
     50: Synchronize,
     99: Goodbye,
     101: Welcome,

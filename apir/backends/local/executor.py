@@ -15,7 +15,10 @@ cached dequantized copies (faster on a CPU, several times the memory).
 from __future__ import annotations
 
 import logging
+import os
+import warnings
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -89,8 +92,13 @@ class LocalBackend(Executor):
         self.dequant_cache = (self.torch_device.type == "cpu" if config.dequant_cache is None
                               else config.dequant_cache)
         self.cuda_graphs = config.cuda_graphs and self.torch_device.type == "cuda"
-        self.compile = self.cuda_graphs and config.compile != "off"
+        self.compile = config.compile != "off" and (self.cuda_graphs or config.compile_cpu and
+                                                    self.torch_device.type == "cpu")
+        if self.compile:
+            use_compile_cache(config.compile_cache or DEFAULT_COMPILE_CACHE)
         self.compile_prefill = config.compile == "all"
+        # a shared weights mapping is computed on in place on the CPU; a GPU copies it
+        self._lends = self.torch_device.type == "cpu"
         # told before a graph is compiled (tens of seconds); a host session tells its guest
         self.on_compile: Callable[[str], None] = lambda what: None
 
@@ -125,6 +133,13 @@ class LocalBackend(Executor):
     # ------------------------------------------------------------ storage
     def _alloc(self, size: int) -> torch.Tensor:
         return torch.zeros(size, dtype=torch.uint8, device=self.torch_device)
+
+    def _share(self, data: memoryview) -> torch.Tensor:
+        """A view of the read-only pages every session maps (a write would fault; the
+        executor refuses writes before that)."""
+        with warnings.catch_warnings():  # torch warns that the mapping is not writable
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.frombuffer(data, dtype=torch.uint8)
 
     def _fill(self, buf: Buffer, value: int) -> None:
         buf.storage.fill_(value)
@@ -192,7 +207,9 @@ class LocalBackend(Executor):
         return dequantize(self._raw(node), node.dtype, node.shape).to(self._weight_dtype(node.dtype))
 
     def _compile(self, graph: Graph) -> Program:
-        prog = compile_program(graph, self.torch_device.type != "cpu", self._weight_dtype)
+        # a compiled step on a CPU takes the GPU's form too: index operands checked on the
+        # host before launch, fixed-shape attention, so nothing breaks Dynamo's graph
+        prog = compile_program(graph, self.torch_device.type != "cpu" or self.compile, self._weight_dtype)
         if self.dequant_cache:
             self._constants(prog)  # dequantize now, not on the first compute
         return prog
@@ -272,7 +289,12 @@ class LocalBackend(Executor):
                 else torch.from_numpy(a if a.flags.writeable else a.copy()).to(dev)
                 for name, a in inputs.items()
             }
-            outs = self._execute(reg, tensors, self._constants(prog), greedy)
+            if self.compile and n_tokens == 1:  # compile_cpu: the decode step, compiled once
+                step = prog.captured.get((1, greedy)) or self._compiled(self._execute, 1, greedy)
+                prog.captured[(1, greedy)] = step
+            else:
+                step = self._execute
+            outs = step(reg, tensors, self._constants(prog), greedy)
         return outs
 
     def _host_outputs(self, reg: Registered, outputs: list[torch.Tensor]) -> list[np.ndarray]:
@@ -302,6 +324,14 @@ class LocalBackend(Executor):
         done.record()
         return CopyingBack(done, copies)
 
+    def _compiled(self, run: Callable, n_tokens: int, greedy: bool) -> Callable:
+        """``run`` compiled (on its first call), the guest told first: found in the compile
+        cache it takes seconds, compiled anew minutes on a CPU, tens of seconds on a GPU."""
+        what = "decode" if n_tokens == 1 else f"{n_tokens}-token prefill"
+        self.on_compile(f"compiling {what} graph ({'greedy' if greedy else 'sampling'} "
+                        "step, first use in this session)")
+        return torch.compile(run, dynamic=False)
+
     def _replay(self, reg: Registered, inputs: dict[str, object], n_tokens: int,
                 greedy: bool) -> list[torch.Tensor]:
         prog = reg.program
@@ -322,12 +352,9 @@ class LocalBackend(Executor):
             # (the engine warms those up). Steps of 2..8 tokens (short prompts, unpadded)
             # are recorded eagerly: their one run costs far less than a compile per length.
             if self.compile and (n_tokens == 1 or self.compile_prefill and n_tokens > CAPTURE_MAX_DECODE):
-                what = "decode" if n_tokens == 1 else f"{n_tokens}-token prefill"
-                self.on_compile(f"compiling {what} graph ({'greedy' if greedy else 'sampling'} "
-                                "step, first use in this session)")
                 try:
-                    step = CapturedStep(torch.compile(run, dynamic=False), inputs, dtypes,
-                                        self.torch_device, versions)
+                    compiled = self._compiled(run, n_tokens, greedy)
+                    step = CapturedStep(compiled, inputs, dtypes, self.torch_device, versions)
                 except Exception as e:  # noqa: BLE001 - a compiler failure must not fail the step
                     log.warning("torch.compile failed (%s); capturing eager kernels instead",
                                 str(e).splitlines()[0] if str(e) else type(e).__name__)
@@ -335,6 +362,21 @@ class LocalBackend(Executor):
             step = step or CapturedStep(run, inputs, dtypes, self.torch_device, versions)
             prog.captured[key] = step
         return step(inputs)
+
+
+DEFAULT_COMPILE_CACHE = "~/.cache/apir/compile"
+
+
+def use_compile_cache(directory: str) -> None:
+    """Keep Inductor's compiled programs (FX graphs, kernels, AOTAutograd) under
+    ``directory``, in a subdirectory per torch and apir version, made private (0700): a
+    later session or process with the same graph, shapes, dtypes and device loads them
+    instead of compiling. Inductor reads the variable at each use, so it holds from now on."""
+    from ... import __version__
+
+    path = Path(directory).expanduser() / f"torch-{torch.__version__}-apir-{__version__}"
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)
 
 
 def _wire(t: torch.Tensor, dtype: DType) -> torch.Tensor:

@@ -1,0 +1,177 @@
+"""Published models (``apir host --model``): guests of one model share the host's one
+read-only copy of its weights, counted once; a guest cannot write it, cannot claim a model
+the host does not publish, and a worker's crash leaves the copy and the other sessions
+alone; the copy goes ``--keep-alive`` seconds after its last session."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+
+import numpy as np
+import pytest
+from hosts import start_host
+from test_warm import PROMPT, _ids, until  # the same prompt and waits
+from tiny_models import TinyConfig, write_tiny_gguf
+
+import apir
+from apir.backends.base import BackendError
+from apir.backends.remote import HostGoneError, RemoteBackend
+from apir.engine import SamplingParams
+from apir.errors import ApirError
+from apir.graph import DType, GraphBuilder
+from apir.host.daemon import HostConfig
+from apir.host.published import PublishedModel, Shelf
+from apir.models.gguf_file import GGUFFile
+from apir.models.layout import layout_digest, weight_slots
+from apir.transport import parse_address
+
+KEEP_ALIVE = 1.0  # seconds: long enough for back-to-back loads, short for the unload test
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> str:
+    return str(write_tiny_gguf(tmp_path_factory.mktemp("tiny") / "tiny.gguf", TinyConfig(context_length=256), seed=7))
+
+
+@pytest.fixture(scope="module")
+def layout(tiny) -> tuple[bytes, int]:
+    slots, size = weight_slots(GGUFFile(tiny).tensors.values())
+    return layout_digest(slots), size
+
+
+@pytest.fixture(scope="module")
+def host(tmp_path_factory, tiny):
+    h = start_host(tmp_path_factory.mktemp("shared"), "--model", tiny, "--keep-alive", str(KEEP_ALIVE))
+    yield h
+    h.stop()
+
+
+@pytest.fixture(scope="module")
+def expected(tiny) -> list[int]:
+    with apir.load(tiny, backend="local", device="cpu") as local:
+        return _ids(local)
+
+
+def _allocated(host, model) -> int:
+    return next(s.allocated for s in host.status().sessions if s.session == model.backend.session)
+
+
+def test_sessions_share_one_copy_uploaded_by_nobody(host, tiny, layout, expected, tmp_path):
+    until(host, lambda st: not st.sessions and not st.shared_bytes, "an idle host")
+    loads = host.status().shared_loads
+    own = shutil.copy(tiny, tmp_path / "unpublished.gguf")  # same tensors, a name not published
+    with apir.load(tiny, backend="remote", remote=host.unix) as first, \
+            apir.load(tiny, backend="remote", remote=host.unix) as second, \
+            apir.load(own, backend="remote", remote=host.unix) as uploader:
+        assert _ids(first) == _ids(second) == _ids(uploader) == expected
+        st = host.status()
+        assert st.published == ("tiny",)
+        assert st.shared_loads == loads + 1  # read from disk once, for both sessions
+        assert st.shared_bytes == layout[1]  # counted once, beside the sessions
+        # a sharing session holds what the uploader holds but its weights
+        assert _allocated(host, uploader) - _allocated(host, first) == layout[1]
+        assert _allocated(host, first) == _allocated(host, second)
+    # after the last session, the copy stays keep-alive seconds, then goes
+    st = until(host, lambda st: not st.sessions, "sessions ended")
+    until(host, lambda st: st.shared_bytes == 0, "the copy unloaded after --keep-alive")
+    with apir.load(tiny, backend="remote", remote=host.unix) as again:
+        assert _ids(again) == expected
+        assert host.status().shared_loads == loads + 2  # loaded anew
+
+
+def test_a_model_not_published_is_refused_clearly(host, layout):
+    with RemoteBackend(host.unix) as b:
+        with pytest.raises(BackendError, match=r"publishes no model named 'secret' \(published: tiny\)"):
+            b.open_published("secret", *layout)
+        with pytest.raises(BackendError, match="not laid out as this guest's file"):
+            b.open_published("tiny", b"\0" * 32, layout[1])
+        with pytest.raises(BackendError, match="not a model name"):
+            b.open_published("../etc/passwd", *layout)
+
+
+def test_shared_weights_are_read_only(host, layout):
+    with RemoteBackend(host.unix) as b:
+        handle = b.open_published("tiny", *layout)
+        before = b.get_tensor(handle, 0, 64)
+        own = b.alloc_buffer(64)
+        for write in (lambda: b.set_tensor(handle, 0, np.ones(16, np.float32)),
+                      lambda: b.clear_buffer(handle, 7),
+                      lambda: b.copy_tensor(own, 0, handle, 0, 64)):
+            write()
+            with pytest.raises(BackendError, match=f"buffer {handle} holds a published model's shared weights"):
+                b.synchronize()
+        g = GraphBuilder()  # a KV-style write into the weights: their leaf as a STATE
+        state = g.state(handle, 0, (4, 4), DType.F32)
+        rows = g.input("rows", (1, 4), DType.F32)
+        with pytest.raises(BackendError, match="holds shared weights, which are read-only"):
+            b.register_graph(g.build(g.set_rows(state, rows, g.input("ids", (1,), DType.I32))))
+        assert b.get_tensor(handle, 0, 64) == before
+        b.free_buffer(handle)  # drops this session's use only
+        b.synchronize()
+    with RemoteBackend(host.unix) as other:
+        assert other.get_tensor(other.open_published("tiny", *layout), 0, 64) == before
+
+
+def test_a_killed_worker_leaves_the_copy_and_other_sessions(host, tiny, expected):
+    """The victim is killed while the bystander's decode is half done, on the same copy."""
+    with apir.load(tiny, backend="remote", remote=host.unix) as bystander, \
+            apir.load(tiny, backend="remote", remote=host.unix) as victim:
+        steps = bystander.generate_ids(bystander.tokenize(PROMPT), SamplingParams(temperature=0, max_tokens=12))
+        first = [next(steps) for _ in range(6)]
+        workers = {s.session: s.pid for s in host.status().sessions}
+        os.kill(workers[victim.backend.session], signal.SIGKILL)
+        with pytest.raises(HostGoneError):
+            _ids(victim)
+        st = until(host, lambda st: [s.session for s in st.sessions] == [bystander.backend.session],
+                   "only the bystander's session left")
+        assert st.shared_bytes > 0  # the copy outlives the worker that mapped it
+        assert first + list(steps) == expected
+    assert host.proc.poll() is None
+
+
+def test_keep_alive_negative_loads_at_start_and_keeps(tiny, layout):
+    shelf = Shelf((PublishedModel.parse(tiny),), keep_alive=-1)
+    try:
+        assert shelf.loads == 1 and shelf.resident_bytes() == layout[1]  # before any guest
+        assert shelf.acquire("tiny", 1).digest == layout[0]
+        shelf.release(1, now=0.0)
+        shelf.expire(now=1e12)
+        assert shelf.resident_bytes() == layout[1] and shelf.loads == 1
+    finally:
+        shelf.close()
+
+
+def test_published_model_flags_are_checked(tiny, layout):
+    named = PublishedModel.parse(f"small={tiny}")
+    assert named.name == "small"
+    shelf = Shelf((named,), keep_alive=0)
+    try:  # asked for by its file's name, as a guest's engine asks, it is the same copy
+        assert shelf.acquire("tiny", 1) is shelf.acquire("small", 2) and shelf.loads == 1
+    finally:
+        shelf.close()
+    with pytest.raises(ApirError, match="two models are published as 'small'"):
+        HostConfig((parse_address("unix:///tmp/x.sock"),), models=(named, named))
+    with pytest.raises(ApirError, match="a model's name is"):
+        PublishedModel.parse(f"../x={tiny}")
+    with pytest.raises(ApirError, match="no file"):
+        PublishedModel.parse("small=/nonexistent/model.gguf")
+
+
+@pytest.mark.parametrize("lends", [True, False], ids=["in-place", "device-copy"])
+def test_an_adopted_buffer_is_read_only_and_charged_only_when_copied(lends):
+    """In place (a CPU) the mapping is computed on and charged to nobody; a device that
+    needs its own copy (a GPU: ``_lends`` False) charges it like an upload."""
+    from apir.backends.local import LocalBackend
+
+    data = memoryview(bytes(range(256)) * (3 << 15))  # 24 MiB: more than one copy piece
+    with LocalBackend("cpu") as b:
+        b._lends = lends
+        b.adopt_buffer(5, data)
+        assert b.allocated_bytes() == (0 if lends else len(data))
+        assert b.get_tensor(5, len(data) - 256, 256) == bytes(range(256))
+        with pytest.raises(BackendError, match="read-only"):
+            b.set_tensor(5, 0, b"\0")
+        b.free_buffer(5)
+        assert b.allocated_bytes() == 0
