@@ -32,6 +32,7 @@ from .base import (
 
 ADOPT_CHUNK = 8 << 20  # a shared mapping is copied to a device in pieces of this size
 
+
 @dataclass
 class Buffer:
     size: int
