@@ -51,6 +51,20 @@ class Weights:
         return self["output.weight" if "output.weight" in self else "token_embd.weight"]
 
 
+# --cache-type: llama.cpp's -ctk/-ctv names of the KV cache dtypes apir keeps
+KV_TYPES = {"f16": DType.F16, "f32": DType.F32}
+
+
+def pick_kv_type(requested: DType | None, device_kind: str) -> DType:
+    """The KV cache's dtype: ``requested``, else F16 (llama.cpp's default: half the bytes
+    that decode attention reads per token) on every device."""
+    if requested is None:
+        return DType.F16
+    if requested not in KV_TYPES.values():
+        raise ModelLoadError(f"the KV cache holds {' or '.join(KV_TYPES)}, not {requested.name}")
+    return requested
+
+
 @dataclass(frozen=True)
 class KVLayout:
     """Per layer, a key and a value cache of (n_ctx, n_head_kv, head_dim) in one buffer."""
