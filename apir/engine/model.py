@@ -120,7 +120,7 @@ class Model:
         self, gguf: GGUFFile, backend: Backend, n_ctx: int | None = None,
         progress: Progress | None = None, cache_type: DType | None = None,
     ) -> None:
-        """``cache_type``: the KV cache's dtype, F16 or F32 (None: ``pick_kv_type``'s default)."""
+        """``cache_type``: the KV cache's dtype, F16 or F32 (None: F16, see ``pick_kv_type``)."""
         self.file, self.backend = gguf, backend
         self.arch_name = gguf.arch
         self.arch = architecture(gguf.arch)
@@ -132,7 +132,7 @@ class Model:
             raise ContextOverflowError(f"a context of {n_ctx} tokens was asked for (--ctx-size); "
                                        f"this model's holds 1 to {self.args.context_length}")
         self.n_ctx = min(n_ctx or DEFAULT_CTX, self.args.context_length)
-        kv_type = pick_kv_type(cache_type, backend.device().kind)
+        kv_type = pick_kv_type(cache_type)
         self.weights = self._upload_weights(progress)
         heads = self.arch.kv_heads(self.args)
         size, slots = KVLayout.plan(self.n_ctx, heads, kv_type, ALIGNMENT)
