@@ -1,12 +1,14 @@
 """The peer run against llama.cpp (issue 18): synthetic models written as GGUF files,
 ``apir bench -d DEPTH``, ``apir bench peer`` on llama-bench's JSON, and the argument
-handling of ``scripts/bench-llamacpp.sh`` (building llama.cpp is for a GPU host, not CI)."""
+handling and flow of ``scripts/bench-llamacpp.sh`` (with a stand-in llama-bench: building
+llama.cpp is for a GPU host, not CI)."""
 
 from __future__ import annotations
 
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import gguf
@@ -242,3 +244,37 @@ def test_script_without_a_tarball_says_where_it_looked(tmp_path: Path) -> None:
 def test_script_bad_arguments(args: list[str], error: str) -> None:
     proc = script(*args)
     assert proc.returncode == 2 and proc.stderr == f"bench-llamacpp: {error}\n"
+
+
+FAKE_LLAMA_BENCH = r"""#!/usr/bin/env bash
+# llama-bench's json output for its -m file: pp8 at 100 t/s, tg4 at 10 t/s
+while [ $# -gt 0 ]; do [ "$1" = -m ] && model=$2; shift; done
+echo "load_tensors:          CPU model buffer size =     1.25 MiB" >&2
+printf '[\n  {"model_filename": "%s", "model_size": 70000, "n_prompt": 8, "n_gen": 0, "n_depth": 0, "avg_ts": 100.0},\n' "$model"
+printf '  {"model_filename": "%s", "model_size": 70000, "n_prompt": 0, "n_gen": 4, "n_depth": 0, "avg_ts": 10.0}\n]\n' "$model"
+"""
+
+
+def test_script_runs_both_on_each_written_file(tmp_path: Path) -> None:
+    """The whole run with a llama.cpp build already there (a stand-in llama-bench): the GGUF
+    written, both benches on it, the peer table; the GGUF deleted after its run."""
+    bin_dir = tmp_path / "build" / "build" / "bin"
+    bin_dir.mkdir(parents=True)
+    for tool in ("llama-bench", "llama-batched-bench"):
+        (bin_dir / tool).write_text(FAKE_LLAMA_BENCH)
+        (bin_dir / tool).chmod(0o755)
+    apir = tmp_path / "apir"
+    apir.write_text(f'#!/usr/bin/env bash\nexec "{sys.executable}" -m apir.cli "$@"\n')
+    apir.chmod(0o755)
+    out = tmp_path / "out"
+    proc = script("--cpu", "--build", str(tmp_path / "build"), "--out", str(out), "-p", "8", "-n", "4",
+                  "-r", "1", "--backends", "guest-cpu", "llama-tiny:q4_0",
+                  env={"APIR": str(apir), "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr
+    assert "reusing the llama.cpp build" in proc.stdout
+    assert "llama-tiny-q4_0: llama.cpp CPU model buffer size =     1.25 MiB" in proc.stdout
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| llama-tiny-q4_0.gguf")]
+    assert [line.split("|")[2].strip() for line in rows] == ["pp8", "tg4"]
+    assert (out / "peer.md").read_text() in proc.stdout
+    assert json.loads((out / "apir-llama-tiny-q4_0.json").read_text())[0]["model"] == "llama-tiny-q4_0.gguf"
+    assert not list((tmp_path / "build" / "gguf").iterdir())
