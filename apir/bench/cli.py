@@ -124,8 +124,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         f"(default: {DEFAULT_MODEL})")
     p.add_argument("--synthetic", action="append", metavar="SHAPE[:TYPE]",
                    help="random weights of a real shape, no download: llama-135m, llama-1b, "
-                        "llama-8b (llama-tiny for tests), TYPE f16 (default), bf16, f32, q8_0, q4_0, q6_k, "
-                        "q4_k (a Q4_K_M-like mix); "
+                        "llama-8b, llama-70b (llama-tiny for tests), TYPE f16 (default), bf16, f32, "
+                        "q8_0, q4_0, q6_k, q4_k (a Q4_K_M-like mix); "
                         "repeatable or comma-separated for a size sweep")
     p.add_argument("--write-gguf", metavar="DIR",
                    help="write the --synthetic models as GGUF files into DIR (e.g. for "
