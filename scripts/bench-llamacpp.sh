@@ -67,9 +67,14 @@ if [ $built = 0 ]; then  # every check before minutes of building
     command -v "$tool" >/dev/null || die "$tool is needed to build llama.cpp (nvcc: or pass --cpu)"
   done
 fi
-apir=${APIR:-apir}
-[ $build_only = 1 ] || command -v "$apir" >/dev/null \
-  || die "no '$apir' command: install apir first (bash scripts/gpu-host-setup.sh)"
+# apir: $APIR, else the apir command, else this checkout's package through python3
+apir() {
+  if [ -n "${APIR:-}" ]; then "$APIR" "$@"
+  elif command -v apir >/dev/null; then command apir "$@"
+  else "${PYTHON:-python3}" -m apir.cli "$@"; fi
+}
+[ $build_only = 1 ] || apir bench --help >/dev/null 2>&1 \
+  || die "apir does not run here: install it first (bash scripts/gpu-host-setup.sh)"
 
 # ------------------------------------------------------------ llama.cpp, built once
 if [ $built = 1 ]; then
@@ -98,7 +103,7 @@ for spec in "${specs[@]}"; do
   name=${spec/:/-}
   gguf=$build/gguf/$name.gguf
   if [ $keep = 0 ] || [ ! -f "$gguf" ]; then
-    "$apir" bench --write-gguf "$build/gguf" --synthetic "$spec" || die "writing $gguf failed"
+    apir bench --write-gguf "$build/gguf" --synthetic "$spec" || die "writing $gguf failed"
   fi
   echo "bench-llamacpp: $name: llama-bench"
   "$bin/llama-bench" -m "$gguf" -ngl $ngl -fa 1 -p "$n_prompt" -n "$n_gen" -d "$depth" -r "$reps" -o json -v \
@@ -107,10 +112,10 @@ for spec in "${specs[@]}"; do
   grep -hoE "[A-Za-z0-9_]+ +(model|KV|compute) buffer size = +[0-9.]+ MiB" "$out/llama.cpp-$name.log" \
     | sort -u | sed "s/^/bench-llamacpp: $name: llama.cpp /"
   echo "bench-llamacpp: $name: apir bench"
-  "$apir" bench -m "$gguf" -p "$n_prompt" -n "$n_gen" -d "$depth" -r "$reps" --backends "$backends" \
+  apir bench -m "$gguf" -p "$n_prompt" -n "$n_gen" -d "$depth" -r "$reps" --backends "$backends" \
     --device $device -o json --no-history >"$out/apir-$name.json" 2>"$out/apir-$name.log" \
     && ours+=("$out/apir-$name.json") || echo "bench-llamacpp: $name: apir bench failed (see $out/apir-$name.log)" >&2
   [ $keep = 1 ] || rm -f "$gguf"
 done
 if [ ${#llama[@]} = 0 ] || [ ${#ours[@]} = 0 ]; then die "nothing to compare: see the logs in $out"; fi
-"$apir" bench peer --llamacpp "${llama[@]}" --apir "${ours[@]}" | tee "$out/peer.md"
+apir bench peer --llamacpp "${llama[@]}" --apir "${ours[@]}" | tee "$out/peer.md"
