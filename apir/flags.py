@@ -17,6 +17,7 @@ from . import env
 from .backends import DEFAULT_EXECUTOR, ExecutorConfig
 from .errors import ApirError
 from .models.resolve import DEFAULT_CACHE_DIR, resolve_model
+from .models.weights import KV_TYPES
 
 AUTO_HOST = "starting an apir host for --remote auto (none answers at the default socket)"
 
@@ -44,7 +45,14 @@ def add_backend(p: argparse.ArgumentParser) -> None:
     # string defaults from the environment or config file are checked as flag values are
     p.add_argument("-c", "--ctx-size", type=int, default=env.CTX_SIZE.get(),
                    help="context window in tokens (default: min(4096, the model's))")
+    add_cache_type(p)
     add_threads(p, "the local backend computes with")
+
+
+def add_cache_type(p: argparse.ArgumentParser) -> None:
+    """--cache-type (llama.cpp's -ctk/-ctv, one for both)."""
+    p.add_argument("--cache-type", choices=tuple(KV_TYPES),
+                   help="dtype of the KV cache (default: f16, as llama.cpp's)")
 
 
 def _count(text: str) -> int:
@@ -79,12 +87,15 @@ class RunConfig:
     cache_dir: Path = DEFAULT_CACHE_DIR
     executor: ExecutorConfig = DEFAULT_EXECUTOR  # how a local backend runs graphs
     threads: int | None = None  # CPU threads of a local torch backend; None: torch's choice
+    cache_type: str | None = None  # the KV cache's dtype, a KV_TYPES name; None: the default
 
     def __post_init__(self) -> None:
         if self.ctx_size is not None and self.ctx_size < 1:
             raise ValueError(f"--ctx-size must be >= 1, got {self.ctx_size}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"--threads must be >= 1, got {self.threads}")
+        if self.cache_type is not None and self.cache_type not in KV_TYPES:
+            raise ValueError(f"--cache-type must be one of {', '.join(KV_TYPES)}, got {self.cache_type!r}")
 
     @property
     def target(self) -> str:
@@ -95,7 +106,7 @@ class RunConfig:
 def run_config(args: argparse.Namespace) -> RunConfig:
     """The ``RunConfig`` of parsed ``add_model`` and ``add_backend`` flags (either or both)."""
     given = {f: getattr(args, f) for f in ("model", "backend", "device", "ctx_size", "remote",
-                                           "token_file", "threads") if hasattr(args, f)}
+                                           "token_file", "threads", "cache_type") if hasattr(args, f)}
     return RunConfig(**given, cache_dir=env.cache_dir(), executor=ExecutorConfig.from_env())
 
 
@@ -132,7 +143,8 @@ def load(config: RunConfig, progress=None, say: Callable[[str], None] = eprint):
         set_threads(config.threads)
     model = load_model(model_path(config), backend=config.target, device=config.device,
                        n_ctx=config.ctx_size, progress=progress, remote=config.remote,
-                       token_file=config.token_file, executor=config.executor)
+                       token_file=config.token_file, executor=config.executor,
+                       cache_type=KV_TYPES.get(config.cache_type or ""))
     dev = model.backend.device()
     where = f"{model.backend.name}:{dev.name}" + (f" via {config.remote}" if config.remote else "")
     if config.target == "local" and dev.kind == "cpu":

@@ -62,6 +62,7 @@ def tiny_run(capsys, tmp_path: Path, *extra: str, backends: str = "guest-cpu") -
     ("llama-135m", 134_515_008),  # the same count as SmolLM2-135M's GGUF
     ("llama-1b", 1_235_814_400),
     ("llama-8b", 8_030_261_248),
+    ("llama-70b", 70_553_706_496),  # Llama-3.1-70B's
 ])
 def test_synthetic_shapes_have_the_real_parameter_counts(name: str, params: int) -> None:
     f = SyntheticFile.from_spec(f"{name}:bf16")
@@ -234,7 +235,7 @@ def test_unknown_backend_is_one_line_without_traceback(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("argv", "needle"), [
-    (["--synthetic", "llama-70b"], "llama-70b"),
+    (["--synthetic", "llama-13b"], "llama-13b"),
     (["--synthetic", "llama-1b:q2_k"], "q2_k"),
     (["-m", str(Path("/nonexistent/model.gguf"))], "/nonexistent/model.gguf"),
     (["--synthetic", "llama-tiny", "-r", "0"], "-r"),

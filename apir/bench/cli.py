@@ -11,10 +11,11 @@ import sys
 
 from .. import env
 from ..backends import ExecutorConfig
-from ..flags import eprint
+from ..flags import add_cache_type, eprint
 from ..models.resolve import DEFAULT_MODEL
+from ..models.weights import KV_TYPES
 from .backends import BACKENDS, BackendOptions, parse_backends
-from .errors import BenchInputError
+from .errors import BenchError, BenchInputError
 from .report import FORMATS
 
 DEFAULT_BACKENDS = "native,remote-shm"
@@ -40,6 +41,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         print(markdown(run(args.remote, args.token_file, args.calls, args.upload_mb, args.device)))
         return 0
+    if args.bench_action == "peer":
+        from .peer import run as run_peer
+
+        try:
+            print(run_peer(args.llamacpp, args.apir), end="")
+        except BenchInputError as e:
+            eprint(f"error: {e}")
+            return 2
+        return 0
     if args.bench_action == "profile":
         from .profile import run as run_profile
 
@@ -54,6 +64,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(run_serve(source, parse_backends(args.backends), options, args.concurrency,
                         args.n_prompt, args.n_gen, eprint))
         return 0
+    if args.write_gguf:
+        from .gguf_out import write_all
+
+        if not args.synthetic:
+            raise BenchError("--write-gguf writes the --synthetic models: name them, e.g. "
+                             "--synthetic llama-8b:q4_0,llama-8b:q4_k")
+        write_all(_split(args.synthetic), args.write_gguf, lambda line: eprint(f"bench: {line}"))
+        return 0
     from .report import emit
     from .runner import BenchConfig, Source, run
 
@@ -64,7 +82,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         sources = [Source(env.MODEL.get() or DEFAULT_MODEL)]
     config = BenchConfig(
         sources=tuple(sources), backends=tuple(backends), n_prompt=tuple(args.n_prompt),
-        n_gen=tuple(args.n_gen), reps=args.repetitions,
+        n_gen=tuple(args.n_gen), n_depth=tuple(args.n_depth), reps=args.repetitions,
+        cache_type=KV_TYPES.get(args.cache_type or ""),
         options=BackendOptions(args.device, args.remote, args.token_file, ExecutorConfig.from_env()), cache_dir=env.cache_dir(),
     )
     if args.plot:
@@ -114,13 +133,20 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         f"(default: {DEFAULT_MODEL})")
     p.add_argument("--synthetic", action="append", metavar="SHAPE[:TYPE]",
                    help="random weights of a real shape, no download: llama-135m, llama-1b, "
-                        "llama-8b (llama-tiny for tests), TYPE f16 (default), bf16, f32, q8_0, q4_0, q6_k, "
-                        "q4_k (a Q4_K_M-like mix); "
+                        "llama-8b, llama-70b (llama-tiny for tests), TYPE f16 (default), bf16, f32, "
+                        "q8_0, q4_0, q6_k, q4_k (a Q4_K_M-like mix); "
                         "repeatable or comma-separated for a size sweep")
+    p.add_argument("--write-gguf", metavar="DIR",
+                   help="write the --synthetic models as GGUF files into DIR (e.g. for "
+                        "llama.cpp's llama-bench: scripts/bench-llamacpp.sh) instead of measuring")
     p.add_argument("-p", "--n-prompt", type=_ints, default=[512], metavar="N[,N...]",
                    help="prompt tokens of the ppN tests (default 512; 0 = none)")
     p.add_argument("-n", "--n-gen", type=_ints, default=[128], metavar="N[,N...]",
                    help="generated tokens of the tgN tests (default 128; 0 = none)")
+    p.add_argument("-d", "--n-depth", type=_ints, default=[0], metavar="N[,N...]",
+                   help="tokens already in the KV cache before each test (llama-bench's -d; "
+                        "default 0)")
+    add_cache_type(p)
     p.add_argument("-r", "--repetitions", type=int, default=5, metavar="N",
                    help="timed runs per test and backend, after one warm-up (default 5)")
     p.add_argument("--backends", default=DEFAULT_BACKENDS, metavar="LIST",
@@ -140,7 +166,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-history", action="store_true", help="do not append to the history file")
     p.set_defaults(func=cmd_bench, bench_action=None)
 
-    actions = p.add_subparsers(dest="bench_action", metavar="{compare,transport,profile,serve}")
+    actions = p.add_subparsers(dest="bench_action", metavar="{compare,transport,profile,serve,peer}")
     t = actions.add_parser("transport", help="null-call, one-token and 512-token round trips, "
                                              "upload GB/s, per transport, side by side")
     t.add_argument("--remote", action="append", metavar="URL",
@@ -170,6 +196,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     sv.add_argument("--device", choices=("cpu", "cuda", "mps"), default=env.DEVICE.get())
     sv.add_argument("--remote", metavar="URL", help="remote-* use the daemon already at URL")
     sv.add_argument("--token-file", default=env.TOKEN_FILE.get(), help="its shared secret (tcp/vsock)")
+    pe = actions.add_parser("peer", help="llama-bench's results beside apir's on the same GGUF "
+                                         "files: apir ÷ llama.cpp per test",
+                            description="LLAMACPP files are `llama-bench -o json` output, APIR "
+                                        "files `apir bench -o json` output; models are matched "
+                                        "by file name (scripts/bench-llamacpp.sh makes both).")
+    pe.add_argument("--llamacpp", nargs="+", required=True, metavar="FILE")
+    pe.add_argument("--apir", nargs="+", required=True, metavar="FILE")
     c = actions.add_parser("compare", help="compare two result files; exit 1 on a regression",
                            description="BASE and NEW are files written by -o json / -o jsonl or "
                                        "the history file (the last run of each test counts).")

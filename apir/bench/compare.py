@@ -18,8 +18,9 @@ Key = tuple[str, str, str]  # (model, backend, test)
 REQUIRED = ("model", "backend", "test", "avg_ts")
 
 
-def load_records(path: str | Path) -> list[dict]:
-    """Records from a JSON list or JSONL file; any problem is one ``BenchInputError`` line."""
+def load_records(path: str | Path, required: Sequence[str] = REQUIRED, what: str = "bench") -> list[dict]:
+    """Records (dicts holding every ``required`` key) from a JSON list or JSONL file (``what``
+    wrote it: apir's bench, llama-bench); any problem is one ``BenchInputError`` line."""
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
@@ -33,13 +34,13 @@ def load_records(path: str | Path) -> list[dict]:
         else:
             records = [json.loads(line) for line in text.splitlines() if line.strip()]
     except json.JSONDecodeError as e:
-        raise BenchInputError(f"{path} is not bench JSON or JSONL ({e})") from None
-    if not records:
-        raise BenchInputError(f"{path} holds no benchmark records")
+        raise BenchInputError(f"{path} is not {what} JSON or JSONL ({e})") from None
+    if not isinstance(records, list) or not records:
+        raise BenchInputError(f"{path} holds no {what} records")
     for i, r in enumerate(records):
-        if not isinstance(r, dict) or any(k not in r for k in REQUIRED):
+        if not isinstance(r, dict) or any(k not in r for k in required):
             raise BenchInputError(
-                f"{path}: record {i + 1} is not a bench record (needs {', '.join(REQUIRED)})"
+                f"{path}: record {i + 1} is not a {what} record (needs {', '.join(required)})"
             )
     return records
 

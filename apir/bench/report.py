@@ -18,9 +18,9 @@ from .errors import BenchError
 FIELDS = (
     "run_id", "date", "apir_version", "apir_commit", "torch_version", "python_version",
     "cpu_info", "n_cpus", "model", "model_type", "model_size", "model_params", "synthetic",
-    "backend", "device", "device_kind", "n_ctx", "n_prompt", "n_gen", "test", "n_reps",
-    "avg_ns", "stddev_ns", "avg_ts", "stddev_ts", "samples_ns", "samples_ts", "pct_native",
-    "gpu_memory",
+    "backend", "device", "device_kind", "n_ctx", "n_prompt", "n_gen", "n_depth", "kv_type",
+    "test", "n_reps", "avg_ns", "stddev_ns", "avg_ts", "stddev_ts", "samples_ns", "samples_ts",
+    "pct_native", "gpu_memory",
 )
 FORMATS = ("md", "json", "jsonl", "csv")
 

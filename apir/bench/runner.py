@@ -5,6 +5,9 @@
 ``tgN``  after a TG_PROMPT-token prompt (not timed), N single-token greedy decode steps,
          each feeding back the token sampled on the backend (no end-of-text check),
          N / seconds.
+``@ dD`` (``-d D``, llama-bench's n_depth) either test with D prompt tokens already in the
+         KV cache (prefilled, not timed): ppN then runs positions D..D+N-1, tgN decodes
+         from position D. The test is named ``ppN@dD``.
 
 Every backend runs the same model in the same process run. Per model and test: one
 warm-up run on each backend, then repetition 1 on every backend, repetition 2 on every
@@ -37,6 +40,7 @@ from ..backends.remote import RemoteBackend, host_status
 from ..engine.model import Model
 from ..errors import ApirError
 from ..flags import RunConfig, model_path
+from ..graph import DType
 from ..models.gguf_file import GGUFFile
 from ..models.resolve import DEFAULT_CACHE_DIR, KNOWN_MODELS
 from .backends import BackendOptions, open_backend
@@ -54,10 +58,20 @@ Log = Callable[[str], None]
 class BenchTest:
     kind: str  # "pp" | "tg"
     n: int
+    depth: int = 0  # tokens in the KV cache before the test
 
     @property
     def name(self) -> str:
-        return f"{self.kind}{self.n}"
+        return f"{self.kind}{self.n}" + (f"@d{self.depth}" if self.depth else "")
+
+    @property
+    def start(self) -> int:
+        """The position of the first timed token."""
+        return self.depth if self.kind == "pp" else max(self.depth, TG_PROMPT)
+
+    @property
+    def n_ctx(self) -> int:
+        return self.start + self.n
 
     @property
     def n_prompt(self) -> int:
@@ -99,15 +113,17 @@ class BenchConfig:
     backends: tuple[str, ...]
     n_prompt: tuple[int, ...] = (512,)
     n_gen: tuple[int, ...] = (128,)
+    n_depth: tuple[int, ...] = (0,)
     reps: int = 5
     options: BackendOptions = BackendOptions()
     cache_dir: Path = DEFAULT_CACHE_DIR  # where packaged models are assembled
+    cache_type: DType | None = None  # the KV cache's dtype; None: the engine's default
 
     def __post_init__(self) -> None:
         if self.reps < 1:
             raise BenchError(f"-r must be at least 1, got {self.reps}")
-        if any(n < 0 for n in (*self.n_prompt, *self.n_gen)):
-            raise BenchError("-p and -n take token counts >= 0")
+        if any(n < 0 for n in (*self.n_prompt, *self.n_gen, *self.n_depth)):
+            raise BenchError("-p, -n and -d take token counts >= 0")
         if not self.tests:
             raise BenchError("nothing to measure: -p and -n are both 0")
         if not self.sources:
@@ -115,13 +131,17 @@ class BenchConfig:
 
     @property
     def tests(self) -> list[BenchTest]:
-        pp = [BenchTest("pp", n) for n in dict.fromkeys(self.n_prompt) if n > 0]
-        return pp + [BenchTest("tg", n) for n in dict.fromkeys(self.n_gen) if n > 0]
+        """Per depth (llama-bench's order): the pp tests, then the tg tests."""
+        out = []
+        for d in dict.fromkeys(self.n_depth or (0,)):
+            out += [BenchTest("pp", n, d) for n in dict.fromkeys(self.n_prompt) if n > 0]
+            out += [BenchTest("tg", n, d) for n in dict.fromkeys(self.n_gen) if n > 0]
+        return out
 
     @property
     def n_ctx(self) -> int:
         """The smallest context every test fits in (it sizes the KV cache, as in llama-bench)."""
-        return max(max(self.n_prompt), TG_PROMPT + max(self.n_gen))
+        return max(t.n_ctx for t in self.tests)
 
 
 # ---------------------------------------------------------------- run metadata
@@ -183,15 +203,16 @@ def run_metadata() -> dict:
 
 def measure(model: Model, test: BenchTest, prompt: Sequence[int]) -> float:
     """Seconds of one run of ``test`` (only the timed part)."""
+    start = test.start
+    token = model.prefill(prompt[:start]) if start else 0
+    model.backend.synchronize()
     if test.kind == "pp":
         t0 = time.perf_counter()
-        model.prefill(prompt[: test.n])
+        model.prefill(prompt[start : start + test.n], start)
         model.backend.synchronize()
         return time.perf_counter() - t0
-    token = model.prefill(prompt[:TG_PROMPT])
-    model.backend.synchronize()
     t0 = time.perf_counter()
-    model.decode_steps(token, TG_PROMPT, test.n)
+    model.decode_steps(token, start, test.n)
     model.backend.synchronize()
     return time.perf_counter() - t0
 
@@ -215,7 +236,7 @@ def resident_memory(be: Backend) -> dict | None:
 
 
 def _record(meta: dict, model: str, f, backend: str, dev, test: BenchTest, n_ctx: int,
-            seconds: list[float], memory: dict | None) -> dict:
+            kv_type: DType, seconds: list[float], memory: dict | None) -> dict:
     ts = [test.n / s for s in seconds]
     ns = [round(s * 1e9) for s in seconds]
     return {
@@ -231,6 +252,8 @@ def _record(meta: dict, model: str, f, backend: str, dev, test: BenchTest, n_ctx
         "n_ctx": n_ctx,
         "n_prompt": test.n_prompt,
         "n_gen": test.n_gen,
+        "n_depth": test.depth,
+        "kv_type": kv_type.name.lower(),  # llama-bench's type_k / type_v
         "test": test.name,
         "n_reps": len(seconds),
         "avg_ns": round(statistics.fmean(ns)),
@@ -282,7 +305,7 @@ def _run_source(config: BenchConfig, source: Source, meta: dict, log: Log) -> li
         models, devices = {}, {}
         for b, be in backends.items():
             t0 = time.perf_counter()
-            models[b] = Model(f, be, n_ctx=n_ctx)
+            models[b] = Model(f, be, n_ctx=n_ctx, cache_type=config.cache_type)
             devices[b] = be.device()
             log(f"loaded {name} ({fmt_size(f.nbytes)}) on {b} ({devices[b].name}) "
                 f"in {time.perf_counter() - t0:.1f}s")
@@ -300,7 +323,8 @@ def _run_source(config: BenchConfig, source: Source, meta: dict, log: Log) -> li
                     log(f"{name} {test.name} {b}: rep {rep + 1}/{config.reps} {test.n / s:,.2f} t/s")
         memory = {b: resident_memory(be) for b, be in backends.items()}
         return [
-            _record(meta, name, f, b, devices[b], test, n_ctx, seconds[(b, test.name)], memory[b])
+            _record(meta, name, f, b, devices[b], test, n_ctx, models[b].kv.dtype,
+                    seconds[(b, test.name)], memory[b])
             for test in tests
             for b in models
         ]

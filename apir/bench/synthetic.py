@@ -85,7 +85,8 @@ SHAPES: dict[str, Shape] = {
               True, 2048),
         Shape("llama-135m", "SmolLM2-135M", 30, 576, 9, 3, 1536, 49152, 64, 100000.0, True, 8192),
         Shape("llama-1b", "Llama-3.2-1B", 16, 2048, 32, 8, 8192, 128256, 64, 500000.0, True, 131072),
-        Shape("llama-8b", "Llama-3-8B", 32, 4096, 32, 8, 14336, 128256, 128, 500000.0, False, 8192),
+        Shape("llama-8b", "Llama-3.1-8B", 32, 4096, 32, 8, 14336, 128256, 128, 500000.0, False, 131072),
+        Shape("llama-70b", "Llama-3.1-70B", 80, 8192, 64, 8, 28672, 128256, 128, 500000.0, False, 131072),
     )
 }
 WEIGHT_DTYPES = {"f16": DType.F16, "bf16": DType.BF16, "q8_0": DType.Q8_0, "f32": DType.F32,
@@ -183,6 +184,11 @@ class SyntheticFile:
                 and use_more_bits(int(parts[1]), self.shape.n_layer)
             dtype = DType.Q6_K if output or more else dtype
         return K_FALLBACK.get(dtype, dtype) if shape[1] % dtype.block_size else dtype
+
+    @property
+    def metadata(self) -> dict:
+        """Every metadata key (``{arch}`` filled in) and its value, as a GGUF file holds them."""
+        return dict(self._meta)
 
     def get(self, key: str, default=None):
         return self._meta.get(key.format(arch=self.arch), default)

@@ -31,7 +31,7 @@ from ..models.gguf_file import GGUFFile
 from ..models.layout import layout_digest, weight_slots
 from ..models.registry import architecture
 from ..models.tokenizer import Tokenizer
-from ..models.weights import KVCache, KVLayout, Weights, WeightTable
+from ..models.weights import KVCache, KVLayout, Weights, WeightTable, pick_kv_type
 
 DEFAULT_CTX = 4096  # like llama.cpp: a model's full context is opt-in (it sizes the KV cache)
 PREFILL_CHUNK = 512  # llama.cpp's default micro-batch
@@ -119,8 +119,9 @@ class Model:
 
     def __init__(
         self, gguf: GGUFFile, backend: Backend, n_ctx: int | None = None,
-        progress: Progress | None = None,
+        progress: Progress | None = None, cache_type: DType | None = None,
     ) -> None:
+        """``cache_type``: the KV cache's dtype, F16 or F32 (None: F16, see ``pick_kv_type``)."""
         self.file, self.backend = gguf, backend
         self.arch_name = gguf.arch
         self.arch = architecture(gguf.arch)
@@ -132,10 +133,11 @@ class Model:
             raise ContextOverflowError(f"a context of {n_ctx} tokens was asked for (--ctx-size); "
                                        f"this model's holds 1 to {self.args.context_length}")
         self.n_ctx = min(n_ctx or DEFAULT_CTX, self.args.context_length)
+        kv_type = pick_kv_type(cache_type)
         self.weights = self._upload_weights(progress)
         heads = self.arch.kv_heads(self.args)
-        size, slots = KVLayout.plan(self.n_ctx, heads, DType.F32, ALIGNMENT)
-        self.kv = KVLayout(backend.alloc_buffer(size, BufferPurpose.KV), self.n_ctx, DType.F32, tuple(slots))
+        size, slots = KVLayout.plan(self.n_ctx, heads, kv_type, ALIGNMENT)
+        self.kv = KVLayout(backend.alloc_buffer(size, BufferPurpose.KV), self.n_ctx, kv_type, tuple(slots))
         capabilities = backend.device().capabilities
         # a host that caches per-length graphs wants few lengths (see _step)
         self._pad = "graph_cache" in capabilities
@@ -298,10 +300,11 @@ class Model:
         return [self._step(graph, ids[i : i + PREFILL_CHUNK], start + i, extra())
                 for i in range(0, len(ids), PREFILL_CHUNK)]
 
-    def prefill(self, ids: Sequence[int]) -> int:
-        """Run ``ids`` from position 0 through the sample graph; returns the greedy next token."""
-        self._check_fits(len(ids))
-        return int(self._chunks(self._sample_graph, ids, 0, lambda: _GREEDY)[-1][0][0])
+    def prefill(self, ids: Sequence[int], start: int = 0) -> int:
+        """Run ``ids`` at positions ``start``... through the sample graph (positions before
+        ``start`` must be in the KV cache); returns the greedy next token."""
+        self._check_fits(start + len(ids))
+        return int(self._chunks(self._sample_graph, ids, start, lambda: _GREEDY)[-1][0][0])
 
     def _submit_next(self, pos: int, extra: Mapping[str, np.ndarray], token: int | None = None,
                      graph: int | None = None):

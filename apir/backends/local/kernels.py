@@ -169,8 +169,9 @@ def attend(q, k, v, mask: torch.Tensor, scale: float, softcap: float) -> torch.T
     n_head_kv = k.shape[1]
     group = n_head // n_head_kv
     qh = q.float().reshape(n_tok, n_head_kv, group, dim).permute(1, 0, 2, 3).reshape(n_head_kv, n_tok * group, dim)
-    kh, vh = k.float().transpose(0, 1), v.float().transpose(0, 1)  # (Hkv, S, D), (Hkv, S, Dv)
+    kh, vh = k.transpose(0, 1), v.transpose(0, 1)  # (Hkv, S, D), (Hkv, S, Dv), as cached (F16 or F32)
     if torch.compiler.is_compiling() and n_tok <= SMALL_ROWS:
+        kh, vh = kh.float(), vh.float()  # fused into the kernels that read the cache
         scores = (qh[:, :, None, :] * kh[:, None, :, :]).sum(-1) * scale
         if softcap:
             scores = softcap * torch.tanh(scores / softcap)
@@ -179,8 +180,12 @@ def attend(q, k, v, mask: torch.Tensor, scale: float, softcap: float) -> torch.T
     elif not softcap:
         # one fused kernel (memory-efficient attention on CUDA): no (Hkv, T*G, S) scores
         # in memory, which for a prefill chunk cost more than the projections around it
-        out = F.scaled_dot_product_attention(qh[None], kh[None], vh[None], attn_mask=mask, scale=scale)[0]
+        # (on CUDA an F16 cache is read as stored, half the bytes: the kernel accumulates in f32)
+        dt = torch.float16 if kh.dtype == torch.float16 and kh.is_cuda else torch.float32
+        out = F.scaled_dot_product_attention(qh[None].to(dt), kh[None].to(dt), vh[None].to(dt),
+                                             attn_mask=mask, scale=scale)[0].float()
     else:
+        kh, vh = kh.float(), vh.float()
         scores = softcap * torch.tanh(torch.bmm(qh, kh.transpose(1, 2)) * scale / softcap)
         out = torch.bmm(torch.softmax(scores.masked_fill(~mask, -math.inf), dim=-1), vh)  # (Hkv, T*G, Dv)
     return out.reshape(n_head_kv, n_tok, group, -1).permute(1, 0, 2, 3).reshape(n_tok, n_head, -1)
