@@ -20,7 +20,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import ModuleType
 
-from . import env
 from .errors import ApirError
 from .flags import RunConfig, add_backend, add_model, model_path, run_config
 
@@ -110,12 +109,12 @@ def daemon_address(remote: str | None) -> str:
     return remote if remote and remote != "auto" else f"unix://{default_socket_path()}"
 
 
-def check_daemon(address: str, token_file: str | None) -> Check:
+def check_daemon(address: str, token: str) -> Check:
     from .backends.remote import host_status
     from .transport import HostUnreachable
 
     try:
-        st = host_status(address, env.read_token(token_file))
+        st = host_status(address, token)
     except HostUnreachable:
         return Check("missing", "daemon", f"no apir host answers at {address}", HOST_FIX)
     except ApirError as e:
@@ -265,7 +264,7 @@ def check_run(config: RunConfig, torch: ModuleType | None, daemon: Check) -> Che
 def run_checks(config: RunConfig) -> list[Check]:
     torch = _torch()
     gpus = [check_cuda(torch)] + ([check_mps(torch)] if sys.platform == "darwin" else [])
-    daemon = check_daemon(daemon_address(config.remote), config.token_file)
+    daemon = check_daemon(daemon_address(config.remote), config.token)
     return [
         check_python(), check_torch(torch), *gpus, daemon, check_bwrap(), check_vsock(),
         check_kvm(), check_qemu(), *check_models(config), check_run(config, torch, daemon),

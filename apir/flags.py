@@ -83,7 +83,8 @@ class RunConfig:
     device: str | None = None
     ctx_size: int | None = None
     remote: str | None = None  # a host daemon's address, or "auto"
-    token_file: str | None = None
+    token: str = ""  # the shared secret of a tcp/vsock host (--token-file, APIR_TOKEN...)
+    spin_us: int | None = None  # a remote guest's busy-polling (APIR_SPIN_US; None: by device)
     cache_dir: Path = DEFAULT_CACHE_DIR
     executor: ExecutorConfig = DEFAULT_EXECUTOR  # how a local backend runs graphs
     threads: int | None = None  # CPU threads of a local torch backend; None: torch's choice
@@ -106,8 +107,12 @@ class RunConfig:
 def run_config(args: argparse.Namespace) -> RunConfig:
     """The ``RunConfig`` of parsed ``add_model`` and ``add_backend`` flags (either or both)."""
     given = {f: getattr(args, f) for f in ("model", "backend", "device", "ctx_size", "remote",
-                                           "token_file", "threads", "cache_type") if hasattr(args, f)}
-    return RunConfig(**given, cache_dir=env.cache_dir(), executor=ExecutorConfig.from_env())
+                                           "threads", "cache_type") if hasattr(args, f)}
+    # the token is read here, once, and only where a host may ask for it
+    remote = given.get("remote") or given.get("backend") == "remote"
+    token = env.read_token(getattr(args, "token_file", None)) if remote else ""
+    return RunConfig(**given, token=token, spin_us=env.spin_us(), cache_dir=env.cache_dir(),
+                     executor=ExecutorConfig.from_env())
 
 
 @contextlib.contextmanager
@@ -143,7 +148,7 @@ def load(config: RunConfig, progress=None, say: Callable[[str], None] = eprint):
         set_threads(config.threads)
     model = load_model(model_path(config), backend=config.target, device=config.device,
                        n_ctx=config.ctx_size, progress=progress, remote=config.remote,
-                       token_file=config.token_file, executor=config.executor,
+                       token=config.token, spin_us=config.spin_us, executor=config.executor,
                        cache_type=KV_TYPES.get(config.cache_type or ""))
     dev = model.backend.device()
     where = f"{model.backend.name}:{dev.name}" + (f" via {config.remote}" if config.remote else "")

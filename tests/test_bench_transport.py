@@ -3,11 +3,13 @@ plain and the pipelined decode step and the prefill-sized one."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from apir.bench.transport import markdown, measure
 
 
 def test_transport_bench_measures_plain_and_pipelined_steps(host):
-    results = measure([host.unix, host.tcp], host.token_file, calls=50, upload_mb=1, native_device="cpu")
+    results = measure([host.unix, host.tcp], Path(host.token_file).read_text().strip(), calls=50, upload_mb=1, native_device="cpu")
     assert [r.transport for r in results] == ["native", "unix-shm", "tcp"]
     native, *remotes = results
     assert native.null_p50_us is None and native.upload_gbps is None

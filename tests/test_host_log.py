@@ -4,6 +4,8 @@ not running says how to start one for TCP."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from hosts import start_host
 from tiny_models import TinyConfig, write_tiny_gguf
@@ -28,7 +30,7 @@ def test_guests_that_exit_normally_are_logged_as_exits(tiny, tmp_path, monkeypat
     try:
         n = 0
         for url in [h.unix] * 12 + [h.tcp] * 8:  # ring sessions and socket sessions
-            with apir.load(tiny, backend="remote", remote=url, token_file=h.token_file) as model:
+            with apir.load(tiny, backend="remote", remote=url, token=Path(h.token_file).read_text().strip()) as model:
                 assert len(list(model.generate_ids([256, 104, 101], GREEDY))) == 4
             n += 1
     finally:
@@ -48,7 +50,7 @@ def test_a_tcp_guest_without_a_token_is_told_it_sent_none(tiny, tmp_path, monkey
         wrong = tmp_path / "wrong-token"
         wrong.write_text("not-the-hosts-secret")
         with pytest.raises(AuthError, match="the token does not match"):
-            apir.load(tiny, backend="remote", remote=h.tcp, token_file=str(wrong))
+            apir.load(tiny, backend="remote", remote=h.tcp, token=wrong.read_text().strip())
     finally:
         h.stop()
 

@@ -323,7 +323,7 @@ def test_vsock_transport(tmp_path, long_model):
                                      "--token-file", str(token)), stderr=subprocess.DEVNULL)
     try:
         time.sleep(3)
-        with apir.load(long_model, backend="remote", remote=f"vsock://1:{port}", token_file=str(token)) as rm, \
+        with apir.load(long_model, backend="remote", remote=f"vsock://1:{port}", token=token.read_text().strip()) as rm, \
                 apir.load(long_model, backend="local") as local:
             ids = local.tokenize(PROMPT)
             np.testing.assert_array_equal(rm.logits(ids), local.logits(ids))

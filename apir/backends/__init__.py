@@ -17,10 +17,12 @@ BACKENDS = ("local", "numpy", "remote")
 
 
 def create_backend(name: str = "local", device: str | None = None, remote: str | None = None,
-                   token_file: str | None = None, config: ExecutorConfig = DEFAULT_EXECUTOR) -> Backend:
+                   token: str = "", config: ExecutorConfig = DEFAULT_EXECUTOR,
+                   spin_us: int | None = None) -> Backend:
     """A backend by name: ``local`` (PyTorch on ``device``, run as ``config`` says), ``numpy``
     (reference), or ``remote`` (forwarded to the host daemon at ``remote``, e.g.
-    ``unix:///run/apir.sock``)."""
+    ``unix:///run/apir.sock``, with ``token`` for tcp/vsock and ``spin_us`` of busy-polling:
+    see ``RemoteBackend``). Reads no environment: the caller resolved all of it."""
     if name == "numpy":
         if device not in (None, "cpu"):
             raise BackendError(f"the numpy backend runs on the cpu only, not {device!r}")
@@ -36,10 +38,9 @@ def create_backend(name: str = "local", device: str | None = None, remote: str |
             ) from None
         return LocalBackend(device, config=config)
     if name == "remote":
-        from .. import env
         from .remote import RemoteBackend
 
-        return RemoteBackend(remote, device=device, token=env.read_token(token_file), spin_us=env.spin_us())
+        return RemoteBackend(remote, device=device, token=token, spin_us=spin_us)
     raise BackendError(f"unknown backend {name!r}: choose one of {', '.join(BACKENDS)}")
 
 

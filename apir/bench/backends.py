@@ -31,7 +31,8 @@ from .errors import BenchError
 class BackendOptions:
     device: str | None = None  # cpu | cuda | mps; None = the best available
     remote_url: str | None = None  # an existing daemon for remote-*; None = start one
-    token_file: str | None = None  # its shared secret (tcp/vsock), else $APIR_TOKEN
+    token: str = ""  # its shared secret (tcp/vsock)
+    spin_us: int | None = None  # remote guests' busy-polling (None: by the host's device)
     executor: ExecutorConfig = DEFAULT_EXECUTOR  # how native runs graphs
 
 
@@ -80,9 +81,9 @@ def open_backend(name: str, opts: BackendOptions) -> AbstractContextManager[Back
 # ---------------------------------------------------------------- remote
 
 
-def _connect(name: str, url: str, opts: BackendOptions, token_file: str | None) -> Backend:
+def _connect(name: str, url: str, opts: BackendOptions, token: str) -> Backend:
     try:
-        return create_backend("remote", opts.device, remote=url, token_file=token_file)
+        return create_backend("remote", opts.device, remote=url, token=token, spin_us=opts.spin_us)
     except ApirError as e:  # nobody listening, or refused: version, token, device
         raise BenchError(f"{name}: cannot use the host at {url}: {e}") from None
 
@@ -90,7 +91,7 @@ def _connect(name: str, url: str, opts: BackendOptions, token_file: str | None) 
 @contextlib.contextmanager
 def _remote(name: str, scheme: str, opts: BackendOptions) -> Iterator[Backend]:
     if opts.remote_url:
-        with closing(_connect(name, opts.remote_url, opts, opts.token_file)) as be:
+        with closing(_connect(name, opts.remote_url, opts, opts.token)) as be:
             yield be
         return
     with tempfile.TemporaryDirectory(prefix="apir-bench-") as tmp:
@@ -107,5 +108,6 @@ def _remote(name: str, scheme: str, opts: BackendOptions) -> Iterator[Backend]:
                                 options=("--max-sessions", "1"))
         except ApirError as e:
             raise BenchError(f"{name}: {e}") from None
-        with daemon, closing(_connect(name, url, opts, token_file)) as be:
+        token = Path(token_file).read_text().strip() if token_file else ""
+        with daemon, closing(_connect(name, url, opts, token)) as be:
             yield be

@@ -39,7 +39,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.bench_action == "transport":
         from .transport import markdown, run
 
-        print(markdown(run(args.remote, args.token_file, args.calls, args.upload_mb, args.device)))
+        token = env.read_token(args.token_file) if args.remote else ""
+        print(markdown(run(args.remote, token, args.calls, args.upload_mb, args.device, env.spin_us(),
+                           ExecutorConfig.from_env())))
         return 0
     if args.bench_action == "peer":
         from .peer import run as run_peer
@@ -53,14 +55,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.bench_action == "profile":
         from .profile import run as run_profile
 
-        print(run_profile(args.synthetic, args.device, args.n_gen, args.n_prompt))
+        print(run_profile(args.synthetic, args.device, args.n_gen, args.n_prompt, ExecutorConfig.from_env()))
         return 0
     if args.bench_action == "serve":
         from .runner import Source
         from .serve import run as run_serve
 
         source = Source(args.synthetic, synthetic=True) if args.synthetic else Source(args.model)
-        options = BackendOptions(args.device, args.remote, args.token_file, ExecutorConfig.from_env())
+        options = _backend_options(args)
         print(run_serve(source, parse_backends(args.backends), options, args.concurrency,
                         args.n_prompt, args.n_gen, eprint))
         return 0
@@ -84,7 +86,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         sources=tuple(sources), backends=tuple(backends), n_prompt=tuple(args.n_prompt),
         n_gen=tuple(args.n_gen), n_depth=tuple(args.n_depth), reps=args.repetitions,
         cache_type=KV_TYPES.get(args.cache_type or ""),
-        options=BackendOptions(args.device, args.remote, args.token_file, ExecutorConfig.from_env()), cache_dir=env.cache_dir(),
+        options=_backend_options(args), cache_dir=env.cache_dir(),
     )
     if args.plot:
         from .plot import require_matplotlib
@@ -212,3 +214,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="fail when a test's t/s dropped by more than PCT percent "
                         f"(default {DEFAULT_MAX_REGRESSION:g})")
 
+
+def _backend_options(args: argparse.Namespace) -> BackendOptions:
+    """The edge: the environment and token file read once, for every backend the bench opens."""
+    token = env.read_token(args.token_file) if args.remote else ""
+    return BackendOptions(args.device, args.remote, token, env.spin_us(), ExecutorConfig.from_env())

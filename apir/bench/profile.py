@@ -12,6 +12,7 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass
 
+from ..backends.base import ExecutorConfig
 from ..engine import Model
 
 
@@ -77,15 +78,14 @@ def render(p: Profile) -> str:
     return "\n".join(lines) + "\n"
 
 
-def run(spec: str, device: str | None, n_gen: int, n_prompt: int) -> str:
+def run(spec: str, device: str | None, n_gen: int, n_prompt: int, executor: ExecutorConfig) -> str:
     """Profile decode (and a prefill of ``n_prompt`` tokens) of a synthetic model natively."""
-    from ..backends.base import ExecutorConfig
     from ..backends.local import LocalBackend
     from .synthetic import SyntheticFile
 
     f = SyntheticFile.from_spec(spec)
     out = []
-    with Model(f, LocalBackend(device, config=ExecutorConfig.from_env()), n_ctx=max(n_prompt, 8) + n_gen + 8) as model:
+    with Model(f, LocalBackend(device, config=executor), n_ctx=max(n_prompt, 8) + n_gen + 8) as model:
         token = model.prefill([1, 2, 3, 4])
         out.append(render(profile(model, f"{spec} decode", n_gen,
                                   lambda: model.decode_steps(token, 4, n_gen))))

@@ -31,8 +31,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .. import env
-from ..backends.base import Backend, BufferPurpose
+from ..backends.base import DEFAULT_EXECUTOR, Backend, BufferPurpose, ExecutorConfig
 from ..graph import DType, GraphBuilder, T
 
 if TYPE_CHECKING:
@@ -145,8 +144,9 @@ def _label(url: str) -> str:
     return scheme + ("-shm" if scheme == "unix" else "")
 
 
-def measure(urls: list[str], token_file: str | None, calls: int, upload_mb: int,
-            native_device: str | None = None) -> list[TransportResult]:
+def measure(urls: list[str], token: str, calls: int, upload_mb: int,
+            native_device: str | None = None, spin_us: int | None = None,
+            executor: ExecutorConfig = DEFAULT_EXECUTOR) -> list[TransportResult]:
     """Every figure for each daemon in ``urls``, plus a native row when ``native_device``
     names the device to run the step on in this process."""
     from ..backends.remote import RemoteBackend
@@ -155,14 +155,13 @@ def measure(urls: list[str], token_file: str | None, calls: int, upload_mb: int,
     backends: dict[str, Backend] = {}
     try:
         for url in urls:
-            remotes[_label(url)] = RemoteBackend(url, token=env.read_token(token_file), spin_us=env.spin_us())
+            remotes[_label(url)] = RemoteBackend(url, token=token, spin_us=spin_us)
         null = {name: _null_calls(b, calls) for name, b in remotes.items()}
         backends = dict(remotes)
         if native_device is not None:
-            from ..backends.base import ExecutorConfig
             from ..backends.local import LocalBackend
 
-            backends = {"native": LocalBackend(native_device, config=ExecutorConfig.from_env()), **remotes}
+            backends = {"native": LocalBackend(native_device, config=executor), **remotes}
         kinds = {"step": {}, "pipelined": {"pipelined": True}, "prefill": {"n_tokens": PREFILL_TOKENS}}
         steps = _steps({(name, kind): model_step(b, **kw) for name, b in backends.items()
                         for kind, kw in kinds.items()}, calls)
@@ -184,20 +183,22 @@ def measure(urls: list[str], token_file: str | None, calls: int, upload_mb: int,
     return results
 
 
-def run(remotes: list[str] | None, token_file: str | None, calls: int = 2000,
-        upload_mb: int = 256, device: str | None = "cpu") -> list[TransportResult]:
-    """Start a daemon on unix + tcp (unless ``remotes`` are given) and measure each,
-    against the same step run natively on ``device``."""
+def run(remotes: list[str] | None, token: str, calls: int = 2000, upload_mb: int = 256,
+        device: str | None = "cpu", spin_us: int | None = None,
+        executor: ExecutorConfig = DEFAULT_EXECUTOR) -> list[TransportResult]:
+    """Start a daemon on unix + tcp (unless ``remotes`` are given, with ``token``) and
+    measure each, against the same step run natively on ``device``."""
     if remotes:
-        return measure(remotes, token_file, calls, upload_mb)
+        return measure(remotes, token, calls, upload_mb, spin_us=spin_us)
     from ..spawn import free_port, start_host, write_token
 
     with tempfile.TemporaryDirectory(prefix="apir-bench-") as d:
         tmp = Path(d)
         urls = [f"unix://{tmp}/apir.sock", f"tcp://127.0.0.1:{free_port()}"]
-        token = write_token(tmp / "token")
-        with start_host(urls, tmp / "host.log", device=device, token_file=token):
-            return measure(urls, token, calls, upload_mb, native_device=device or "cpu")
+        token_file = write_token(tmp / "token")
+        with start_host(urls, tmp / "host.log", device=device, token_file=token_file):
+            return measure(urls, Path(token_file).read_text().strip(), calls, upload_mb,
+                           native_device=device or "cpu", spin_us=spin_us, executor=executor)
 
 
 def _cell(value: float | None, fmt: str = ".1f") -> str:

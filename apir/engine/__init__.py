@@ -14,18 +14,19 @@ from .model import ContextOverflowError, Model, Progress, SamplingParams
 def load(
     model: str | Path | None = None, backend: str | Backend = "local", device: str | None = None,
     n_ctx: int | None = None, progress: Progress | None = None, remote: str | None = None,
-    token_file: str | None = None, cache_dir: Path = DEFAULT_CACHE_DIR,
+    token: str = "", spin_us: int | None = None, cache_dir: Path = DEFAULT_CACHE_DIR,
     executor: ExecutorConfig = DEFAULT_EXECUTOR, cache_type: DType | None = None,
 ) -> Model:
     """Open ``model`` (a known name, a .gguf path, or None for the default) on ``backend``.
 
-    ``backend="remote"`` forwards every graph to the host daemon at ``remote``.
+    ``backend="remote"`` forwards every graph to the host daemon at ``remote`` (``token``:
+    its shared secret over tcp/vsock; ``spin_us``: see ``RemoteBackend``).
     ``cache_type`` is the KV cache's dtype (``Model``). Everything
     comes from the arguments: no environment variable or config file is read here.
     """
     gguf = GGUFFile(resolve_model(None if model is None else str(model), cache_dir))
     if isinstance(backend, str):
-        be = create_backend(backend, device, remote, token_file, executor)
+        be = create_backend(backend, device, remote, token, executor, spin_us)
     else:
         be = backend
     try:

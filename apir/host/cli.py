@@ -34,12 +34,8 @@ def cmd_host(args: argparse.Namespace) -> int:
     if args.action == "status":
         return cmd_status(args)
     listen = args.listen or [env.HOST_LISTEN.get() or f"unix://{default_socket_path()}"]
-    token = None
-    if args.token_file:
-        try:
-            token = open(args.token_file).read().strip()
-        except OSError as e:
-            raise ApirError(f"cannot read token file {args.token_file}: {e.strerror}") from None
+    token = env.read_token(args.token_file) if args.token_file else None
+    if token is not None:
         if len(token) < 16:
             raise ApirError(f"the token in {args.token_file} is too short (use at least 16 characters)")
     group = None

@@ -14,7 +14,7 @@ warning naming the op once.
         y = model(x)
 
 ``options``: ``backend`` (an apir ``Backend``, or ``local`` / ``numpy`` / ``remote``, the
-default ``local``), and for a name ``device``, ``remote`` and ``token_file`` as
+default ``local``), and for a name ``device``, ``remote`` and ``token`` as
 ``apir.backends.create_backend`` takes them. Backends made from names are shared by every
 graph compiled with the same options, so weights are uploaded once per process.
 
@@ -37,7 +37,7 @@ from .runtime import Session, compile_graph
 
 __all__ = ["backend", "session_for"]
 
-OPTIONS = ("backend", "device", "remote", "token_file")
+OPTIONS = ("backend", "device", "remote", "token")
 _sessions: dict[object, Session] = {}
 
 DECOMPOSITIONS = {op: fn for op, fn in core_aten_decompositions().items() if op not in KEEP}
@@ -54,7 +54,7 @@ def session_for(options: Mapping[str, object] | None = None) -> Session:
     if key not in _sessions:
         if not isinstance(be, Backend):
             be = create_backend(str(be), device=options.get("device"), remote=options.get("remote"),
-                                token_file=options.get("token_file"))
+                                token=str(options.get("token") or ""))
         _sessions[key] = Session(be)
     return _sessions[key]
 

@@ -14,6 +14,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from .. import env
+from ..backends.base import ExecutorConfig
 from ..errors import ApirError
 
 # options of `apir run` / `apir bench` that describe this side, not the guest's command
@@ -59,7 +61,7 @@ def _config(args: argparse.Namespace, argv: list[str], model: Path | None):
     from .launch import VMConfig
 
     return VMConfig(tuple(argv), model, args.device, args.memory, args.cpus, args.require_kvm,
-                    args.accel, args.vm_timeout)
+                    args.accel, args.vm_timeout, spin_us=env.spin_us(), executor=ExecutorConfig.from_env())
 
 
 def cmd_build(args: argparse.Namespace) -> int:

@@ -13,8 +13,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from .. import env
-from ..backends.base import Limits
+from ..backends.base import DEFAULT_EXECUTOR, ExecutorConfig, Limits
 from ..host.handshake import HANDSHAKE_MAX, check_hello
 from ..protocol import ErrorCode, ProtocolError
 from ..protocol import messages as m
@@ -26,7 +25,8 @@ log = logging.getLogger("apir.host")
 
 def serve_region(region: Region, device: str | None = None, alive: Callable[[], bool] | None = None,
                  handshake_timeout: float = 300.0, io_timeout: float = 60.0,
-                 limits: Limits | None = None) -> bool:
+                 limits: Limits | None = None, spin_us: int | None = None,
+                 executor: ExecutorConfig = DEFAULT_EXECUTOR) -> bool:
     """Serve the one session of ``region``; False when no valid handshake came (the guest
     never connected in time, died, or sent something else first)."""
     from ..host.session import SessionConfig  # torch is imported by the worker
@@ -50,7 +50,8 @@ def serve_region(region: Region, device: str | None = None, alive: Callable[[], 
         _refuse(chan, err)
         return False
     chan.max_body, chan.timeout = m.MAX_BODY, None  # idle waits end when the guest or VM does
-    config = SessionConfig(device, limits or Limits(), region.arena_size, 1, "ivshmem:vm", io_timeout, env.spin_us())
+    config = SessionConfig(device, limits or Limits(), region.arena_size, 1, "ivshmem:vm", io_timeout,
+                           spin_us, executor)
     log.info("session 1 start: peer ivshmem:vm, client %r", frame.message.client[:80])
     run_worker(Connection(chan, "ivshmem:vm", region.arena()), frame.message, config, lambda allocated, peak: None)
     return True

@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..backends.base import DEFAULT_EXECUTOR, ExecutorConfig
 from ..errors import ApirError
 from ..transport.shm import GUEST_EXIT, Region
 from .guest import MODEL_PATH, PAYLOAD_CONFIG, PAYLOAD_HEADER, PAYLOAD_MAGIC
@@ -54,6 +55,8 @@ class VMConfig:
     accel: str = "auto"  # auto (KVM, else TCG) | kvm | tcg
     timeout: float = 1800.0  # the whole VM run, seconds
     env: dict = field(default_factory=dict)
+    spin_us: int | None = None  # the host side's busy-polling (APIR_SPIN_US; None: by device)
+    executor: ExecutorConfig = DEFAULT_EXECUTOR  # how the host side runs the guest's graphs
 
     def __post_init__(self) -> None:
         if self.accel not in ("auto", "kvm", "tcg"):
@@ -190,7 +193,8 @@ def run_vm(image: Image, cfg: VMConfig, stdout=None) -> int:
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=stdout)
         try:
             served = serve_region(region, cfg.device,
-                                  alive=lambda: proc.poll() is None and time.monotonic() < deadline)
+                                  alive=lambda: proc.poll() is None and time.monotonic() < deadline,
+                                  spin_us=cfg.spin_us, executor=cfg.executor)
             try:
                 proc.wait(max(min(SHUTDOWN_TIMEOUT, deadline - time.monotonic()), 1))
             except subprocess.TimeoutExpired:
