@@ -104,10 +104,8 @@ def test_garbage_frame_header_is_a_protocol_error(region):
 
 def test_timeouts_and_closed_peer(region):
     guest, host = pair(region, timeout=0.2, io_timeout=0.2)
-    t0 = time.monotonic()
     with pytest.raises(TimeoutError):
         host.recv()
-    assert time.monotonic() - t0 < 2
     # half a frame, then silence: the rest must come within io_timeout
     frame = m.encode(m.Ok(), 1)
     region.view[DATA : DATA + 8] = frame[:8]
