@@ -110,7 +110,7 @@ def hello(client):
 
 
 def _metrics(base: str) -> dict[str, float]:
-    r = httpx.get(f"{base}/metrics", timeout=10)
+    r = httpx.get(f"{base}/metrics", timeout=WAIT)
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
     out = {}
     for line in r.text.splitlines():
@@ -173,13 +173,13 @@ def test_metrics_count_up(server, client):
 def test_bad_requests_are_refused_and_serving_continues(server, client):
     auth = {"Authorization": f"Bearer {KEY}"}
     url = f"{server}/v1/chat/completions"
-    r = httpx.post(url, content=b'{"messages": [', headers=auth, timeout=10)
+    r = httpx.post(url, content=b'{"messages": [', headers=auth, timeout=WAIT)
     assert r.status_code == 400 and set(r.json()["error"]) == {"message", "type", "param", "code"}
-    r = httpx.post(url, json={"messages": HELLO, "temperature": -1}, headers=auth, timeout=10)
+    r = httpx.post(url, json={"messages": HELLO, "temperature": -1}, headers=auth, timeout=WAIT)
     assert r.status_code == 400 and r.json()["error"]["param"] == "temperature"
-    r = httpx.post(url, json={"messages": "hi"}, headers=auth, timeout=10)
+    r = httpx.post(url, json={"messages": "hi"}, headers=auth, timeout=WAIT)
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
-    r = httpx.post(url, json={"messages": HELLO}, timeout=10)
+    r = httpx.post(url, json={"messages": HELLO}, timeout=WAIT)
     assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
     with pytest.raises(openai.NotFoundError) as e:
         client.chat.completions.create(model="gpt-4o", messages=HELLO)
