@@ -15,6 +15,8 @@ import socket
 import struct
 import time
 
+from hosts import WAIT
+
 from apir.protocol import messages as m
 
 LEAK = re.compile(r"0x[0-9a-fA-F]{5,}|(?<![\w.:/])/(?:usr|home|work|tmp|proc|opt|root|var|etc|lib)\b"
@@ -31,7 +33,7 @@ class Closed(Exception):
 
 class RawGuest:
     def __init__(self, address: str, *, hello: bool = True, token: str = "", arena_size: int = 0,
-                 timeout: float = 10.0) -> None:
+                 timeout: float = WAIT) -> None:
         if address.startswith("unix://"):
             self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             self.sock.connect(address.removeprefix("unix://"))
@@ -39,6 +41,7 @@ class RawGuest:
             host, port = address.removeprefix("tcp://").rsplit(":", 1)
             self.sock = socket.create_connection((host, int(port)))
         self.sock.settimeout(timeout)
+        self.timeout = timeout
         self.rid = 0
         self.welcome: m.Welcome | None = None
         self.arena: mmap.mmap | memoryview | None = None
@@ -85,7 +88,7 @@ class RawGuest:
             from apir.transport import ConnectionClosed
 
             try:
-                return self.ring._read(n, time.monotonic() + 10, "test read")
+                return self.ring._read(n, time.monotonic() + self.timeout, "test read")
             except ConnectionClosed:
                 raise Closed("the host closed the shared rings") from None
         buf = bytearray(n)
@@ -141,7 +144,7 @@ class RawGuest:
         assert not isinstance(reply, m.Error), f"{msg!r:.200} failed: {reply.message}"
         return reply
 
-    def closed_by_host(self, timeout: float = 5.0) -> bool:
+    def closed_by_host(self, timeout: float = WAIT) -> bool:
         """True once the host has closed the connection (reading past any last replies)."""
         if self.ring is not None:
             deadline = time.monotonic() + timeout

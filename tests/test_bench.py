@@ -227,7 +227,7 @@ def test_unknown_backend_is_one_line_without_traceback(tmp_path: Path) -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "apir.cli", "bench", "--synthetic", "llama-tiny", "--backends",
          "native,warp-drive", "--no-history"],
-        cwd=ROOT, capture_output=True, text=True, timeout=60,
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode != 0 and proc.stdout == ""
     assert len(proc.stderr.strip().splitlines()) == 1 and "warp-drive" in proc.stderr

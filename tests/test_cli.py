@@ -293,7 +293,7 @@ def test_host_device_cuda_without_cuda_refuses_to_start(tmp_path):
 
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
-    out = apir("host", "--device", "cuda", "--listen", f"unix://{tmp_path / 'h.sock'}", timeout=60)
+    out = apir("host", "--device", "cuda", "--listen", f"unix://{tmp_path / 'h.sock'}")
     line = one_error_line(out)
     assert line.startswith("error: apir host --device cuda: torch ") and "use --device cpu" in line
     assert not (tmp_path / "h.sock").exists()
@@ -304,6 +304,6 @@ def test_serve_on_a_port_in_use_is_one_line_before_loading(tiny):
 
     with socket.create_server(("127.0.0.1", 0)) as taken:
         port = taken.getsockname()[1]
-        out = apir("serve", "-m", str(tiny), "--backend", "numpy", "--port", str(port), timeout=60)
+        out = apir("serve", "-m", str(tiny), "--backend", "numpy", "--port", str(port))
     assert out.returncode == 1
     assert out.stderr == f"error: apir serve cannot listen on 127.0.0.1:{port}: Address already in use\n"

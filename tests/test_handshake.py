@@ -11,7 +11,7 @@ import socket
 import time
 
 import pytest
-from hosts import start_host
+from hosts import WAIT, start_host
 from rawguest import Closed, RawGuest
 
 from apir.host import handshake as hs
@@ -56,7 +56,7 @@ def test_the_token_is_checked_before_versions(host):
 def test_a_tcp_flood_leaves_the_unix_socket_served(host):
     flood = [socket.create_connection(parse_address(host.tcp).sockaddr) for _ in range(300)]
     try:
-        closed, deadline = 0, time.monotonic() + 30  # a guard against a hang, not a speed test
+        closed, deadline = 0, time.monotonic() + WAIT  # a guard against a hang, not a speed test
         waiting = list(flood)
         while closed < 300 - hs.MAX_PENDING_PEER and time.monotonic() < deadline:
             ready, _, _ = select.select(waiting, [], [], 0.5)
@@ -71,6 +71,21 @@ def test_a_tcp_flood_leaves_the_unix_socket_served(host):
     finally:
         for s in flood:
             s.close()
+
+
+def test_a_dawdling_handshake_is_dropped_at_the_handshake_timeout(tmp_path):
+    """Half a Hello, then nothing: the daemon closes the connection once its
+    --handshake-timeout has passed, and says why in its log."""
+    h = start_host(tmp_path, "--handshake-timeout", "1")
+    try:
+        t0 = time.monotonic()
+        with RawGuest(h.unix, hello=False) as slow:
+            slow.send_raw(m.encode(_hello(token=""))[:20])
+            assert slow.closed_by_host()
+        assert time.monotonic() - t0 >= 1  # not before it
+        assert "dropped unix:local: no handshake within 1s" in h.log.read_text()
+    finally:
+        h.stop()
 
 
 def test_failed_handshakes_are_rate_limited_and_logged_at_a_bounded_rate(host):

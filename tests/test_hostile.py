@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 import pytest
-from hosts import start_host
+from hosts import WAIT, start_host
 from rawguest import LEAK, Closed, RawGuest, frame
 
 from apir.backends.remote import RemoteBackend
@@ -41,7 +41,7 @@ MAX_SESSIONS = 6
 def host(tmp_path_factory):
     h = start_host(tmp_path_factory.mktemp("hostile"), "--max-memory", "64M", "--max-handles",
                    str(MAX_HANDLES), "--max-graph-nodes", str(MAX_NODES), "--io-timeout", str(IO_TIMEOUT),
-                   "--handshake-timeout", "2", "--max-message", "16M", "--max-sessions", str(MAX_SESSIONS))
+                   "--handshake-timeout", "300", "--max-message", "16M", "--max-sessions", str(MAX_SESSIONS))
     yield h
     h.stop()
 
@@ -51,7 +51,7 @@ def well_behaved(host) -> None:
     rng = np.random.default_rng(0)
     w = rng.standard_normal((16, 32)).astype(np.float32)
     x = rng.standard_normal((3, 32)).astype(np.float32)
-    with RemoteBackend(host.unix, timeout=20) as be:
+    with RemoteBackend(host.unix, timeout=WAIT) as be:
         h = be.alloc_buffer(w.nbytes)
         be.set_tensor(h, 0, w)
         g = GraphBuilder()
@@ -66,9 +66,9 @@ def healthy(host):
     seen = host.log.stat().st_size if host.log.exists() else 0
     yield
     assert host.proc.poll() is None, "the daemon died"
-    assert host.wait_idle(timeout=10).sessions == ()  # this test's sessions are all released
+    assert host.wait_idle().sessions == ()  # this test's sessions are all released
     well_behaved(host)
-    assert host.wait_idle(timeout=10).sessions == ()
+    assert host.wait_idle().sessions == ()
     log = host.log.read_text()[seen:]
     for bad in ("Traceback", "internal error", "worker failed", "exited with status"):
         assert bad not in log, f"host log shows {bad!r}:\n{log}"
@@ -177,10 +177,7 @@ def test_bad_frames_inside_a_session_end_it_with_an_error(host):
             g.send_raw(raw)
             expect(g.recv(), E.PROTOCOL, message)
             assert g.closed_by_host()
-        deadline = time.monotonic() + 2
-        while any(s.session == sid for s in host.status().sessions):
-            assert time.monotonic() < deadline, "session not released"
-            time.sleep(0.02)
+        session_gone(host, sid)
 
 
 def test_second_handshake_and_replies_sent_as_requests(host):
@@ -624,7 +621,7 @@ def test_requests_after_goodbye_find_the_session_gone(host):
             raise AssertionError("a reply after Goodbye")
         except (Closed, BrokenPipeError, ConnectionResetError):
             pass
-    assert host.wait_idle(timeout=2).sessions == ()
+    assert host.wait_idle().sessions == ()
 
 
 def test_disconnect_mid_transfer_releases_the_session(host):
@@ -634,9 +631,7 @@ def test_disconnect_mid_transfer_releases_the_session(host):
         data = m.encode(m.SetTensor(1, 0, m.Blob(bytes(8 << 20), -1, 8 << 20)), 9, 0)
         g.send_raw(data[:cut])
         g.close()
-        t0 = time.monotonic()
-        assert host.wait_idle(timeout=2).sessions == ()
-        assert time.monotonic() - t0 < 1.5
+        assert host.wait_idle().sessions == ()
 
 
 def test_deferred_errors_come_back_at_the_next_wait(host):
@@ -696,25 +691,22 @@ def test_millions_of_tiny_allocations_hit_the_handle_cap(host):
 
 def test_stalled_frames_end_the_session(host):
     with guest(host) as g:
-        g.send_raw(m.encode(m.AllocBuffer(1, 64, 0), 1, 1)[:10])  # a header, cut short
         t0 = time.monotonic()
+        g.send_raw(m.encode(m.AllocBuffer(1, 64, 0), 1, 1)[:10])  # a header, cut short
         expect(g.recv(), E.PROTOCOL, f"frame not completed within {IO_TIMEOUT:g}s")
-        assert IO_TIMEOUT - 0.1 < time.monotonic() - t0 < IO_TIMEOUT + 1.5
+        assert time.monotonic() - t0 >= IO_TIMEOUT  # not before --io-timeout
         assert g.closed_by_host()
 
 
 def test_a_slow_handshake_blocks_nobody(host):
     slow = guest(host, hello=False)
     slow.send_raw(m.encode(m.Hello(m.PROTOCOL_VERSION, m.op_table_hash(), "", "slow", 0))[:20])
-    t0 = time.monotonic()
-    with guest(host) as quick:  # served at once while the slow one dawdles
+    with guest(host) as quick:  # served while the slow one dawdles
         assert isinstance(quick.ok(m.GetDevices()), m.Devices)
-    # under the 2 s --handshake-timeout the slow one would hold it to; the quick session's
-    # own start (a worker importing torch) took up to 1.1 s on 2 busy cores
-    assert time.monotonic() - t0 < 2.0
-    assert slow.closed_by_host(timeout=5)  # dropped after --handshake-timeout (2 s)
-    assert time.monotonic() - t0 < 4.0
-    slow.close()
+    slow.sock.setblocking(False)
+    with pytest.raises(BlockingIOError):  # still pending: this --handshake-timeout is far off
+        slow.sock.recv(1)
+    slow.close()  # test_handshake.py sees one dropped at a short --handshake-timeout
 
 
 def test_a_guest_that_never_reads_its_replies(host):
@@ -722,7 +714,7 @@ def test_a_guest_that_never_reads_its_replies(host):
     sid = g.welcome.session
     g.sock.settimeout(0.2)
     request = m.encode(m.GetDevices(), 1, m.WANT_REPLY)
-    deadline = time.monotonic() + IO_TIMEOUT + 5
+    deadline = time.monotonic() + WAIT
     while time.monotonic() < deadline:
         try:
             g.sock.sendall(request * 64)
@@ -743,10 +735,7 @@ def test_session_count_is_capped(host):
         with pytest.raises(AssertionError, match=f"already serving {MAX_SESSIONS} sessions"):
             guest(host)
         guests.pop().close()
-        deadline = time.monotonic() + 2
-        while len(host.status().sessions) >= MAX_SESSIONS:
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
+        host.until(lambda st: len(st.sessions) < MAX_SESSIONS, "the closed session released")
         guests.append(guest(host))
     finally:
         for g in guests:
@@ -754,23 +743,26 @@ def test_session_count_is_capped(host):
 
 
 def test_a_flood_of_idle_connections(host):
+    """Connections past MAX_PENDING pending handshakes are closed at accept; the pending
+    ones wait for their Hello (this daemon's --handshake-timeout is far off)."""
     path = host.unix.removeprefix("unix://")
     flood = []
-    for _ in range(MAX_PENDING + 100):
-        s = socket.socket(socket.AF_UNIX)
-        s.connect(path)
-        flood.append(s)
-    time.sleep(0.5)
-    assert host.proc.poll() is None
-    closed = 0
-    for s in flood:  # the ones past the cap were closed at once
-        s.setblocking(False)
-        try:
-            closed += s.recv(1) == b""
-        except BlockingIOError:
-            pass
-        s.close()
-    assert closed >= 100
+    try:
+        for _ in range(MAX_PENDING + 100):
+            s = socket.socket(socket.AF_UNIX)
+            s.connect(path)
+            flood.append(s)
+        for s in flood[MAX_PENDING:]:  # accepted in order: the last 100 are past the cap
+            s.settimeout(WAIT)
+            assert s.recv(1) == b""
+        assert host.proc.poll() is None
+        for s in flood[:MAX_PENDING]:
+            s.setblocking(False)
+            with pytest.raises(BlockingIOError):  # still pending, still open
+                s.recv(1)
+    finally:
+        for s in flood:
+            s.close()
 
 
 def test_descriptors_sent_by_a_guest_are_closed(host):
@@ -796,11 +788,8 @@ def ring_guest(host) -> RawGuest:
     return g
 
 
-def session_gone(host, sid: int, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while any(s.session == sid for s in host.status().sessions):
-        assert time.monotonic() < deadline, f"session {sid} still there after {timeout}s"
-        time.sleep(0.02)
+def session_gone(host, sid: int) -> None:
+    host.until(lambda st: all(s.session != sid for s in st.sessions), f"session {sid} released")
 
 
 def test_ring_head_out_of_range(host):
@@ -826,10 +815,10 @@ def test_ring_tail_out_of_range(host):
 
 def test_ring_stalled_frame(host):
     with ring_guest(host) as g:
-        g.send_raw(m.encode(m.AllocBuffer(1, 64, 0), 1, 1)[:10])
         t0 = time.monotonic()
+        g.send_raw(m.encode(m.AllocBuffer(1, 64, 0), 1, 1)[:10])
         expect(g.recv(), E.PROTOCOL, f"frame not completed within {IO_TIMEOUT:g}s")  # --io-timeout
-        assert time.monotonic() - t0 < IO_TIMEOUT + 1.5
+        assert time.monotonic() - t0 >= IO_TIMEOUT
 
 
 def test_ring_frames_obey_max_message(host):
@@ -844,7 +833,7 @@ def test_ring_guest_that_never_reads(host):
         request = m.encode(m.GetDevices(), 1, m.WANT_REPLY)
         for _ in range(20000):  # ~2 MB of replies for a 1 MiB reply ring
             g.send_raw(request)
-        session_gone(host, sid, timeout=IO_TIMEOUT + 5)
+        session_gone(host, sid)
 
 
 def test_ring_bytes_on_the_socket_mean_goodbye(host):

@@ -32,7 +32,7 @@ def host(tmp_path_factory):
 def released(host):
     yield
     assert host.proc.poll() is None, "the daemon died"
-    assert host.wait_idle(timeout=10).sessions == ()
+    assert host.wait_idle().sessions == ()
 
 
 def test_fused_products_of_one_weight_are_charged(host):

@@ -4,8 +4,6 @@ only as ExecutorConfig.dequant_cache."""
 
 from __future__ import annotations
 
-import time
-
 import gguf
 import numpy as np
 import pytest
@@ -69,13 +67,9 @@ def test_the_host_reports_the_weights_once_and_remote_equals_local(quantized, tm
             assert remote.logits(IDS).tobytes() == local.logits(IDS).tobytes()
             assert list(remote.generate_ids(IDS, GREEDY)) == list(local.generate_ids(IDS, GREEDY))
             other = local.backend.allocated_bytes() - weight_bytes(local.backend)  # KV, compute
-            deadline = time.monotonic() + 10
-            while True:
-                sessions = host.status().sessions
-                if sessions and sessions[0].allocated == local.backend.allocated_bytes():
-                    break
-                assert time.monotonic() < deadline, f"host reports {sessions}"
-                time.sleep(0.05)
+            want = local.backend.allocated_bytes()
+            sessions = host.until(lambda st: st.sessions and st.sessions[0].allocated == want,
+                                  "the session's bytes published").sessions
             assert sessions[0].allocated - other <= 1.03 * tensor_bytes(quantized)
     finally:
         host.stop()

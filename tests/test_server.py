@@ -27,6 +27,8 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
 
+from hosts import WAIT  # noqa: E402
+
 from apir.models.errors import ModelNotFoundError  # noqa: E402
 from apir.models.resolve import resolve_model  # noqa: E402
 
@@ -79,7 +81,7 @@ def serve(tmp: Path, *args: str) -> Iterator[str]:
     finally:
         proc.terminate()
         try:
-            proc.wait(30)
+            proc.wait(WAIT)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
@@ -108,7 +110,7 @@ def hello(client):
 
 
 def _metrics(base: str) -> dict[str, float]:
-    r = httpx.get(f"{base}/metrics", timeout=10)
+    r = httpx.get(f"{base}/metrics", timeout=WAIT)
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
     out = {}
     for line in r.text.splitlines():
@@ -171,13 +173,13 @@ def test_metrics_count_up(server, client):
 def test_bad_requests_are_refused_and_serving_continues(server, client):
     auth = {"Authorization": f"Bearer {KEY}"}
     url = f"{server}/v1/chat/completions"
-    r = httpx.post(url, content=b'{"messages": [', headers=auth, timeout=10)
+    r = httpx.post(url, content=b'{"messages": [', headers=auth, timeout=WAIT)
     assert r.status_code == 400 and set(r.json()["error"]) == {"message", "type", "param", "code"}
-    r = httpx.post(url, json={"messages": HELLO, "temperature": -1}, headers=auth, timeout=10)
+    r = httpx.post(url, json={"messages": HELLO, "temperature": -1}, headers=auth, timeout=WAIT)
     assert r.status_code == 400 and r.json()["error"]["param"] == "temperature"
-    r = httpx.post(url, json={"messages": "hi"}, headers=auth, timeout=10)
+    r = httpx.post(url, json={"messages": "hi"}, headers=auth, timeout=WAIT)
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
-    r = httpx.post(url, json={"messages": HELLO}, timeout=10)
+    r = httpx.post(url, json={"messages": HELLO}, timeout=WAIT)
     assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
     with pytest.raises(openai.NotFoundError) as e:
         client.chat.completions.create(model="gpt-4o", messages=HELLO)
@@ -202,12 +204,10 @@ def test_client_disconnect_cancels_generation(server, client):
                 contents += 1
                 if contents == 2:
                     break  # hang up mid-stream
-    t0 = time.monotonic()
     assert _chat(client, COLOR, max_tokens=1).choices[0].finish_reason == "length"
     after = _metrics(server)
     assert after["apir_generations_cancelled_total"] == before["apir_generations_cancelled_total"] + 1
     assert after["apir_generated_tokens_total"] - before["apir_generated_tokens_total"] < 50
-    assert time.monotonic() - t0 < 60
 
 
 def test_concurrent_requests_match_alone(client, hello):
@@ -239,7 +239,7 @@ def tiny_app(tmp_path):
     go = threading.Event()
 
     def loader():
-        assert go.wait(30)
+        assert go.wait(WAIT)
         return apir.load(str(path), backend="numpy")
 
     config = ServeConfig(model=str(path), backend="numpy", api_key="k")
@@ -248,7 +248,7 @@ def tiny_app(tmp_path):
 
 
 def _wait_ok(tc) -> None:
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + WAIT
     while tc.get("/health").status_code != 200:
         assert time.monotonic() < deadline
         time.sleep(0.05)
@@ -300,7 +300,7 @@ def test_load_failure_is_reported(tmp_path):
     failed = []
     config = ServeConfig(model=str(tmp_path / "missing.gguf"))
     with TestClient(create_app(config, on_load_error=failed.append)) as tc:
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + WAIT
         while not failed:
             assert time.monotonic() < deadline
             time.sleep(0.05)
@@ -372,7 +372,7 @@ async def _asgi(app, path: str, chunks, headers=(), disconnect: bool = False):
              "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
              "root_path": "", "headers": [(b"content-type", b"application/json"), *headers],
              "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}
-    with anyio.fail_after(30):  # a guard against a hang, not a speed test
+    with anyio.fail_after(WAIT):  # a guard against a hang, not a speed test
         await app(scope, receive, send)
     status = next(m["status"] for m in sent if m["type"] == "http.response.start")
     body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
@@ -448,7 +448,7 @@ class _Held:
         from apir.engine.model import Token
 
         self.started.set()
-        assert self.go.wait(30)
+        assert self.go.wait(WAIT)
         yield from (Token(i) for i in range(3, 3 + params.max_tokens))
 
     def close(self):
@@ -471,7 +471,7 @@ def test_a_queued_request_whose_client_left_ends(monkeypatch):
             tc.post("/v1/completions", json={"prompt": "a", "max_tokens": 2})))
         t.start()
         try:
-            assert model.started.wait(30)
+            assert model.started.wait(WAIT)
             body = json.dumps({"prompt": "b", "max_tokens": 2}).encode()
             status, reply, _ = tc.portal.call(lambda: _asgi(app, "/v1/completions", [body], disconnect=True))
             assert status == 200 and reply["choices"][0]["finish_reason"] == "cancelled"
@@ -480,7 +480,7 @@ def test_a_queued_request_whose_client_left_ends(monkeypatch):
             assert r.status_code == 500 and "/srv" not in r.text and "RuntimeError" in r.text
         finally:
             model.go.set()
-            t.join(30)
+            t.join(WAIT)
         assert first[0].status_code == 200 and first[0].json()["usage"]["completion_tokens"] == 2
         assert "apir_requests_in_flight 0" in tc.get("/metrics").text
 
@@ -502,16 +502,16 @@ def test_runner_ends_every_job():
         jobs = [Job([1, 2], SamplingParams(max_tokens=2)) for _ in range(4)]
         for job in jobs[:3]:
             runner.submit(job)
-        await asyncio.to_thread(model.started.wait, 30)
+        await asyncio.to_thread(model.started.wait, WAIT)
         jobs[1].cancel()
-        assert await asyncio.wait_for(events(jobs[1]), 30) == [Done("cancelled", 2, 0)]
+        assert await asyncio.wait_for(events(jobs[1]), WAIT) == [Done("cancelled", 2, 0)]
         closing = asyncio.create_task(asyncio.to_thread(runner.close))
         while not runner._closed:  # job 2 is still queued when the close begins
             await asyncio.sleep(0.01)
         model.go.set()
         await closing
         runner.submit(jobs[3])
-        ends = [(await asyncio.wait_for(events(j), 30))[-1] for j in (jobs[0], jobs[2], jobs[3])]
+        ends = [(await asyncio.wait_for(events(j), WAIT))[-1] for j in (jobs[0], jobs[2], jobs[3])]
         assert [e.finish_reason for e in ends] == ["cancelled"] * 3
 
     asyncio.run(main())

@@ -11,7 +11,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from hosts import start_host
+from hosts import WAIT, start_host
 from tiny_models import TinyConfig, write_tiny_gguf
 
 import apir
@@ -49,18 +49,6 @@ def _ids(model) -> list[int]:
     return list(model.generate_ids(model.tokenize(PROMPT), SamplingParams(temperature=0, max_tokens=12)))
 
 
-def until(host, cond, what: str, timeout: float = 60.0) -> m.Status:
-    """Poll the host's status until ``cond(status)`` (a wait on a state, not a timing)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        st = host.status()
-        if cond(st):
-            return st
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not reached; status {st}")
-        time.sleep(0.02)
-
-
 def idle_pids(host) -> set[int]:
     """The daemon's children that serve no session: its warm workers."""
     children = set()
@@ -70,10 +58,10 @@ def idle_pids(host) -> set[int]:
 
 
 def test_sessions_start_on_warm_workers_and_match_local(host, tiny, expected):
-    st = until(host, lambda st: st.idle_ready == 1, "the pool's first worker ready")
+    st = host.until(lambda st: st.idle_ready == 1, "the pool's first worker ready")
     assert (st.warm_workers, st.served_warm, st.served_cold) == (1, 0, 0)
     for n in (1, 2, 3):
-        until(host, lambda st: st.idle_ready == 1 and not st.sessions, "the pool refilled")
+        host.until(lambda st: st.idle_ready == 1 and not st.sessions, "the pool refilled")
         pool = idle_pids(host)
         with apir.load(tiny, backend="remote", remote=host.unix) as model:
             assert _ids(model) == expected
@@ -84,7 +72,7 @@ def test_sessions_start_on_warm_workers_and_match_local(host, tiny, expected):
 
 
 def test_a_killed_worker_leaves_the_other_session_running(host, tiny, expected):
-    until(host, lambda st: st.idle_ready == 1 and not st.sessions, "the pool refilled")
+    host.until(lambda st: st.idle_ready == 1 and not st.sessions, "the pool refilled")
     with apir.load(tiny, backend="remote", remote=host.unix) as bystander, \
             apir.load(tiny, backend="remote", remote=host.unix) as victim:
         assert _ids(victim) == expected
@@ -93,14 +81,14 @@ def test_a_killed_worker_leaves_the_other_session_running(host, tiny, expected):
         with pytest.raises(HostGoneError):
             _ids(victim)
         assert _ids(bystander) == expected
-        st = until(host, lambda st: len(st.sessions) == 1, "the killed session reaped")
+        st = host.until(lambda st: len(st.sessions) == 1, "the killed session reaped")
         assert st.sessions[0].session == bystander.backend.session
     st = host.status()
     assert st.served_cold <= 1  # the second guest may have come before the refill was ready
 
 
 def test_a_guest_killed_mid_session_leaves_the_other_running(host, tiny, expected):
-    until(host, lambda st: st.idle_ready == 1 and not st.sessions, "the pool refilled")
+    host.until(lambda st: st.idle_ready == 1 and not st.sessions, "the pool refilled")
     with apir.load(tiny, backend="remote", remote=host.unix) as bystander:
         r, w = os.pipe()
         guest = os.fork()
@@ -116,21 +104,21 @@ def test_a_guest_killed_mid_session_leaves_the_other_running(host, tiny, expecte
         os.close(w)
         assert os.read(r, 1) == b"!"
         os.close(r)
-        (worker,) = {s.pid for s in until(host, lambda st: len(st.sessions) == 2, "two sessions").sessions
+        (worker,) = {s.pid for s in host.until(lambda st: len(st.sessions) == 2, "two sessions").sessions
                      if s.session != bystander.backend.session}
         os.kill(guest, signal.SIGKILL)
         os.waitpid(guest, 0)
-        until(host, lambda st: len(st.sessions) == 1, "the victim's session released")
+        host.until(lambda st: len(st.sessions) == 1, "the victim's session released")
         assert not os.path.exists(f"/proc/{worker}")  # its worker is gone, not idle
         assert _ids(bystander) == expected
     assert host.proc.poll() is None
 
 
 def test_an_idle_worker_that_dies_is_replaced(host):
-    until(host, lambda st: st.idle_ready == 1 and not st.sessions, "the pool refilled")
+    host.until(lambda st: st.idle_ready == 1 and not st.sessions, "the pool refilled")
     (pid,) = idle_pids(host)
     os.kill(pid, signal.SIGKILL)
-    until(host, lambda st: st.idle_ready == 1 and pid not in idle_pids(host), "a new idle worker")
+    host.until(lambda st: st.idle_ready == 1 and pid not in idle_pids(host), "a new idle worker")
     assert f"warm worker {pid} exited idle" in host.log.read_text()
     assert host.proc.poll() is None
 
@@ -184,7 +172,7 @@ def test_workers_that_cannot_start_are_not_forked_forever(tmp_path, monkeypatch)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(hook), os.environ.get("PYTHONPATH")])))
     h = start_host(tmp_path, "--warm-workers", "1")
     try:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + WAIT
         while "sessions will start cold" not in h.log.read_text():
             assert time.monotonic() < deadline, h.log.read_text()
             time.sleep(0.05)
