@@ -463,6 +463,18 @@ def test_ollama_api(server):
     bad = post("/api/chat", {"model": MODEL, "messages": MSGS, "options": {"num_ctx": 8}})
     assert bad.status_code == 400 and bad.json() == {"error": "'options.num_ctx' is not supported by this server"}
     assert post("/api/chat", {"model": "nope", "messages": MSGS}).status_code == 404
+    # Ollama fields this server cannot honour are refused, naming them; keep_alive of any
+    # duration is kept (the model stays loaded), 0 (unload now) is not
+    for path, body, field in [
+            ("/api/chat", {"model": MODEL, "messages": MSGS, "keep_alive": 0}, "'keep_alive' 0"),
+            ("/api/embed", {"model": MODEL, "input": "a", "keep_alive": "0s"}, "'keep_alive' 0"),
+            ("/api/show", {"model": MODEL, "verbose": True}, "'verbose'"),
+            ("/api/generate", {"model": MODEL, "prompt": "x", "raw": True, "system": "s"}, "'system'")]:
+        r = post(path, body)
+        assert r.status_code == 400 and r.json()["error"].startswith(field), (path, r.text)
+    assert post("/api/embed", {"model": MODEL, "input": "a", "keep_alive": "5m"}).status_code == 200
+    # past the context: refused when told not to truncate (Ollama's default cuts it)
+    assert post("/api/embed", {"model": MODEL, "input": "cat " * 5000, "truncate": False}).status_code == 400
 
 
 def test_tokenize_detokenize_and_embeddings_endpoint(server, client):

@@ -80,9 +80,20 @@ def _name(body: dict) -> str | None:
     return name.removesuffix(":latest")
 
 
+def _keep_alive(body: dict) -> None:
+    """Ollama's keep_alive: how long the model stays loaded after the request. apir serve
+    keeps its one model loaded while it runs, which any duration gets (a negative one:
+    forever); only 0, "unload it now", asks for what this server does not do."""
+    value = body.get("keep_alive")
+    if value == 0 or (isinstance(value, str) and value.rstrip("smh") == "0"):  # 0, "0", "0s", "0m"
+        raise RequestError("'keep_alive' 0 (unload the model) is not supported: apir serve keeps "
+                           "its model loaded while it runs", "keep_alive")
+
+
 def _openai(body: dict, fields: frozenset[str]) -> dict:
     """The OpenAI fields an Ollama body means: options, format, stream."""
     check_fields(body, fields)
+    _keep_alive(body)
     if body.get("think"):
         raise RequestError("'think' is not supported by this server", "think")
     for name in ("images", "suffix"):
@@ -270,6 +281,7 @@ def routes(api: Api) -> list[Route]:
     async def embed(request: Request) -> Response:
         body = await body_of(request)
         check_fields(body, EMBED_FIELDS)
+        _keep_alive(body)
         if body.get("options"):
             raise RequestError("'options' is not supported by /api/embed here", "options")
         inputs: Sequence = [body.get("input")] if isinstance(body.get("input"), str) else body.get("input")
