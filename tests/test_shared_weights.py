@@ -12,7 +12,7 @@ import signal
 import numpy as np
 import pytest
 from hosts import start_host
-from test_warm import PROMPT, _ids, until  # the same prompt and waits
+from test_warm import PROMPT, _ids  # the same prompt
 from tiny_models import TinyConfig, write_tiny_gguf
 
 import apir
@@ -59,7 +59,7 @@ def _allocated(host, model) -> int:
 
 
 def test_sessions_share_one_copy_uploaded_by_nobody(host, tiny, layout, expected, tmp_path):
-    until(host, lambda st: not st.sessions and not st.shared_bytes, "an idle host")
+    host.until(lambda st: not st.sessions and not st.shared_bytes, "an idle host")
     loads = host.status().shared_loads
     own = shutil.copy(tiny, tmp_path / "unpublished.gguf")  # same tensors, a name not published
     with apir.load(tiny, backend="remote", remote=host.unix) as first, \
@@ -74,8 +74,8 @@ def test_sessions_share_one_copy_uploaded_by_nobody(host, tiny, layout, expected
         assert _allocated(host, uploader) - _allocated(host, first) == layout[1]
         assert _allocated(host, first) == _allocated(host, second)
     # after the last session, the copy stays keep-alive seconds, then goes
-    st = until(host, lambda st: not st.sessions, "sessions ended")
-    until(host, lambda st: st.shared_bytes == 0, "the copy unloaded after --keep-alive")
+    st = host.until(lambda st: not st.sessions, "sessions ended")
+    host.until(lambda st: st.shared_bytes == 0, "the copy unloaded after --keep-alive")
     with apir.load(tiny, backend="remote", remote=host.unix) as again:
         assert _ids(again) == expected
         assert host.status().shared_loads == loads + 2  # loaded anew
@@ -124,7 +124,7 @@ def test_a_killed_worker_leaves_the_copy_and_other_sessions(host, tiny, expected
         os.kill(workers[victim.backend.session], signal.SIGKILL)
         with pytest.raises(HostGoneError):
             _ids(victim)
-        st = until(host, lambda st: [s.session for s in st.sessions] == [bystander.backend.session],
+        st = host.until(lambda st: [s.session for s in st.sessions] == [bystander.backend.session],
                    "only the bystander's session left")
         assert st.shared_bytes > 0  # the copy outlives the worker that mapped it
         assert first + list(steps) == expected
