@@ -23,7 +23,7 @@ def backend_options(host):
         "local": {"backend": "local", "device": "cpu"},
         "numpy": {"backend": "numpy"},
         "remote-unix": {"backend": "remote", "remote": host.unix},
-        "remote-tcp": {"backend": "remote", "remote": host.tcp, "token_file": host.token_file},
+        "remote-tcp": {"backend": "remote", "remote": host.tcp, "token": Path(host.token_file).read_text().strip()},
     }
 
 

@@ -87,7 +87,7 @@ class ServeConfig:
     device: str | None = None
     ctx_size: int | None = None
     remote: str | None = None  # host daemon address, for backend "remote"
-    token_file: str | None = None  # the shared secret of a tcp/vsock host
+    token: str = ""  # the shared secret of a tcp/vsock host
     api_key: str | None = None
     host: str = "127.0.0.1"
     port: int = 8080
@@ -118,7 +118,7 @@ def load_model(config: ServeConfig, path: str | None = None) -> Model:
     from ..flags import cpu_fallback_note
 
     model = load(path or config.model, backend=config.backend, device=config.device,
-                 n_ctx=config.ctx_size, remote=config.remote, token_file=config.token_file)
+                 n_ctx=config.ctx_size, remote=config.remote, token=config.token)
     note = cpu_fallback_note(config.backend, config.device, model.backend.device().kind, config.remote)
     if note:
         _log(note)

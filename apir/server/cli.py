@@ -59,7 +59,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     with sock, remote_ready(run) as run:
         config = ServeConfig(
             model=run.model, backend=run.target, device=run.device,
-            ctx_size=run.ctx_size, remote=run.remote, token_file=run.token_file,
+            ctx_size=run.ctx_size, remote=run.remote, token=run.token,
             api_key=args.api_key or None, host=args.bind, port=args.port,
             aliases=tuple(args.alias), any_model_name=args.any_model_name, pooling=args.pooling,
             parallel=args.parallel, max_queue=args.max_queue,
