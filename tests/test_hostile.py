@@ -567,9 +567,11 @@ def test_step_payloads_are_checked(host):
 
 
 def _fed_graph() -> Graph:
-    """ids (T,) I32 and x (T, 8) F32 in; out: ids (I32), x doubled (F32)."""
+    """ids (T,) I32 and x (T, 8) F32 in; out: argmax of x per row (I32, the pick a feed
+    takes), x doubled (F32), ids (I32, what was sent or fed)."""
     ids = x_input((T,), DType.I32, "ids")
-    return graph(ids, x_input(), Node(Op.SCALE, (1,), (2.0,), (T, 8), DType.F32), outputs=(0, 2))
+    return graph(ids, x_input(), Node(Op.SCALE, (1,), (2.0,), (T, 8), DType.F32),
+                 Node(Op.ARGMAX, (1,), (), (T,), DType.I32), outputs=(3, 2, 0))
 
 
 def test_feeds_are_checked(host):
@@ -577,7 +579,7 @@ def test_feeds_are_checked(host):
     also sent; and there must be a previous compute whose output it takes."""
     with guest(host) as g:
         g.ok(m.RegisterGraph(1, _fed_graph()))
-        ids, x = np.array([3, 1], np.int32), np.ones((2, 8), np.float32)
+        ids, x = np.array([5, 6], np.int32), np.eye(8, dtype=np.float32)[[3, 1]]  # picks 3, 1
         both = ids.tobytes() + bytes(8) + x.tobytes()  # ids padded to 16 bytes, then x
         fed = (m.Feed(0, 0),)  # ids from output 0
         expect(g.error(m.Step(1, 2, -1, 0, m.Blob(x.tobytes(), -1, 64), fed)), E.INVALID,
@@ -587,18 +589,19 @@ def test_feeds_are_checked(host):
         for feed, message in [
             ((m.Feed(2, 0),), "feed names input 2, but graph 1 has 2 inputs"),
             ((m.Feed(-1, 0),), "feed names input -1"),
-            ((m.Feed(0, 2),), "feed of input 'ids' names output 2, but graph 1 has 2 outputs"),
+            ((m.Feed(0, 3),), "feed of input 'ids' names output 3, but graph 1 has 3 outputs"),
             ((m.Feed(0, -(2**63)),), "names output -9223372036854775808"),
             ((m.Feed(0, 0), m.Feed(0, 0)), "input 'ids' is fed twice"),
             ((m.Feed(0, 1),), "input 'ids' (I32) cannot be fed from output 1 (F32)"),
+            ((m.Feed(0, 2),), "output 2 of graph 1 is not a token pick"),  # an I32, but no pick
         ]:
             expect(g.error(m.Step(1, 2, -1, 0, m.Blob(x.tobytes(), -1, 64), feed)), E.INVALID, message)
         # the fed input's bytes sent as well: the payload is not the layout's
         expect(g.error(m.Step(1, 2, -1, 0, m.Blob(both, -1, len(both)), fed)), E.PROTOCOL,
                "step inputs of 80 bytes; the graph's layout takes 64")
         g.ok(m.Step(1, 2, -1, 0, m.Blob(both, -1, len(both))))
-        out = g.ok(m.Step(1, 2, -1, 0, m.Blob(x.tobytes(), -1, 64), fed))  # the last compute's ids
-        assert np.frombuffer(out.data.inline[:8], np.int32).tolist() == [3, 1]
+        out = g.ok(m.Step(1, 2, -1, 0, m.Blob(x.tobytes(), -1, 64), fed))  # the last compute's picks
+        assert np.frombuffer(out.data.inline[-8:], np.int32).tolist() == [3, 1]  # ids, as fed
 
 
 def test_unknown_ops_and_dtypes_in_queries(host):

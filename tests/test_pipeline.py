@@ -109,9 +109,13 @@ def test_many_requests_in_flight_through_a_small_arena(host, transport):
         g = GraphBuilder()
         x = g.input("x", (T, 1024))
         gid = remote.register_graph(g.build(g.scale(x, 2.0), g.scale(x, -1.0)))
-        # T only in a fed input: that of the output feeding it, in the previous compute
+        # T only in a fed input: that of the output feeding it, in the previous compute (a
+        # pick: argmax of the identity's rows gives tok back)
+        eye = remote.alloc_buffer(8 * 8 * 4, BufferPurpose.WEIGHTS)
+        remote.set_tensor(eye, 0, np.eye(8, dtype=np.float32))
         g = GraphBuilder()
-        named = remote.register_graph(g.build(g.input("tok", (T,), DType.I32), g.scale(g.input("x", (64, 1024)), 3.0)))
+        rows = g.get_rows(g.weight(eye, 0, (8, 8), DType.F32), g.input("tok", (T,), DType.I32))
+        named = remote.register_graph(g.build(g.argmax(rows), g.scale(g.input("x", (64, 1024)), 3.0)))
         remote.compute(named, {"tok": np.array([4, 2], np.int32), "x": xs[0]})
         for _ in range(3):
             pending = [remote.submit(gid, {"x": x}) for x in xs]

@@ -190,8 +190,8 @@ def test_a_compute_off_the_layout_is_an_error_naming_the_reason(host):
 
 
 def test_the_remote_backend_takes_its_config_from_its_caller(host, monkeypatch):
-    """RemoteBackend reads no environment: its token and spin time come as parameters,
-    which create_backend (the edge apir.load and the CLI go through) resolves."""
+    """RemoteBackend and create_backend read no environment: the token and spin time come
+    as parameters, resolved once at the edge (the CLI's RunConfig)."""
     from apir.backends import create_backend
     from apir.backends.remote import AuthError, RemoteBackend
 
@@ -203,10 +203,11 @@ def test_the_remote_backend_takes_its_config_from_its_caller(host, monkeypatch):
         assert remote.chan.spin_seconds == 0  # a cpu host's default, not $APIR_SPIN_US
     with RemoteBackend(host.unix, spin_us=1234) as remote:
         assert remote.chan.spin_seconds == 1234e-6
-    with create_backend("remote", remote=host.tcp) as remote:
+    with create_backend("remote", remote=host.tcp, token=token, spin_us=777) as remote:
         assert remote.chan.spin_seconds == 777e-6 and remote.device().kind == "cpu"
-    with pytest.raises(AuthError, match="no token was sent"):
-        RemoteBackend(host.tcp)
+    for make in (lambda: RemoteBackend(host.tcp), lambda: create_backend("remote", remote=host.tcp)):
+        with pytest.raises(AuthError, match="no token was sent"):
+            make()
     with RemoteBackend(host.tcp, token=token) as remote:
         assert remote.device().kind == "cpu"
 

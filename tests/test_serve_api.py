@@ -94,6 +94,21 @@ REFUSED_VALUES = [  # fields apir knows, with values it cannot honour
 ]
 
 
+def test_a_tool_reply_cut_short_is_its_written_text():
+    """A generic-format reply that max_tokens cut inside its "response" string comes back
+    as the text written so far, escapes decoded; other text as it is."""
+    from apir.server.tools import parse
+
+    assert parse('{"response": "Paris, Fr') == ("Paris, Fr", [])
+    assert parse('{"response": "a\\nb\\u00') == ("a\nb", [])  # a half escape dropped
+    assert parse('{"response": "done"') == ("done", [])
+    assert parse('{"response": "done"}') == ("done", [])
+    assert parse('{"tool_call": {"name"') == ('{"tool_call": {"name"', [])
+    assert parse("plain") == ("plain", [])
+    (call,) = parse('{"tool_call": {"name": "f", "arguments": {"x": 1}}}')[1]
+    assert call["function"] == {"name": "f", "arguments": '{"x": 1}'}
+
+
 @pytest.mark.parametrize("field", CHAT_FIELDS)
 def test_every_chat_field_is_implemented_or_refused(field):
     value, check = CHAT_FIELDS[field]

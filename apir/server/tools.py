@@ -11,6 +11,7 @@ model sees its own format. The conversation is then rendered with the model's te
 from __future__ import annotations
 
 import json
+import re
 import secrets
 
 from .schemas import Grammar, Tools
@@ -63,13 +64,18 @@ def messages(conversation: list[dict], tools: Tools) -> list[dict]:
     return out
 
 
+# the start of a reply in the generic format, {"response": "...
+_REPLY = re.compile(r'\s*\{\s*"response"\s*:\s*"')
+
+
 def parse(text: str) -> tuple[str | None, list[dict]]:
-    """(content, tool_calls in OpenAI's shape) of an answer in the generic format; text that
-    is not (a generation cut short) comes back as content."""
+    """(content, tool_calls in OpenAI's shape) of an answer in the generic format. A reply
+    cut short (max_tokens) comes back as the part of its "response" string that was
+    written; other text that is not the format, as it is."""
     try:
         answer = json.loads(text)
     except ValueError:
-        return text, []
+        return _cut_reply(text), []
     if not isinstance(answer, dict):
         return text, []
     calls = answer.get("tool_calls") if "tool_calls" in answer else [answer.get("tool_call")]
@@ -80,3 +86,18 @@ def parse(text: str) -> tuple[str | None, list[dict]]:
                       for c in calls]
     response = answer.get("response")
     return (response, []) if isinstance(response, str) else (text, [])
+
+
+def _cut_reply(text: str) -> str:
+    """The written part of a cut-short {"response": "... (its string decoded, a half
+    escape or the closing quote dropped), or ``text`` when it is not one."""
+    start = _REPLY.match(text)
+    if start is None:
+        return text
+    body = text[start.end():]
+    for end in range(len(body), max(len(body) - 7, -1), -1):  # \uXXXX is the longest escape
+        try:
+            return json.loads(f'"{body[:end]}"')
+        except ValueError:
+            continue
+    return text
