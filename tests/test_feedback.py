@@ -53,7 +53,7 @@ def test_apir_run_says_it_fell_back_to_the_cpu(no_gpu, tiny, capsys):
 
 
 def test_apir_serve_loader_says_the_same(no_gpu, tiny, capsys):
-    from apir.server.cli import serve_model
+    from apir.server.app import load_model as serve_model
 
     with serve_model(flags.RunConfig(model=tiny)):
         pass

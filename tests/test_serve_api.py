@@ -161,6 +161,7 @@ def test_model_names_aliases_and_any():
     """An alias is the model (503 while loading, not 404); any name with any_model_name."""
     from starlette.testclient import TestClient
 
+    from apir.flags import RunConfig
     from apir.server.app import ServeConfig, create_app
 
     def no_model():
@@ -171,9 +172,9 @@ def test_model_names_aliases_and_any():
         with TestClient(app, raise_server_exceptions=False) as tc:
             return tc.post("/v1/completions", json={"model": name, "prompt": "x"}).status_code
 
-    config = ServeConfig(model="tiny", aliases=("smol",))
+    config = ServeConfig(RunConfig(model="tiny"), aliases=("smol",))
     assert [status(config, n) for n in ("tiny", "smol", "other")] == [503, 503, 404]
-    assert status(ServeConfig(model="tiny", any_model_name=True), "other") == 503
+    assert status(ServeConfig(RunConfig(model="tiny"), any_model_name=True), "other") == 503
 
 
 # ---------------------------------------------------------------- the engine, in process
@@ -511,11 +512,12 @@ def test_embeddings_need_a_pooling_type():
     from starlette.testclient import TestClient
     from test_server import _Held, _wait_ok
 
+    from apir.flags import RunConfig
     from apir.server.app import ServeConfig, create_app
 
     model = _Held()
     model.file = SimpleNamespace(path=None, get=lambda key, default=None: default)  # no pooling_type
-    with TestClient(create_app(ServeConfig(model="held", parallel=1), loader=lambda: model)) as tc:
+    with TestClient(create_app(ServeConfig(RunConfig(model="held"), parallel=1), loader=lambda: model)) as tc:
         _wait_ok(tc)
         r = tc.post("/v1/embeddings", json={"input": "x"})
         assert r.status_code == 400 and "--pooling mean, cls or last" in r.json()["error"]["message"]

@@ -29,6 +29,7 @@ pytest.importorskip("uvicorn")
 
 from hosts import WAIT  # noqa: E402
 
+from apir.flags import RunConfig  # noqa: E402
 from apir.models.errors import ModelNotFoundError  # noqa: E402
 from apir.models.resolve import resolve_model  # noqa: E402
 
@@ -242,7 +243,7 @@ def tiny_app(tmp_path):
         assert go.wait(WAIT)
         return apir.load(str(path), backend="numpy")
 
-    config = ServeConfig(model=str(path), backend="numpy", api_key="k")
+    config = ServeConfig(RunConfig(model=str(path), backend="numpy"), api_key="k")
     with TestClient(create_app(config, loader=loader)) as tc:
         yield tc, go
 
@@ -298,7 +299,7 @@ def test_load_failure_is_reported(tmp_path):
     from apir.server.app import ServeConfig, create_app
 
     failed = []
-    config = ServeConfig(model=str(tmp_path / "missing.gguf"))
+    config = ServeConfig(RunConfig(model=str(tmp_path / "missing.gguf")))
     with TestClient(create_app(config, on_load_error=failed.append)) as tc:
         deadline = time.monotonic() + WAIT
         while not failed:
@@ -382,7 +383,7 @@ async def _asgi(app, path: str, chunks, headers=(), disconnect: bool = False):
 def _app(**kw):
     from apir.server.app import ServeConfig, create_app
 
-    return create_app(ServeConfig(model="tiny", **kw), loader=lambda: pytest.fail("not loaded here"))
+    return create_app(ServeConfig(RunConfig(model="tiny"), **kw), loader=lambda: pytest.fail("not loaded here"))
 
 
 def _post(app, path: str, body: bytes):
@@ -463,7 +464,7 @@ def test_a_queued_request_whose_client_left_ends(monkeypatch):
     from apir.server.app import ServeConfig, create_app
 
     model = _Held()
-    app = create_app(ServeConfig(model="held", parallel=1), loader=lambda: model)
+    app = create_app(ServeConfig(RunConfig(model="held"), parallel=1), loader=lambda: model)
     with TestClient(app, raise_server_exceptions=False) as tc:
         _wait_ok(tc)
         first = []

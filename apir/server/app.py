@@ -28,7 +28,7 @@ import threading
 import time
 import traceback
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import anyio
@@ -47,6 +47,7 @@ from ..engine import ContextOverflowError, Model
 from ..engine.constraint import GrammarError
 from ..engine.model import POOLINGS
 from ..engine.scheduler import QueueFull
+from ..flags import RunConfig, load
 from ..models.errors import ChatTemplateError, TokenizerError
 from ..models.resolve import DEFAULT_MODEL
 from ..models.weights import KVLayout
@@ -82,12 +83,7 @@ TOKENIZE_FIELDS = frozenset({"content", "add_special", "parse_special", "with_pi
 class ServeConfig:
     """What ``apir serve`` runs: the model, where it computes, and who may ask."""
 
-    model: str | None = None  # a known name, a .gguf path, or None for the default
-    backend: str = "local"
-    device: str | None = None
-    ctx_size: int | None = None
-    remote: str | None = None  # host daemon address, for backend "remote"
-    token: str = ""  # the shared secret of a tcp/vsock host
+    run: RunConfig = field(default_factory=RunConfig)  # the model and where it runs, as `apir run`'s
     api_key: str | None = None
     host: str = "127.0.0.1"
     port: int = 8080
@@ -108,21 +104,15 @@ class ServeConfig:
     @property
     def model_id(self) -> str:
         """The name clients use: the model's short name, or a .gguf file's stem."""
-        name = self.model or DEFAULT_MODEL
+        name = self.run.model or DEFAULT_MODEL
         return Path(name).stem if name.lower().endswith(".gguf") else name
 
 
-def load_model(config: ServeConfig, path: str | None = None) -> Model:
-    """Open the configured model (``path`` overrides the name, e.g. a registered file)."""
-    from ..engine import load
-    from ..flags import cpu_fallback_note
-
-    model = load(path or config.model, backend=config.backend, device=config.device,
-                 n_ctx=config.ctx_size, remote=config.remote, token=config.token)
-    note = cpu_fallback_note(config.backend, config.device, model.backend.device().kind, config.remote)
-    if note:
-        _log(note)
-    model.warm_up()  # a GPU host compiles its decode step now: /health says "loading" meanwhile
+def load_model(run: RunConfig) -> Model:
+    """``apir run``'s loader (``flags.load``), its lines prefixed with ``apir serve:``; then
+    the warm-up: a GPU host compiles its decode step now, while /health says "loading"."""
+    model = load(run, say=_log)
+    model.warm_up()
     return model
 
 
@@ -147,8 +137,8 @@ class _State:
         self.error: str | None = None
         self.closed = False
         self.aliases = {config.model_id, *config.aliases}
-        if config.model:
-            self.aliases |= {config.model, Path(config.model).name}
+        if config.run.model:
+            self.aliases |= {config.run.model, Path(config.run.model).name}
 
     def close(self) -> None:
         self.closed = True
@@ -167,16 +157,16 @@ def create_app(
     loader: Callable[[], Model] | None = None,
     on_load_error: Callable[[Exception], None] | None = None,
 ) -> Starlette:
-    """The ASGI app serving ``config``. ``loader`` (default: ``load_model(config)``) runs
+    """The ASGI app serving ``config``. ``loader`` (default: ``load_model(config.run)``) runs
     in a background thread at startup; ``on_load_error`` is told if it fails."""
     state = _State(config)
-    load = loader or (lambda: load_model(config))
+    load_ = loader or (lambda: load_model(config.run))
 
     def load_in_background() -> None:
         t0 = time.perf_counter()
         model = None
         try:
-            model = load()
+            model = load_()
             slots = config.parallel or default_parallel(model)
             runner = (Runner(model, state.metrics) if slots == 1
                       else BatchRunner(model, state.metrics, slots, config.max_queue))

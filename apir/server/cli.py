@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING
 
 from .. import env
 from ..errors import ApirError
-from ..flags import RunConfig, add_backend, add_model, eprint, load, remote_ready, run_config
+from ..flags import add_backend, add_model, eprint, remote_ready, run_config
 
 if TYPE_CHECKING:
-    from ..engine import Model
+    pass
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -58,9 +58,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     sock = _listen(args.bind, args.port)  # a port in use is one line now, before any loading
     with sock, remote_ready(run) as run:
         config = ServeConfig(
-            model=run.model, backend=run.target, device=run.device,
-            ctx_size=run.ctx_size, remote=run.remote, token=run.token,
-            api_key=args.api_key or None, host=args.bind, port=args.port,
+            run, api_key=args.api_key or None, host=args.bind, port=args.port,
             aliases=tuple(args.alias), any_model_name=args.any_model_name, pooling=args.pooling,
             parallel=args.parallel, max_queue=args.max_queue,
         )
@@ -70,8 +68,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             failed.append(e)
             server.should_exit = True
 
-        app = create_app(config, loader=lambda: serve_model(run),
-                         on_load_error=on_load_error)
+        app = create_app(config, on_load_error=on_load_error)
         log_config = copy.deepcopy(uvicorn.config.LOGGING_CONFIG)
         log_config["handlers"]["access"]["stream"] = "ext://sys.stderr"  # stdout is for results
         server = uvicorn.Server(uvicorn.Config(
@@ -100,14 +97,6 @@ def _listen(host: str, port: int) -> socket.socket:
         raise ApirError(f"apir serve cannot listen on {where}: {why}") from None
     eprint(f"apir serve: listening on http://{where.rpartition(':')[0]}:{sock.getsockname()[1]}")
     return sock
-
-
-def serve_model(config: RunConfig) -> Model:
-    """``apir run``'s loader, its lines prefixed with ``apir serve:``; then the warm-up: a
-    GPU host compiles its decode step now, while /health says "loading"."""
-    model = load(config, say=lambda line: eprint(f"apir serve: {line}"))
-    model.warm_up()
-    return model
 
 
 @contextlib.contextmanager
