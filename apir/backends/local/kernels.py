@@ -202,11 +202,11 @@ def attention_seq(q, k, v, pos, seq, scale: float, window: int, softcap: float) 
     query to its own slot (``seq``) at positions up to its own. Fixed shapes on a device."""
     n_slots, n_kv = k.shape[:2]
     group = q.shape[1] // k.shape[2]
-    p = pos.long().repeat_interleave(group)[:, None]
-    j = torch.arange(n_slots * n_kv, device=pos.device)[None, :]
-    mask = (j // n_kv == seq.long().repeat_interleave(group)[:, None]) & (j % n_kv <= p)
-    if window:
-        mask &= p - j % n_kv < window
+    # key row j is position j % n_kv of slot j // n_kv: ATTENTION's mask in every slot,
+    # and only the query's own slot
+    slot = torch.arange(n_slots, device=pos.device).repeat_interleave(n_kv)[None, :]
+    mask = (attention_mask(pos, n_kv, window, group).repeat(1, n_slots)
+            & (slot == seq.long().repeat_interleave(group)[:, None]))
     flat = (n_slots * n_kv, *k.shape[2:])
     return attend(q, k.reshape(flat), v.reshape(*flat[:2], v.shape[-1]), mask, scale, softcap)
 
@@ -352,6 +352,7 @@ REDUCE = {
     Reduce.MEAN: lambda x: x.mean(dim=-1, keepdim=True),
     Reduce.MAX: lambda x: x.amax(dim=-1, keepdim=True),
 }
+
 
 def pool2d(x: torch.Tensor, fn: int, kernel, stride, padding) -> torch.Tensor:
     if Pool(fn) is Pool.MAX:
