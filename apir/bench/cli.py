@@ -39,8 +39,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.bench_action == "transport":
         from .transport import markdown, run
 
-        token = env.read_token(args.token_file) if args.remote else ""
-        print(markdown(run(args.remote, token, args.calls, args.upload_mb, args.device, env.spin_us(),
+        print(markdown(run(args.remote, _token(args), args.calls, args.upload_mb, args.device, env.spin_us(),
                            ExecutorConfig.from_env())))
         return 0
     if args.bench_action == "peer":
@@ -217,5 +216,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def _backend_options(args: argparse.Namespace) -> BackendOptions:
     """The edge: the environment and token file read once, for every backend the bench opens."""
-    token = env.read_token(args.token_file) if args.remote else ""
-    return BackendOptions(args.device, args.remote, token, env.spin_us(), ExecutorConfig.from_env())
+    return BackendOptions(args.device, args.remote, _token(args), env.spin_us(), ExecutorConfig.from_env())
+
+
+def _token(args: argparse.Namespace) -> str:
+    """The daemons' shared secret, read only when the bench is pointed at running ones
+    (daemons it starts get a fresh token of their own)."""
+    return env.read_token(args.token_file) if args.remote else ""
