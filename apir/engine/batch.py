@@ -54,7 +54,6 @@ class Batch:
         self.layout = KVLayout(backend.alloc_buffer(size, BufferPurpose.KV), slots * model.n_ctx,
                                model.kv.dtype, tuple(layers))
         self._graphs: dict[int, int] = {}  # sampled rows B -> the graph, registered on first use
-        self._pad = "graph_cache" in backend.device().capabilities
 
     def _graph(self, n_sampled: int) -> tuple[int, int]:
         """(B, graph) for a step sampling ``n_sampled`` sequences: B the next power of two
@@ -77,7 +76,7 @@ class Batch:
         length. The rows written are overwritten before anything reads them (no slot's
         cache is recorded as holding them)."""
         sampled = SampleArgs(1.0, 40, 0.95, 0.05, 0.5)
-        compiled = "compiled_prefill" in self.model.backend.device().capabilities
+        compiled = self.model._compiled_prefill
         n = 1
         while n <= self.slots or (compiled and n <= min(PREFILL_CHUNK, self.n_ctx)):
             for draw in (GREEDY, sampled):
@@ -96,7 +95,7 @@ class Batch:
         pos = np.concatenate([np.arange(c.start, c.start + len(c.ids), dtype=np.int32) for c in chunks])
         seq = np.concatenate([np.full(len(c.ids), c.slot, np.int32) for c in chunks])
         n = len(tokens)
-        if self._pad and n > 1:
+        if self.model._pad and n > 1:
             # as Model._step: repeat the last token, which writes the same row again. Every
             # length is padded (a decode step of 3 sequences runs as 4): few graphs to record
             size = 1 << (n - 1).bit_length()
