@@ -267,6 +267,7 @@ def create_app(
                 raise RequestError(f"'{where}' has {len(t)} tokens; 1 to {model.n_ctx} fit", param)
             if not all(0 <= x < model.vocab_size for x in t):
                 raise RequestError(f"'{where}' has token ids outside [0, {model.vocab_size})", param)
+
         def work(m: Model, job: Job) -> list[np.ndarray] | None:
             vectors = []
             for t in ids:  # a client gone (cancelled) stops it between inputs
