@@ -3,9 +3,10 @@
 # `apir run` sessions against a running `apir host` (warm pool) and natively, on a
 # SmolLM2-135M-shaped llama GGUF (30 layers, 576 wide; the tests' byte-level vocabulary)
 # written by tests/tiny_models.py. Run from the repo root; prints one line per run.
-#   bench/probes/session_start.sh [DEVICE]
+#   bench/probes/session_start.sh [DEVICE [HOST FLAGS...]]   e.g. cuda --compile-cache /tmp/cc
 set -uo pipefail
 dev=${1:-cuda}
+shift || true
 tmp=$(mktemp -d)
 python3 - "$tmp/m.gguf" <<'PY'
 import sys
@@ -14,7 +15,7 @@ from tiny_models import TinyConfig, write_tiny_gguf
 write_tiny_gguf(sys.argv[1], TinyConfig(n_layer=30, n_embd=576, n_head=9, n_head_kv=3, head_dim=64,
                                         n_ff=1536, context_length=2048))
 PY
-python3 -m apir.cli host --listen "unix://$tmp/apir.sock" --device "$dev" >"$tmp/host.log" 2>&1 &
+python3 -m apir.cli host --listen "unix://$tmp/apir.sock" --device "$dev" "$@" >"$tmp/host.log" 2>&1 &
 host=$!
 for _ in $(seq 600); do python3 -m apir.cli host status --listen "unix://$tmp/apir.sock" >/dev/null 2>&1 && break; sleep 0.1; done
 sleep 8  # let the pool's first worker finish warming up, as on a host that has been running

@@ -1,10 +1,11 @@
-"""Products with weights kept as their GGUF blocks: the raw bytes are the only copy.
+"""Products with quantized weights: the weight's bytes are its only copy.
 
-    y (M, N) f32 = qmatmul(x (M, K), raw, qtype, n=N, k=K)
-    y (M, N1 + N2 ..) f32 = qmatmul_stacked(x, [(raw1, qtype1, N1), (raw2, qtype2, N2) ..], k=K)
+    y (M, N) f32 = qmatmul(x (M, K), w, qtype, n=N, k=K)
+    y (M, N1 + N2 ..) f32 = qmatmul_stacked(x, [(w1, qtype1, N1), (w2, qtype2, N2) ..], k=K)
 
-``raw`` is 1-D uint8 holding W (N, K) exactly as in the file: N rows of K / block_size
-blocks (see qkernels for the layouts). Two paths, chosen by the rows of x and the device:
+``w`` is 1-D uint8 holding W (N, K): on a device where ``packs`` is true (CUDA with
+Triton) in ``qpack``'s packed form, elsewhere as GGUF blocks, exactly as in the file.
+Two paths, chosen by the rows of x and the device:
 
 - M <= FUSED_ROWS on CUDA: one Triton kernel reads every weight byte once and dequantizes
   in registers (``qkernels._qgemv_kernel``). No memory beyond the (M, N) result.
@@ -24,7 +25,7 @@ import torch
 
 from apir.graph.dtypes import DType
 
-from . import dequant
+from . import dequant, qpack
 
 try:
     import triton
@@ -38,146 +39,194 @@ FUSED_ROWS = 8
 # dequantized rows of one tile of the prefill path, in bytes
 SCRATCH_BYTES = 64 << 20
 
-# ggml type id -> (elements per block, bytes per block), as gguf.GGML_QUANT_SIZES
-_SIZES: dict[int, tuple[int, int]] = (
-    {q: lay[:2] for q, lay in qkernels.LAYOUTS.items()} if qkernels is not None
-    else {int(d): (d.block_size, d.type_size) for d in dequant.SUPPORTED if d.is_quantized})
 # types the CPU path decodes: those with a torch decoder in ``dequant``
 _TORCH = {int(d) for d in dequant.SUPPORTED if d.is_quantized}
 
 
-def fused_blocks(qtype: int, n: int, k: int) -> tuple[int, int, int]:
-    """(BLOCK_N, NB blocks per step, num_warps) of the fused kernel for a (n, k) weight.
+def packs(device: torch.device) -> bool:
+    """Whether quantized weights on ``device`` are held packed (and computed by Triton)."""
+    return device.type == "cuda" and qkernels is not None
 
-    NB is the largest power of two up to 128 dividing the row's blocks (no step half past
-    the end); then rows for about 128 values a thread, and at least one (row, block) pair
-    for each thread (fewer warps where a row has few blocks). From the sm_90 builds (Triton
-    3.6 and 3.9): 7 to 9 instructions a value, 32 to 96 registers, no spills;
-    bench/probes/qgemv.py --sweep times the alternatives.
-    """
-    bs = qkernels.LAYOUTS[qtype][0]
-    nblk = k // bs
-    nb = 128
-    while nb > 1 and nblk % nb:
-        nb //= 2
-    block_n = max(1, min(32, max(16384 // (nb * bs), 128 // nb)))
-    return block_n, nb, max(1, min(4, block_n * nb // 32))
+
+def tiles(qtype: int, n: int, k: int, fused: bool) -> tuple[int, int, int]:
+    """(BN rows, NC chunks, num_warps) of a program for a packed (n, k) weight: NC the
+    largest power of two dividing the row's chunks with at most 256 words a row (1 KiB),
+    then rows for 1,024 words a program (the fused kernel; 8 a thread, two 16-byte loads)
+    or 4,096 (the dequantize kernel), at most 16."""
+    g = qpack.geometry(qtype, n, k)
+    nc = 1
+    while g.chunks % (2 * nc) == 0 and 2 * nc * g.cw <= 256:
+        nc *= 2
+    words = nc * g.cw
+    bn = max(1, min(16, (1024 if fused else 4096) // words))
+    return bn, nc, 4
 
 
 if qkernels is not None:
 
-    def _launch_gemv(x: torch.Tensor, raw: torch.Tensor, qtype: int, n: int, k: int,
+    def _planes(w: torch.Tensor, qtype: int, n: int, k: int) -> list[torch.Tensor]:
+        # the packed weight's planes as the kernels read them: low (int32), high (uint8 or
+        # int16; the low plane again where there is none), then up to three scale planes
+        g = qpack.geometry(qtype, n, k)
+        lb, hb = g.lb, g.hb
+        views = [w[off : off + per * n] for off, per in g.planes]
+        low = views[0].view(torch.int32)
+        rest = views[1:]
+        high = low
+        if hb:
+            high = rest[0].view(torch.int16) if hb * 32 // lb == 16 else rest[0]
+            rest = rest[1:]
+        if qtype in (2, 3, 6, 7, 8):
+            scales = [v.view(torch.float16) for v in rest]
+        elif qtype == 10:
+            scales = [rest[0], rest[1].view(torch.float16), rest[2].view(torch.float16)]
+        elif qtype == 11:
+            scales = [rest[0], rest[1].view(torch.float16)]
+        elif qtype in (12, 13):
+            scales = [rest[0]]
+        else:  # Q6_K
+            scales = [rest[0].view(torch.int8), rest[1].view(torch.float16)]
+        scales += [scales[0]] * (3 - len(scales))
+        return [low, high, *scales]
+
+    def _meta(qtype: int, n: int, k: int) -> dict:
+        lb, hb, off, mins = qkernels.TYPES[qtype]
+        return dict(QT=qtype, LB=lb, HB=hb, OFF=off, MIN=mins, CW=qpack.chunk_words(qtype, k),
+                    ASM=qkernels.ASM)
+
+    def _launch_gemv(x: torch.Tensor, w: torch.Tensor, qtype: int, n: int, k: int,
                      y: torch.Tensor | None = None) -> torch.Tensor:
         # x (M, K) f32 contiguous -> y (M, N) f32, written into ``y`` (rows unit-strided)
-        bs, ts, nsub, a, b = qkernels.LAYOUTS[qtype]
         if y is None:
             y = torch.empty((x.shape[0], n), device=x.device, dtype=torch.float32)
-        block_n, nb, warps = fused_blocks(qtype, n, k)
-        qkernels._qgemv_kernel[(x.shape[0], triton.cdiv(n, block_n))](
-            x, raw, y, n, k, y.stride(0), QT=qtype, BS=bs, TS=ts, NSUB=nsub, A=a, B=b,
-            MIN=qtype in qkernels.MINS, ASM=qkernels.ASM, BLOCK_N=block_n, NB=nb,
-            num_warps=warps)
+        bn, nc, warps = tiles(qtype, n, k, fused=True)
+        qkernels._qgemv_kernel[(x.shape[0], triton.cdiv(n, bn))](
+            x, *_planes(w, qtype, n, k), y, n, k, y.stride(0), **_meta(qtype, n, k),
+            BN=bn, NC=nc, num_warps=warps)
         return y
 
-    def _launch_dequant(raw: torch.Tensor, qtype: int, n: int, k: int,
-                        dtype: torch.dtype) -> torch.Tensor:
-        # raw: the bytes of n whole rows -> (n, k) of dtype
-        bs, ts, nsub, a, b = qkernels.LAYOUTS[qtype]
-        out = torch.empty((n, k), device=raw.device, dtype=dtype)
-        block_n, nb = 2, 64
-        qkernels._dequant_kernel[(triton.cdiv(n, block_n), triton.cdiv(k // bs, nb))](
-            raw, out, n, k, QT=qtype, BS=bs, TS=ts, NSUB=nsub, A=a, B=b,
-            MIN=qtype in qkernels.MINS, ASM=qkernels.ASM, BLOCK_N=block_n, NB=nb,
-            num_warps=4, enable_fp_fusion=False)  # d*q - m rounded twice, as gguf-py does
+    def _launch_dequant(w: torch.Tensor, qtype: int, n: int, k: int, dtype: torch.dtype,
+                        r0: int = 0, r1: int | None = None) -> torch.Tensor:
+        # rows r0..r1 of a packed (n, k) weight -> (r1 - r0, k) of dtype
+        r1 = n if r1 is None else r1
+        out = torch.empty((r1 - r0, k), device=w.device, dtype=dtype)
+        bn, nc, warps = tiles(qtype, n, k, fused=False)
+        chunks = qpack.geometry(qtype, n, k).chunks
+        qkernels._dequant_kernel[(triton.cdiv(r1 - r0, bn), chunks // nc)](
+            *_planes(w, qtype, n, k), out, r0, r1, k, **_meta(qtype, n, k), BN=bn, NC=nc,
+            num_warps=warps, enable_fp_fusion=False)  # d*q + m rounded twice, as gguf-py does
         return out
 
     # Opaque custom ops, not triton_ops, for the reason gemv.py gives (Inductor compiles a
     # triton_op's kernel per call site while tracing); the launches are recorded into a
     # step's CUDA graph like any other.
     @torch.library.custom_op("apir::qgemv", mutates_args=())
-    def _qgemv(x: torch.Tensor, raws: list[torch.Tensor], qtypes: list[int], ns: list[int],
+    def _qgemv(x: torch.Tensor, ws: list[torch.Tensor], qtypes: list[int], ns: list[int],
                k: int) -> torch.Tensor:
         # the weights stacked along N: one launch each, into its columns of one result
         y = torch.empty((x.shape[0], sum(ns)), device=x.device, dtype=torch.float32)
         off = 0
-        for raw, qtype, n in zip(raws, qtypes, ns):
-            _launch_gemv(x, raw, qtype, n, k, y[:, off : off + n])
+        for w, qtype, n in zip(ws, qtypes, ns):
+            _launch_gemv(x, w, qtype, n, k, y[:, off : off + n])
             off += n
         return y
 
     @_qgemv.register_fake
-    def _(x: torch.Tensor, raws: list[torch.Tensor], qtypes: list[int], ns: list[int],
+    def _(x: torch.Tensor, ws: list[torch.Tensor], qtypes: list[int], ns: list[int],
           k: int) -> torch.Tensor:
         return x.new_empty((x.shape[0], sum(ns)), dtype=torch.float32)
 
     @torch.library.custom_op("apir::qdequant", mutates_args=())
-    def _qdequant(raw: torch.Tensor, qtype: int, n: int, k: int) -> torch.Tensor:
-        return _launch_dequant(raw, qtype, n, k, torch.float16)
+    def _qdequant(w: torch.Tensor, qtype: int, n: int, k: int, r0: int, r1: int) -> torch.Tensor:
+        return _launch_dequant(w, qtype, n, k, torch.float16, r0, r1)
 
     @_qdequant.register_fake
-    def _(raw: torch.Tensor, qtype: int, n: int, k: int) -> torch.Tensor:
-        return raw.new_empty((n, k), dtype=torch.float16)
+    def _(w: torch.Tensor, qtype: int, n: int, k: int, r0: int, r1: int) -> torch.Tensor:
+        return w.new_empty((r1 - r0, k), dtype=torch.float16)
+
+    @torch.library.custom_op("apir::qrows", mutates_args=())
+    def _qrows(w: torch.Tensor, qtype: int, n: int, k: int, ids: torch.Tensor) -> torch.Tensor:
+        rows = qpack.from_rows(qpack.rows_of(w, qtype, n, k)[ids], qtype, k)
+        return _launch_dequant(rows, qtype, ids.numel(), k, torch.float32)
+
+    @_qrows.register_fake
+    def _(w: torch.Tensor, qtype: int, n: int, k: int, ids: torch.Tensor) -> torch.Tensor:
+        return w.new_empty((ids.numel(), k), dtype=torch.float32)
 
 
-def _check(x: torch.Tensor, raw: torch.Tensor, qtype: int, n: int, k: int) -> str | None:
+def get_rows(w: torch.Tensor, qtype: int, n: int, k: int, ids: torch.Tensor) -> torch.Tensor:
+    """Rows ``ids`` (any shape) of W (n, k) as f32 (*ids.shape, k), bit-exact with gguf-py:
+    only the gathered rows are decoded."""
+    flat = ids.long().reshape(-1)
+    if packs(w.device):
+        out = _qrows(w, qtype, n, k, flat)
+    else:
+        out = dequant.dequantize(w.view(n, -1)[flat].reshape(-1), DType(qtype), (flat.numel(), k))
+    return out.reshape(*ids.shape, k)
+
+
+def _check(x: torch.Tensor, w: torch.Tensor, qtype: int, n: int, k: int) -> str | None:
     """Why ``qmatmul`` cannot take these arguments, or None."""
-    if qtype not in _SIZES:
+    if qtype not in qpack.TYPES:
         return f"type {qtype} is not a supported block type"
-    if not x.is_cuda and (qtype not in _TORCH or not x.is_floating_point()):
-        return f"type {qtype} has no CPU decoder"
-    bs, ts = _SIZES[qtype]
+    packed = packs(w.device)
+    if not packed and (qtype not in _TORCH or not x.is_floating_point()):
+        return f"type {qtype} has no decoder on {w.device}"
+    bs = DType(qtype).block_size
     if n <= 0 or k <= 0 or k % bs:
         return f"K={k} must be a positive multiple of {bs}"
-    if raw.dtype != torch.uint8 or raw.dim() != 1 or raw.numel() != n * (k // bs) * ts:
-        return f"raw must be 1-D uint8 of {n * (k // bs) * ts} bytes, got {raw.dtype} {tuple(raw.shape)}"
-    if x.dim() != 2 or x.shape[1] != k or x.device != raw.device:
-        return f"x must be (M, {k}) on {raw.device}, got {tuple(x.shape)} on {x.device}"
-    if raw.is_cuda and (qkernels is None or raw.data_ptr() % 4):
-        return "raw must start 4-byte aligned on a CUDA device with Triton"
+    size = DType(qtype).nbytes((n, k))
+    if w.dtype != torch.uint8 or w.dim() != 1 or w.numel() != size:
+        return f"the weight must be 1-D uint8 of {size} bytes, got {w.dtype} {tuple(w.shape)}"
+    if x.dim() != 2 or x.shape[1] != k or x.device != w.device:
+        return f"x must be (M, {k}) on {w.device}, got {tuple(x.shape)} on {x.device}"
+    if packed and w.data_ptr() % 16:
+        return "a packed weight must start 16-byte aligned"
     return None
 
 
-def usable(x: torch.Tensor, raw: torch.Tensor, qtype: int, n: int, k: int) -> bool:
-    """Whether ``qmatmul(x, raw, qtype, n, k)`` applies."""
-    return _check(x, raw, int(qtype), n, k) is None
+def usable(x: torch.Tensor, w: torch.Tensor, qtype: int, n: int, k: int) -> bool:
+    """Whether ``qmatmul(x, w, qtype, n, k)`` applies."""
+    return _check(x, w, int(qtype), n, k) is None
 
 
-def qmatmul(x: torch.Tensor, raw: torch.Tensor, qtype: int | DType, n: int, k: int) -> torch.Tensor:
-    """x (M, K) @ W.T in f32 for W (N, K) held as GGUF blocks of ggml type ``qtype`` in ``raw``.
+def qmatmul(x: torch.Tensor, w: torch.Tensor, qtype: int | DType, n: int, k: int) -> torch.Tensor:
+    """x (M, K) @ W.T in f32 for W (N, K) of ggml type ``qtype`` held in ``w`` (packed where
+    ``packs``, else GGUF blocks).
 
     Raises ValueError where ``usable`` is False.
     """
-    return qmatmul_stacked(x, [(raw, qtype, n)], k)
+    return qmatmul_stacked(x, [(w, qtype, n)], k)
 
 
 def qmatmul_stacked(x: torch.Tensor, parts: Sequence[tuple[torch.Tensor, int | DType, int]],
                     k: int) -> torch.Tensor:
-    """x (M, K) @ W.T in f32 for W the weights ``parts`` = [(raw, qtype, N_i)] stacked along
+    """x (M, K) @ W.T in f32 for W the weights ``parts`` = [(w, qtype, N_i)] stacked along
     N (a fused q/k/v or gate/up product), each kept where it is, in its own type: (M, sum N_i).
 
     Raises ValueError where ``usable`` is False for a part.
     """
-    parts = [(raw, int(qtype), n) for raw, qtype, n in parts]
-    for raw, qtype, n in parts:
-        why = _check(x, raw, qtype, n, k)
+    parts = [(w, int(qtype), n) for w, qtype, n in parts]
+    for w, qtype, n in parts:
+        why = _check(x, w, qtype, n, k)
         if why is not None:
             raise ValueError(f"qmatmul: {why}")
-    if x.is_cuda and x.shape[0] <= FUSED_ROWS:
+    packed = packs(x.device)
+    if packed and x.shape[0] <= FUSED_ROWS:
         return _qgemv(x.float().contiguous(), *map(list, zip(*parts)), k)
-    wdtype = torch.float16 if x.is_cuda else torch.float32
+    wdtype = torch.float16 if packed else torch.float32
     rows = max(1, SCRATCH_BYTES // (k * wdtype.itemsize))
     xs = x.to(wdtype)  # rounded as the dense path rounds x to its f16 weights
     y = torch.empty((x.shape[0], sum(n for _, _, n in parts)), device=x.device, dtype=torch.float32)
     off = 0
-    for raw, qtype, n in parts:
-        ts = _SIZES[qtype][1] * (k // _SIZES[qtype][0])  # bytes per row
+    for w, qtype, n in parts:
+        per_row = DType(qtype).nbytes((1, k))
         for r0 in range(0, n, rows):
             r1 = min(n, r0 + rows)
-            tile = raw[r0 * ts : r1 * ts]
-            if x.is_cuda:
-                w = _qdequant(tile, qtype, r1 - r0, k)
+            if packed:
+                tile = _qdequant(w, qtype, n, k, r0, r1)
             else:
-                w = dequant.dequantize(tile, DType(qtype), (r1 - r0, k))
-            y[:, off + r0 : off + r1] = torch.matmul(xs, w.T)
+                tile = dequant.dequantize(w[r0 * per_row : r1 * per_row], DType(qtype), (r1 - r0, k))
+            y[:, off + r0 : off + r1] = torch.matmul(xs, tile.T)
         off += n
     return y

@@ -1,0 +1,227 @@
+"""GGUF block weights repacked for the GPU kernels: the same bytes, moved so that a warp's
+loads are contiguous (see qkernels). ``pack`` and ``unpack`` are exact inverses, and the
+packed form takes exactly the bytes of the blocks, so a weight is packed in place.
+
+A weight W (N, K) of a block type becomes planes, one after another, each row-major over
+the N rows:
+
+    low   u32 words of the low bits of every element      (N, K * LB / 32) words
+    high  the extra bits (Q5_*: 1, Q3_K: 1, Q6_K: 2)       (N, K * LB / 32) u8 or u16
+    scale planes, per type                                 f16 per 32 (the 32-element types),
+                                                           or the block's header bytes
+
+The low words of a row are chunks of CW words; a word holds S = 32 / LB slots, and slot s
+of word w of chunk c is element c * S * CW + s * CW + w. So slot s of the CW words of a
+chunk is a run of CW elements: the x values a warp multiplies them with are contiguous, and
+a K-quant's chunk (S * CW = 256) is one super-block whose slot s is sub-block s. Inside a
+word, slot s sits in byte s % 4, at bit LB * (s // 4) of it (LB = 8: byte s), which one
+byte permute reads. The high bits of a low word's S slots are one u8 (1 bit x 8 slots) or
+u16 (2 x 8 or 1 x 16): slot s at bit HB * s.
+
+Scale planes: Q4_0, Q5_0, Q8_0: d (N, K/32) f16; Q4_1, Q5_1: d then m; Q2_K: the 16 scale
+bytes (N, K/16), then d, dmin (N, K/256) f16; Q3_K: the 12 packed scale bytes (N, K/256, 12),
+then d; Q4_K, Q5_K: the 16 header bytes d | dmin | scales[12] (N, K/256, 16); Q6_K: the 16
+int8 scales (N, K/16), then d (N, K/256) f16.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cache
+
+import torch
+
+# (LB low bits, HB high bits, elements of a block) of each ggml block type
+_BITS: dict[int, tuple[int, int, int]] = {
+    2: (4, 0, 32), 3: (4, 0, 32), 6: (4, 1, 32), 7: (4, 1, 32), 8: (8, 0, 32),
+    10: (2, 0, 256), 11: (2, 1, 256), 12: (4, 0, 256), 13: (4, 1, 256), 14: (4, 2, 256),
+}
+TYPES = frozenset(_BITS)
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """Where the planes of a packed (n, k) weight of ``qtype`` lie, in bytes."""
+
+    qtype: int
+    n: int
+    k: int
+    lb: int  # low bits per element
+    hb: int  # high bits per element
+    cw: int  # words per chunk
+    planes: tuple[tuple[int, int], ...]  # (offset, bytes per row) of low, [high], scales...
+
+    @property
+    def slots(self) -> int:
+        return 32 // self.lb
+
+    @property
+    def chunks(self) -> int:
+        """Chunks per row."""
+        return self.k // (self.slots * self.cw)
+
+    @property
+    def nbytes(self) -> int:
+        off, per_row = self.planes[-1]
+        return off + per_row * self.n
+
+
+def chunk_words(qtype: int, k: int) -> int:
+    """CW: 32 words (16 for 2-bit types: a K-quant's chunk is its 256-element block); a
+    32-element type takes the largest power of two up to 32 whose chunk divides K."""
+    lb, _, bs = _BITS[qtype]
+    if bs == 256:
+        return 256 * lb // 32
+    cw = 32
+    while k % (cw * 32 // lb):
+        cw //= 2
+    return cw
+
+
+@cache
+def geometry(qtype: int, n: int, k: int) -> Geometry:
+    lb, hb, bs = _BITS[qtype]
+    if k % bs or n <= 0:
+        raise ValueError(f"a packed {qtype} weight needs K a multiple of {bs}, got ({n}, {k})")
+    words = k * lb // 32
+    rows = [words * 4]  # low
+    if hb:
+        rows.append(words * hb * (32 // lb) // 8)
+    if bs == 32:
+        rows += [k // 32 * 2] * (2 if qtype in (3, 7) else 1)
+    elif qtype == 10:
+        rows += [k // 16, k // 256 * 2, k // 256 * 2]
+    elif qtype == 11:
+        rows += [k // 256 * 12, k // 256 * 2]
+    elif qtype in (12, 13):
+        rows += [k // 256 * 16]
+    else:  # Q6_K
+        rows += [k // 16, k // 256 * 2]
+    planes, off = [], 0
+    for per_row in rows:
+        planes.append((off, per_row))
+        off += per_row * n
+    return Geometry(qtype, n, k, lb, hb, chunk_words(qtype, k), tuple(planes))
+
+
+def _fields(blocks: torch.Tensor, qtype: int) -> tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor]]:
+    """File blocks (nblk, TS) uint8 -> (low (nblk, BS), high (nblk, BS) or None, scale
+    fields [(nblk, bytes)]), the quants in element order, as the block stores them."""
+    def nib(qs):  # (b, 16) -> (b, 32): low nibbles then high
+        return torch.cat([qs & 15, qs >> 4], dim=-1)
+
+    def bits32(qh):  # (b, 4) bytes of a u32 -> (b, 32): bit j = element j
+        return ((qh.unsqueeze(-1) >> torch.arange(8, device=qh.device, dtype=torch.uint8)) & 1).reshape(-1, 32)
+
+    b = blocks
+    if qtype == 2:
+        return nib(b[:, 2:18]), None, [b[:, 0:2]]
+    if qtype == 3:
+        return nib(b[:, 4:20]), None, [b[:, 0:2], b[:, 2:4]]
+    if qtype == 6:
+        return nib(b[:, 6:22]), bits32(b[:, 2:6]), [b[:, 0:2]]
+    if qtype == 7:
+        return nib(b[:, 8:24]), bits32(b[:, 4:8]), [b[:, 0:2], b[:, 2:4]]
+    if qtype == 8:
+        return b[:, 2:34], None, [b[:, 0:2]]
+    n = b.shape[0]
+    sh2 = torch.tensor([0, 2, 4, 6], device=b.device, dtype=torch.uint8).view(1, 1, 4, 1)
+    if qtype in (10, 11):
+        # element 128h + 32s + j: bits 2s.. of qs[32h + j]
+        qs = b[:, 16:80] if qtype == 10 else b[:, 32:96]
+        low = ((qs.reshape(n, 2, 1, 32) >> sh2) & 3).reshape(n, 256)
+        if qtype == 10:
+            return low, None, [b[:, 0:16], b[:, 80:82], b[:, 82:84]]
+        # high bit of element 128h + 32s + j: bit 4h + s of hmask[j]
+        hm = (b[:, 0:32].reshape(n, 1, 1, 32) >> torch.arange(8, device=b.device, dtype=torch.uint8)
+              .view(1, 2, 4, 1)) & 1
+        return low, hm.reshape(n, 256), [b[:, 96:108], b[:, 108:110]]
+    if qtype in (12, 13):
+        qs = b[:, 16:144] if qtype == 12 else b[:, 48:176]
+        low = nib(qs.reshape(n * 4, 32)).reshape(n, 256)  # sub-blocks 2k, 2k+1 of qs[32k:]
+        if qtype == 12:
+            return low, None, [b[:, 0:16]]
+        # 5th bit of element 32c + j: bit c of qh[j]
+        hi = (b[:, 16:48].unsqueeze(1) >> torch.arange(8, device=b.device, dtype=torch.uint8).view(1, 8, 1)) & 1
+        return low, hi.reshape(n, 256), [b[:, 0:16]]
+    # Q6_K: element 128h + 32r + j: low 4 = nibble r // 2 of ql[64h + 32(r % 2) + j], high 2 =
+    # bits 2r.. of qh[32h + j]
+    ql = b[:, 0:128].reshape(n, 2, 2, 32)
+    low = torch.stack([ql[:, :, 0] & 15, ql[:, :, 1] & 15, ql[:, :, 0] >> 4, ql[:, :, 1] >> 4], dim=2)
+    high = (b[:, 128:192].reshape(n, 2, 1, 32) >> sh2) & 3
+    return low.reshape(n, 256), high.reshape(n, 256), [b[:, 192:208], b[:, 208:210]]
+
+
+def _slot_shift(lb: int, s: int) -> int:
+    return 8 * (s % 4) + lb * (s // 4)
+
+
+def pack(raw: torch.Tensor, qtype: int, n: int, k: int) -> torch.Tensor:
+    """The GGUF bytes of W (n, k) (1-D uint8) -> its packed form, a new 1-D uint8 tensor of
+    the same size on the same device."""
+    g = geometry(qtype, n, k)
+    lb, hb, bs = _BITS[qtype]
+    blocks = raw.reshape(n * k // bs, -1)
+    low, high, scales = _fields(blocks, qtype)
+    s_, cw = g.slots, g.cw
+    # (n, chunks, S, CW): element c*S*CW + s*CW + w
+    low = low.reshape(n, g.chunks, s_, cw).to(torch.int64)
+    words = torch.zeros((n, g.chunks, cw), dtype=torch.int64, device=raw.device)
+    for s in range(s_):
+        words |= low[:, :, s] << _slot_shift(lb, s)
+    out = [words.to(torch.int32).contiguous().view(torch.uint8).reshape(-1)]  # little-endian u32
+    if hb:
+        high = high.reshape(n, g.chunks, s_, cw).to(torch.int32)
+        hw = torch.zeros((n, g.chunks, cw), dtype=torch.int32, device=raw.device)
+        for s in range(s_):
+            hw |= high[:, :, s] << (hb * s)
+        width = torch.uint8 if hb * s_ == 8 else torch.int16
+        out.append(hw.to(width).contiguous().view(torch.uint8).reshape(-1))
+    for field in scales:  # (nblk, bytes) in row-major block order: (n, blocks per row * bytes)
+        out.append(field.reshape(-1))
+    packed = torch.cat(out)
+    assert packed.numel() == g.nbytes == raw.numel()
+    return packed
+
+
+def rows_of(packed: torch.Tensor, qtype: int, n: int, k: int) -> torch.Tensor:
+    """A packed (n, k) weight as (n, row bytes): each row's bytes of every plane, in plane
+    order."""
+    g = geometry(qtype, n, k)
+    return torch.cat([packed[off : off + per * n].reshape(n, per) for off, per in g.planes], dim=1)
+
+
+def from_rows(rows: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
+    """``rows_of``'s inverse: (r, row bytes) -> the packed (r, k) weight, 1-D."""
+    g = geometry(qtype, rows.shape[0], k)
+    return torch.cat([part.reshape(-1) for part in rows.split([per for _, per in g.planes], dim=1)])
+
+
+@cache
+def _inverse(qtype: int, k0: int, device: str) -> torch.Tensor:
+    """For a (1, k0) weight of one chunk: the bit of ``rows_of(pack(...))`` that each of its
+    GGUF bits comes from, found by packing one-hot rows (pack moves bits, one to one)."""
+    g = geometry(qtype, 1, k0)
+    nbits = g.nbytes * 8
+    idx = torch.arange(nbits)
+    eye = torch.zeros((nbits, g.nbytes), dtype=torch.uint8)
+    eye[idx, idx // 8] = (1 << (idx % 8)).to(torch.uint8)
+    packed = rows_of(pack(eye.reshape(-1), qtype, nbits, k0), qtype, nbits, k0)
+    bits = ((packed.unsqueeze(-1) >> torch.arange(8, dtype=torch.uint8)) & 1).reshape(nbits, nbits)
+    assert bool((bits.sum(dim=1) == 1).all())
+    return bits.argmax(dim=1).to(device)
+
+
+def unpack(packed: torch.Tensor, qtype: int, n: int, k: int) -> torch.Tensor:
+    """``pack``'s inverse: the GGUF bytes of W (n, k), 1-D uint8, a new tensor."""
+    g = geometry(qtype, n, k)
+    k0 = g.slots * g.cw  # a chunk: every plane's row is its chunks' pieces, one after another
+    nc = g.chunks
+    per_chunk = [part.reshape(n * nc, -1) for part in
+                 rows_of(packed, qtype, n, k).split([per for _, per in g.planes], dim=1)]
+    rows = torch.cat(per_chunk, dim=1)  # (n * chunks, packed bytes of a (1, k0) weight)
+    src = _inverse(qtype, k0, str(packed.device))
+    shifts = torch.arange(8, dtype=torch.uint8, device=rows.device)
+    bits = ((rows.unsqueeze(-1) >> shifts) & 1).reshape(n * nc, -1)[:, src]
+    weights = (1 << torch.arange(8, dtype=torch.int32, device=rows.device))
+    return (bits.reshape(n * nc, -1, 8).to(torch.int32) * weights).sum(-1).to(torch.uint8).reshape(-1)

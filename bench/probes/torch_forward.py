@@ -1,0 +1,121 @@
+"""Issue 24's forward-pass table: a PyTorch model compiled with ``backend="apir"`` in a
+GPU-less guest process, its host daemon on DEVICE, against ``torch.compile`` (Inductor) run
+natively on DEVICE; per forward pass, batch 1 and 32, the median of --repeat calls after a
+warm-up (which includes Dynamo's tracing and the apir registration).
+
+Models, random weights (the speed does not depend on them):
+- transformers' LlamaForCausalLM with SmolLM2-135M's configuration: a prompt of --seq tokens
+  per sequence, logits of the last position (``logits_to_keep=1``, as generate()'s prefill);
+- torchvision's ResNet-18 on 224x224 images.
+
+    python3 bench/probes/torch_forward.py [--device cuda] [--seq 128] [--repeat 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+import apir.torch  # noqa: F401 - registers the backend "apir"
+from apir.backends import create_backend
+from apir.spawn import start_host
+
+
+def smollm2_shape() -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                      num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048,
+                      rope_theta=100000.0, tie_word_embeddings=True)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def resnet18() -> torch.nn.Module:
+    import torchvision
+
+    return torchvision.models.resnet18(weights=None).eval()
+
+
+def median_ms(fn, args: tuple, kwargs: dict, repeat: int, sync) -> float:
+    with torch.no_grad():
+        fn(*args, **kwargs)  # warm-up: trace, compile or register
+        fn(*args, **kwargs)
+        times = []
+        for _ in range(repeat):
+            sync()
+            t0 = time.perf_counter()
+            out = fn(*args, **kwargs)
+            if isinstance(out, torch.Tensor):
+                out.sum().item() if out.is_cuda else None
+            sync()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--seq", type=int, default=128, help="prompt tokens per sequence (LLM)")
+    ap.add_argument("--repeat", type=int, default=20)
+    ap.add_argument("--batches", default="1,32")
+    ap.add_argument("--models", default="smollm2,resnet18")
+    args = ap.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    torch.manual_seed(0)
+    dev = torch.device(args.device)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        unix = f"unix://{Path(tmp) / 'apir.sock'}"
+        host = start_host([unix], Path(tmp) / "host.log", device=args.device)
+        remote = create_backend("remote", remote=unix)
+        try:
+            models = {"smollm2": ("smollm2-135m (transformers)", smollm2_shape),
+                      "resnet18": ("resnet18 (torchvision)", resnet18)}
+            for name, make in (models[m] for m in args.models.split(",")):
+                guest = make()
+                native = make().to(dev)
+                native.load_state_dict(guest.state_dict())
+                for b in (int(x) for x in args.batches.split(",")):
+                    if name.startswith("resnet"):
+                        x = torch.randn(b, 3, 224, 224)
+                        kw: dict = {}
+                    else:
+                        x = torch.randint(0, 49152, (b, args.seq))
+                        kw = {"logits_to_keep": 1}
+
+                    def call(m, inp, kw=kw):
+                        out = m(inp, **kw)
+                        return out.logits if hasattr(out, "logits") else out
+
+                    torch._dynamo.reset()
+                    inductor = torch.compile(native)
+                    t_native = median_ms(call, (inductor, x.to(dev)), {}, args.repeat, sync)
+                    torch._dynamo.reset()
+                    compiled = torch.compile(guest, backend="apir", options={"backend": remote})
+                    t_remote = median_ms(call, (compiled, x), {}, args.repeat, sync)
+                    with torch.no_grad():
+                        want = call(inductor, x.to(dev)).float().cpu()
+                        got = call(compiled, x).float()
+                    err = ((got - want).abs().max() / want.abs().max()).item()
+                    rows.append((name, b, t_native, t_remote, err))
+                    print(f"{name} batch {b}: inductor {t_native:.2f} ms, apir remote {t_remote:.2f} ms, "
+                          f"ratio {t_native / t_remote:.3f}, max rel err {err:.1e}", flush=True)
+        finally:
+            remote.close()
+            host.stop()
+    print(f"\n| model | batch | Inductor native ({args.device}) ms | apir remote (host {args.device}) ms "
+          "| remote ÷ native speed | max rel. error |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    for name, b, tn, tr, err in rows:
+        print(f"| {name} | {b} | {tn:.2f} | {tr:.2f} | {tn / tr:.3f} | {err:.1e} |")
+
+
+if __name__ == "__main__":
+    main()
