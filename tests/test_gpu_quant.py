@@ -11,6 +11,7 @@ from gguf import quants
 from test_qmatmul import SCALES, check_products, check_stacked, random_weight
 
 from apir.backends.local import qmatmul as qm
+from apir.backends.local import qpack
 
 pytestmark = pytest.mark.gpu
 TYPES = list(SCALES)
@@ -20,11 +21,15 @@ def _cuda(a: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(a).cuda()
 
 
+def _packed(raw: np.ndarray, qtype, n: int, k: int) -> torch.Tensor:
+    return qpack.pack(_cuda(raw), int(qtype), n, k)
+
+
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_fused_decode_rows_match_gguf(qtype):
     def product(x, raw, n, k):
         assert x.shape[0] <= qm.FUSED_ROWS  # the fused kernel's path
-        return qm.qmatmul(_cuda(x), _cuda(raw), qtype, n, k)
+        return qm.qmatmul(_cuda(x), _packed(raw, qtype, n, k), qtype, n, k)
     check_products(qtype, product, rel=1e-5, rows=(1, 3, qm.FUSED_ROWS))
 
 
@@ -33,7 +38,7 @@ def test_prefill_rows_match_gguf(qtype, monkeypatch):
     # 17 rows take the dequantize + matmul path; a scratch of 192 B makes it tile N (1 to 3 rows)
     monkeypatch.setattr(qm, "SCRATCH_BYTES", 3 * 64 * 2)
     def product(x, raw, n, k):
-        return qm.qmatmul(_cuda(x), _cuda(raw), qtype, n, k)
+        return qm.qmatmul(_cuda(x), _packed(raw, qtype, n, k), qtype, n, k)
     # x and W are rounded to f16 before cuBLAS multiplies them
     check_products(qtype, product, rel=2e-3, rows=(17,))
 
@@ -42,14 +47,14 @@ def test_prefill_rows_match_gguf(qtype, monkeypatch):
 def test_dequant_kernel_is_bit_exact_on_cuda(qtype):
     for n, k in [(13, 96), (5, 768)] if quants.GGML_QUANT_SIZES[qtype][0] == 32 else [(13, 256), (5, 768)]:
         raw = random_weight(qtype, n, k, seed=n)
-        got = qm._launch_dequant(_cuda(raw), int(qtype), n, k, torch.float32)
+        got = qm._launch_dequant(_packed(raw, qtype, n, k), int(qtype), n, k, torch.float32)
         np.testing.assert_array_equal(got.cpu().numpy(), quants.dequantize(raw.reshape(n, -1), qtype))
 
 
 @pytest.mark.parametrize("m", [1, 17])
 def test_stacked_weights_of_mixed_types_on_cuda(m):
     def product(x, parts):
-        return qm.qmatmul_stacked(_cuda(x), [(_cuda(r), t, n) for r, t, n in parts], 512)
+        return qm.qmatmul_stacked(_cuda(x), [(_packed(r, t, n, 512), t, n) for r, t, n in parts], 512)
     check_stacked(product, m, rel=1e-5 if m <= qm.FUSED_ROWS else 2e-3)
 
 
@@ -57,17 +62,18 @@ def test_8b_shapes_are_deterministic_and_graph_capturable():
     for qtype in (Q.Q4_0, Q.Q8_0, Q.Q4_K, Q.Q6_K):
         n, k = 4096, 14336
         raw = _cuda(random_weight(qtype, n, k, seed=1))
+        w = qpack.pack(raw, int(qtype), n, k)
         x = torch.randn(1, k, device="cuda")
-        first = qm.qmatmul(x, raw, qtype, n, k)
+        first = qm.qmatmul(x, w, qtype, n, k)
         out = torch.empty_like(first)
         g = torch.cuda.CUDAGraph()
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
-            qm.qmatmul(x, raw, qtype, n, k)  # compile outside the capture
+            qm.qmatmul(x, w, qtype, n, k)  # compile outside the capture
         torch.cuda.current_stream().wait_stream(s)
         with torch.cuda.graph(g):
-            out.copy_(qm.qmatmul(x, raw, qtype, n, k))
+            out.copy_(qm.qmatmul(x, w, qtype, n, k))
         g.replay()
         torch.cuda.synchronize()
         assert torch.equal(first, out), qtype.name
@@ -76,10 +82,10 @@ def test_8b_shapes_are_deterministic_and_graph_capturable():
         assert ((first.double() - want).abs().max() / want.abs().max()).item() < 1e-5, qtype.name
 
 
-def test_misaligned_raw_is_refused_on_cuda():
-    buf = torch.zeros(2 + 4 * 18 * 2, dtype=torch.uint8, device="cuda")
-    raw = buf[2:]  # 2-byte aligned only
+def test_misaligned_weight_is_refused_on_cuda():
+    buf = torch.zeros(4 + 4 * 18 * 2, dtype=torch.uint8, device="cuda")
+    raw = buf[4:]  # 4-byte aligned only
     x = torch.zeros(1, 64, device="cuda")
     assert not qm.usable(x, raw, Q.Q4_0, 4, 64)
-    with pytest.raises(ValueError, match="4-byte aligned"):
+    with pytest.raises(ValueError, match="16-byte aligned"):
         qm.qmatmul(x, raw, Q.Q4_0, 4, 64)

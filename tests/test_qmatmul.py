@@ -1,5 +1,6 @@
 """Products from GGUF blocks (apir.backends.local.qmatmul) against gguf.quants.dequantize
-followed by a float64 numpy product, on random blocks and odd shapes.
+followed by a float64 numpy product, on random blocks and odd shapes; the packed form the
+GPU kernels read (qpack) against the blocks it is made from.
 
 The Triton kernels run on a CPU under Triton's interpreter: with triton installed,
 TRITON_INTERPRET=1 pytest tests/test_qmatmul.py (the shared venv has no triton: skipped).
@@ -16,6 +17,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf import quants
 
 from apir.backends.local import qmatmul as qm
+from apir.backends.local import qpack
 
 # byte offsets of the f16 scales (d, m, dmin) in each type's block
 SCALES = {Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q5_0: (0,), Q.Q5_1: (0, 2), Q.Q8_0: (0,),
@@ -109,7 +111,7 @@ def test_bad_arguments_are_refused_with_the_reason():
     raw = torch.from_numpy(random_weight(Q.Q4_0, 4, 64, seed=0))
     x = torch.zeros(1, 64)
     assert qm.usable(x, raw, Q.Q4_0, 4, 64)
-    with pytest.raises(ValueError, match="raw must be 1-D uint8 of 144 bytes"):
+    with pytest.raises(ValueError, match="the weight must be 1-D uint8 of 144 bytes"):
         qm.qmatmul(x, raw[:-1], Q.Q4_0, 4, 64)
     with pytest.raises(ValueError, match="K=48 must be a positive multiple of 32"):
         qm.qmatmul(torch.zeros(1, 48), raw, Q.Q4_0, 4, 48)
@@ -120,33 +122,67 @@ def test_bad_arguments_are_refused_with_the_reason():
     assert not qm.usable(x, raw, Q.F16, 4, 64)
 
 
+def packed(raw: np.ndarray, qtype: Q, n: int, k: int) -> torch.Tensor:
+    return qpack.pack(torch.from_numpy(raw), int(qtype), n, k)
+
+
+@pytest.mark.parametrize("qtype", list(SCALES), ids=lambda t: t.name)
+def test_packing_moves_every_bit_and_unpacks_exactly(qtype):
+    shapes = [(13, 96), (5, 160), (3, 4096), (2, 576)] if quants.GGML_QUANT_SIZES[qtype][0] == 32 \
+        else [(13, 256), (5, 768), (2, 14336)]
+    for i, (n, k) in enumerate(shapes):
+        raw = random_weight(qtype, n, k, seed=i)
+        p = packed(raw, qtype, n, k)
+        assert p.dtype == torch.uint8 and p.numel() == raw.size  # the same bytes, moved
+        assert np.unpackbits(p.numpy()).sum() == np.unpackbits(raw).sum()  # same bits, moved
+        np.testing.assert_array_equal(qpack.unpack(p, int(qtype), n, k).numpy(), raw)
+        rows = qpack.rows_of(p, int(qtype), n, k)  # a row's bytes of every plane
+        assert torch.equal(qpack.from_rows(rows[1:], int(qtype), k),
+                           packed(raw.reshape(n, -1)[1:].reshape(-1), qtype, n - 1, k))
+
+
+def test_packed_slots_hold_chunk_runs_of_elements():
+    # Q4_0, K = 256: one chunk of 32 words; slot s of word w is element 32 s + w, nibble
+    # s // 4 of byte s % 4; d for group g in the scale plane
+    k = 256
+    q = np.arange(k) % 16
+    blocks = np.zeros((k // 32, 18), np.uint8)
+    blocks[:, 0:2] = np.arange(8, dtype=np.float16).reshape(8, 1).view(np.uint8)
+    qb = q.reshape(8, 32)
+    blocks[:, 2:18] = qb[:, :16] | (qb[:, 16:] << 4)
+    p = packed(blocks.reshape(-1), Q.Q4_0, 1, k).numpy()
+    words = p[:128].view(np.uint32)
+    for s in range(8):
+        got = (words >> (8 * (s % 4) + 4 * (s // 4))) & 15
+        np.testing.assert_array_equal(got, q[32 * s : 32 * s + 32])
+    np.testing.assert_array_equal(p[128:].view(np.float16), np.arange(8, dtype=np.float16))
+
+
 @needs_triton
 @pytest.mark.parametrize("qtype", list(SCALES), ids=lambda t: t.name)
 def test_fused_kernel_matches_gguf(qtype):
     def product(x, raw, n, k):
-        return qm._launch_gemv(torch.from_numpy(x), torch.from_numpy(raw), int(qtype), n, k)
+        return qm._launch_gemv(torch.from_numpy(x), packed(raw, qtype, n, k), int(qtype), n, k)
     check_products(qtype, product, rel=1e-5)
 
 
 @needs_triton
 @pytest.mark.parametrize(("qtype", "k"), [(Q.Q4_0, 4096), (Q.Q8_0, 8192), (Q.Q6_K, 32768)],
                          ids=lambda v: getattr(v, "name", v))
-def test_fused_kernel_with_a_block_per_thread_matches_gguf(qtype, k):
-    # 128+ blocks a row: a tile of 128 blocks of each of its rows, the case of 8B-sized
-    # weights
-    assert qm.fused_blocks(int(qtype), 3, k)[1] == 128
+def test_fused_kernel_with_many_chunks_a_step_matches_gguf(qtype, k):
+    # 8B-sized rows: a program walks several steps of 256 words
+    assert qm.tiles(int(qtype), 3, k, True)[1] * qpack.geometry(int(qtype), 3, k).cw == 256
     raw = random_weight(qtype, 3, k, seed=5)
     x = np.random.default_rng(6).standard_normal((2, k)).astype(np.float32)
-    y = qm._launch_gemv(torch.from_numpy(x), torch.from_numpy(raw), int(qtype), 3, k)
+    y = qm._launch_gemv(torch.from_numpy(x), packed(raw, qtype, 3, k), int(qtype), 3, k)
     check(y, x, raw, qtype, 3, k, rel=1e-5)
 
 
 @needs_triton
 def test_fused_kernel_writes_stacked_weights_into_one_result():
     def product(x, parts):
-        raws, qtypes, ns = zip(*parts)
-        return qm._qgemv(torch.from_numpy(x), [torch.from_numpy(r) for r in raws],
-                         [int(t) for t in qtypes], list(ns), 512)
+        ws, qtypes, ns = zip(*[(packed(r, t, n, 512), int(t), n) for r, t, n in parts])
+        return qm._qgemv(torch.from_numpy(x), list(ws), list(qtypes), list(ns), 512)
     check_stacked(product, 2, rel=1e-5)
 
 
@@ -155,5 +191,9 @@ def test_fused_kernel_writes_stacked_weights_into_one_result():
 def test_dequant_kernel_is_bit_exact(qtype):
     for n, k in [(13, 96), (5, 768)] if quants.GGML_QUANT_SIZES[qtype][0] == 32 else [(13, 256), (5, 768)]:
         raw = random_weight(qtype, n, k, seed=n)
-        got = qm._launch_dequant(torch.from_numpy(raw), int(qtype), n, k, torch.float32)
-        np.testing.assert_array_equal(got.numpy(), quants.dequantize(raw.reshape(n, -1), qtype))
+        w = packed(raw, qtype, n, k)
+        want = quants.dequantize(raw.reshape(n, -1), qtype)
+        np.testing.assert_array_equal(qm._launch_dequant(w, int(qtype), n, k, torch.float32).numpy(), want)
+        # a range of rows, as the prefill path's tiles take them
+        got = qm._launch_dequant(w, int(qtype), n, k, torch.float32, 2, n - 1).numpy()
+        np.testing.assert_array_equal(got, want[2 : n - 1])

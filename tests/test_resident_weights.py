@@ -114,3 +114,45 @@ def test_fused_16_bit_weights_are_one_view_when_adjacent_else_each_in_place(adja
         else:
             assert [p.data_ptr() - storage.data_ptr() for p in fused] == offsets
         assert b._weights == {} and b.ledger.forms == {}
+
+
+def test_packed_weights_read_and_write_as_their_gguf_bytes():
+    """On a GPU a quantized weight is packed in place at its first use (qpack); what the
+    guest reads or partly rewrites is still its GGUF bytes. The bookkeeping is torch only,
+    so it runs here with packing switched on for the CPU."""
+    from types import SimpleNamespace
+
+    from apir.backends.base import BackendError
+    from apir.backends.local import qpack
+
+    be = LocalBackend("cpu", config=BLOCKS)
+    be._packs = True
+    raw = np.random.default_rng(0).integers(0, 256, 4 * 64 // 32 * 18, dtype=np.uint8)
+    raw.reshape(-1, 18)[:, 1] = 0  # finite f16 scales
+    h = be.alloc_buffer(1024, BufferPurpose.WEIGHTS)
+    be.set_tensor(h, 32, raw)
+    node = SimpleNamespace(attrs=(h, 32), dtype=DType.Q4_0, shape=(4, 64))
+    storage = be._buffers[h].storage
+
+    def packed(b: np.ndarray) -> bytes:
+        return qpack.pack(torch.from_numpy(b), 2, 4, 64).numpy().tobytes()
+
+    be._packed_blocks(node)
+    assert storage[32 : 32 + raw.size].numpy().tobytes() == packed(raw)  # in place
+    assert be.get_tensor(h, 32, raw.size) == raw.tobytes()
+    assert be.get_tensor(h, 40, 10) == raw[8:18].tobytes()
+    # a write into part of it brings the GGUF bytes back first; the next use packs again
+    be.set_tensor(h, 37, np.array([0, 1], np.uint8))
+    want = raw.copy()
+    want[5:7] = [0, 1]
+    assert storage[32 : 32 + raw.size].numpy().tobytes() == want.tobytes()
+    assert be.get_tensor(h, 32, raw.size) == want.tobytes()
+    be._packed_blocks(node)
+    assert storage[32 : 32 + raw.size].numpy().tobytes() == packed(want)
+    # the same bytes as another shape would read packed bytes as blocks: refused
+    with pytest.raises(BackendError, match="already in use as another quantized weight"):
+        be._packed_blocks(SimpleNamespace(attrs=(h, 32), dtype=DType.Q4_0, shape=(2, 128)))
+    # a write of the whole span simply replaces it
+    be.set_tensor(h, 32, raw)
+    assert be.get_tensor(h, 32, raw.size) == raw.tobytes() and not be._packed[id(be._buffers[h])]
+    be.close()

@@ -1,13 +1,14 @@
-"""Decode products from GGUF blocks on a GPU: apir's fused kernel (qmatmul, M=1) against the
-f16 gemv of gemv.py on the same shape, against dequantizing (torch decoders of dequant.py, or
-apir's Triton dequantize kernel) into an f16 scratch then a matmul. Each call reads a different
+"""Decode products from packed GGUF blocks on a GPU: apir's fused kernel (qmatmul, M=1)
+against the f16 gemv of gemv.py on the same shape, against dequantizing (torch decoders of
+dequant.py from the file's blocks, or apir's Triton dequantize kernel from the packed form)
+into an f16 scratch then a matmul. Each call reads a different
 weight copy (as a decode step's layers do), inside one CUDA graph. Prints µs per call and the
 effective read rate: the weight's bytes in its own format (GGUF blocks, or f16) per second.
 
     python3 bench/probes/qgemv.py [Q4_0 Q8_0 ...] [--rows M] [--sweep]
 
---sweep also times the fused kernel over a grid of (BLOCK_N, NB, warps) and prints the best
-next to the one apir.backends.local.qmatmul.fused_blocks picks.
+--sweep also times the fused kernel over a grid of (BN, NC, warps) and prints the best
+next to the one apir.backends.local.qmatmul.tiles picks.
 """
 
 import sys
@@ -16,10 +17,11 @@ import torch
 import triton
 from gemv import time_us  # bench/probes/gemv.py, beside this file
 from gguf import GGMLQuantizationType as Q
+from gguf import quants
 
-from apir.backends.local import dequant, qkernels
+from apir.backends.local import dequant, qkernels, qpack
 from apir.backends.local.gemv import _gemv_kernel, blocks
-from apir.backends.local.qmatmul import _launch_dequant, _launch_gemv, fused_blocks
+from apir.backends.local.qmatmul import _launch_dequant, _launch_gemv, _meta, _planes, tiles
 from apir.graph.dtypes import DType
 
 # (N, K) of an 8B llama's decode products: q/o, gate/up, down, output; and a 135M vocabulary
@@ -31,7 +33,7 @@ SCALES = {Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q5_0: (0,), Q.Q5_1: (0, 2), Q.Q8_0: (0
 
 
 def random_raw(qtype, n, k):
-    bs, ts = qkernels.LAYOUTS[int(qtype)][:2]
+    bs, ts = quants.GGML_QUANT_SIZES[qtype]
     raw = torch.randint(0, 256, (n * k // bs, ts), dtype=torch.uint8, device="cuda")
     for off in SCALES[qtype]:
         raw[:, off:off + 2] = (torch.rand(raw.shape[0], 1, device="cuda") * 0.02 - 0.01).half().view(torch.uint8)
@@ -41,14 +43,12 @@ def random_raw(qtype, n, k):
 def fused(qtype, n, k, cfg=None):
     if cfg is None:
         return lambda x, raw: _launch_gemv(x, raw, int(qtype), n, k)
-    bn, nb, warps = cfg
-    bs, ts, nsub, a, b = qkernels.LAYOUTS[int(qtype)]
+    bn, nc, warps = cfg
 
-    def run(x, raw):
+    def run(x, w):
         y = torch.empty((x.shape[0], n), device="cuda", dtype=torch.float32)
         qkernels._qgemv_kernel[(x.shape[0], triton.cdiv(n, bn))](
-            x, raw, y, n, k, n, QT=int(qtype), BS=bs, TS=ts, NSUB=nsub, A=a, B=b,
-            MIN=int(qtype) in qkernels.MINS, ASM=qkernels.ASM, BLOCK_N=bn, NB=nb,
+            x, *_planes(w, int(qtype), n, k), y, n, k, n, **_meta(int(qtype), n, k), BN=bn, NC=nc,
             num_warps=warps)
         return y
     return run
@@ -83,30 +83,32 @@ def main(types, rows, sweep):
         print(f"N={n} K={k} f16 gemv {us:.2f} µs {n * k * 2 / us / 1e6:.2f} TB/s", flush=True)
         del f16_ws
         for qtype in types:
-            bs, ts = qkernels.LAYOUTS[int(qtype)][:2]
+            bs, ts = quants.GGML_QUANT_SIZES[qtype]
             if k % bs:
                 continue
             nbytes = n * k // bs * ts
-            ws = [random_raw(qtype, n, k) for _ in range(max(2, min(64, (512 << 20) // nbytes)))]
+            raws = [random_raw(qtype, n, k) for _ in range(max(2, min(64, (512 << 20) // nbytes)))]
+            ws = [qpack.pack(r, int(qtype), n, k) for r in raws]
             x = torch.randn(rows, k, device="cuda")
-            want = x.double() @ dequant.dequantize(ws[0], DType(int(qtype)), (n, k)).double().T \
+            want = x.double() @ dequant.dequantize(raws[0], DType(int(qtype)), (n, k)).double().T \
                 if int(qtype) in {int(d) for d in dequant.SUPPORTED} else None
             got = fused(qtype, n, k)(x, ws[0])
             if want is not None:
                 err = ((got.double() - want).abs().max() / want.abs().max()).item()
                 assert err < 1e-4, (qtype.name, n, k, err)
-            res = {f"fused{fused_blocks(int(qtype), n, k)}": time_us(fused(qtype, n, k), x, ws)}
+            res = {f"fused{tiles(int(qtype), n, k, True)}": time_us(fused(qtype, n, k), x, ws)}
             if sweep:
                 best = None
-                for cfg in [(bn, nb, wp) for bn in (1, 2, 4, 8, 16) for nb in (1, 2, 4, 8, 16, 32)
-                            for wp in (2, 4, 8) if 512 <= bn * nb * bs <= 16384]:
+                g = qpack.geometry(int(qtype), n, k)
+                for cfg in [(bn, nc, wp) for bn in (1, 2, 4, 8, 16) for nc in (1, 2, 4, 8, 16)
+                            for wp in (2, 4, 8) if g.chunks % nc == 0 and 256 <= bn * nc * g.cw <= 4096]:
                     t = time_us(fused(qtype, n, k, cfg), x, ws, reps=10)
                     if best is None or t < best[0]:
                         best = (t, cfg)
                 res[f"best{best[1]}"] = best[0]
             res["triton-dq+mm"] = time_us(triton_dq_mm(qtype, n, k), x, ws[:2])
             if want is not None:
-                res["torch-dq+mm"] = time_us(torch_dq_mm(qtype, n, k), x, ws[:2])
+                res["torch-dq+mm"] = time_us(torch_dq_mm(qtype, n, k), x, raws[:2])
             line = " | ".join(f"{name} {t:.2f} µs {nbytes / t / 1e6:.2f} TB/s" for name, t in res.items())
             print(f"  {qtype.name} M={rows} ({nbytes / 1e6:.1f} MB): {line}", flush=True)
             del ws

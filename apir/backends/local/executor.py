@@ -34,7 +34,7 @@ from ..base import (
     Pending,
 )
 from ..executor import Buffer, Executor, Registered, check_indices
-from . import kernels
+from . import kernels, qmatmul, qpack
 from .capture import CapturedStep
 from .dequant import dequantize
 from .program import FusedMatmul, Input, Leaf, Part, Program, Step, compile_program
@@ -99,6 +99,10 @@ class LocalBackend(Executor):
         self.compile_prefill = config.compile == "all"
         # a shared weights mapping is computed on in place on the CPU; a GPU copies it
         self._lends = self.torch_device.type == "cpu"
+        # quantized weights packed in place for the GPU kernels (qpack), per buffer (by id):
+        # offset -> (qtype, rows, K, bytes); reads and writes of the buffer see GGUF bytes
+        self._packs = qmatmul.packs(self.torch_device)
+        self._packed: dict[int, dict[int, tuple[int, int, int, int]]] = {}
         # told before a graph is compiled (tens of seconds); a host session tells its guest
         self.on_compile: Callable[[str], None] = lambda what: None
 
@@ -142,15 +146,58 @@ class LocalBackend(Executor):
             return torch.frombuffer(data, dtype=torch.uint8)
 
     def _fill(self, buf: Buffer, value: int) -> None:
+        self._packed.pop(id(buf), None)
         buf.storage.fill_(value)
 
     def _write(self, buf: Buffer, offset: int, data: np.ndarray) -> None:
+        # a packed weight the write covers only in part goes back to its GGUF bytes first
+        spans = self._packed.get(id(buf), {})
+        for start, (qtype, n, k, size) in self._overlapping(buf, offset, data.nbytes):
+            if not (offset <= start and start + size <= offset + data.nbytes):
+                span = buf.storage[start : start + size]
+                span.copy_(qpack.unpack(span, qtype, n, k))
+            del spans[start]
         # torch refuses read-only arrays (e.g. a GGUF memory map) without a warning; copy those
         src = torch.from_numpy(data if data.flags.writeable else data.copy())
         buf.storage[offset : offset + data.nbytes].copy_(src)
 
     def _read(self, buf: Buffer, offset: int, size: int) -> bytes:
-        return buf.storage[offset : offset + size].cpu().numpy().tobytes()
+        out = buf.storage[offset : offset + size].clone()
+        for start, (qtype, n, k, nbytes) in self._overlapping(buf, offset, size):
+            gguf = qpack.unpack(buf.storage[start : start + nbytes], qtype, n, k)
+            lo, hi = max(start, offset), min(start + nbytes, offset + size)
+            out[lo - offset : hi - offset] = gguf[lo - start : hi - start]
+        return out.cpu().numpy().tobytes()
+
+    def _release(self, buf: Buffer) -> None:
+        self._packed.pop(id(buf), None)
+        super()._release(buf)
+
+    def _overlapping(self, buf: Buffer, offset: int, size: int) -> list[tuple[int, tuple[int, int, int, int]]]:
+        """The packed weights of ``buf`` that bytes [offset, offset + size) touch."""
+        return [(start, rec) for start, rec in self._packed.get(id(buf), {}).items()
+                if start < offset + size and offset < start + rec[3]]
+
+    def _packed_blocks(self, node) -> torch.Tensor:
+        """A quantized WEIGHT's bytes, packed in place the first time a graph reads it (the
+        packed form takes the same bytes). A second view of them as another shape or type
+        is refused: it would read the packed bytes as GGUF blocks."""
+        handle, offset = node.attrs
+        buf = self._buffers[handle]
+        k = node.shape[-1]
+        n = node.dtype.nbytes(node.shape) // node.dtype.nbytes((1, k))
+        want = (int(node.dtype), n, k, node.dtype.nbytes(node.shape))
+        spans = self._packed.setdefault(id(buf), {})
+        if spans.get(offset) != want:
+            if self._overlapping(buf, offset, want[3]):
+                raise BackendError(
+                    f"the bytes at buffer {handle} offset {offset} are already in use as another "
+                    f"quantized weight; a second view of them as {node.dtype.name} {node.shape} "
+                    "is not supported on this device")
+            span = buf.storage[offset : offset + want[3]]
+            span.copy_(qpack.pack(span, *want[:3]))
+            spans[offset] = want
+        return self._raw(node)
 
     # ------------------------------------------------------------ graphs
     def _weight_dtype(self, dtype: DType) -> torch.dtype:
@@ -181,7 +228,8 @@ class LocalBackend(Executor):
         """A WEIGHT as uploaded, no copy: its blocks, or a view of its bytes (offsets are
         ALIGNMENT-aligned, so every view is aligned)."""
         if node.dtype.is_quantized:
-            return kernels.Blocks(self._raw(node), int(node.dtype), node.shape)
+            data = self._packed_blocks(node) if self._packs else self._raw(node)
+            return kernels.Blocks(data, int(node.dtype), node.shape)
         return self._raw(node).view(TORCH_DTYPES[node.dtype]).view(node.shape)
 
     def _fused_weight(self, step: FusedMatmul) -> torch.Tensor | tuple:
@@ -204,6 +252,11 @@ class LocalBackend(Executor):
         return tuple(self._stored(w) for w in ws)
 
     def _dequantized(self, node) -> torch.Tensor:
+        if self._packs and node.dtype.is_quantized:
+            k = node.shape[-1]
+            w = qmatmul.dequantize(self._packed_blocks(node), int(node.dtype),
+                                   node.dtype.nbytes(node.shape) // node.dtype.nbytes((1, k)), k)
+            return w.reshape(node.shape).to(self._weight_dtype(node.dtype))
         return dequantize(self._raw(node), node.dtype, node.shape).to(self._weight_dtype(node.dtype))
 
     def _compile(self, graph: Graph) -> Program:

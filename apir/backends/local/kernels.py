@@ -15,21 +15,20 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ...graph import DType, Op, SampleArgs
+from ...graph import Op, SampleArgs
 from ...graph.ops import Fn, Pool, Reduce
 from ...graph.sampling import PARAMS_SIZE
 from ..base import BackendError
 from ..executor import check_positions
 from . import gemv, qmatmul
-from .dequant import dequantize
 
 
 @dataclass(frozen=True)
 class Blocks:
-    """A quantized WEIGHT (N, K) held as its GGUF blocks: ``raw`` is the 1-D uint8 run of
-    its bytes in the buffer (N rows of K / block_size blocks), the only copy."""
+    """A quantized WEIGHT (N, K): ``data`` is the 1-D uint8 run of its bytes in the buffer,
+    the only copy, as GGUF blocks or, where ``qmatmul.packs`` the device, packed (qpack)."""
 
-    raw: torch.Tensor
+    data: torch.Tensor
     qtype: int  # the DType's ggml id (a plain int, for torch.compile's tracing)
     shape: tuple[int, int]
 
@@ -43,13 +42,13 @@ def qproduct(x: torch.Tensor, parts: tuple[Blocks, ...]) -> torch.Tensor:
     """x (..., K) @ concat(parts).T in f32: (..., sum N_i), each part read from its blocks."""
     k = parts[0].shape[1]
     x2 = x.reshape(-1, k)
-    if x2.is_cuda and x2.shape[0] <= qmatmul.FUSED_ROWS and qmatmul.qkernels is not None:
+    if x2.shape[0] <= qmatmul.FUSED_ROWS and qmatmul.packs(x2.device):
         # the fused decode kernel, as qmatmul_stacked calls it (buffer offsets are 32-byte
         # aligned, so its argument checks hold by construction), traceable by torch.compile
-        y = qmatmul._qgemv(x2.float().contiguous(), [p.raw for p in parts],
+        y = qmatmul._qgemv(x2.float().contiguous(), [p.data for p in parts],
                            [p.qtype for p in parts], [p.shape[0] for p in parts], k)
     else:
-        y = _stacked(x2, [(p.raw, p.qtype, p.shape[0]) for p in parts], k)
+        y = _stacked(x2, [(p.data, p.qtype, p.shape[0]) for p in parts], k)
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
@@ -81,9 +80,7 @@ def fused_matmul(x: torch.Tensor, w: torch.Tensor | tuple, widths: tuple[int, ..
 def get_rows(table: torch.Tensor | Blocks, ids: torch.Tensor) -> torch.Tensor:
     """table[ids] in f32; from ``Blocks`` only the gathered rows' blocks are decoded."""
     if isinstance(table, Blocks):
-        n, k = table.shape
-        rows = table.raw.view(n, -1)[ids.long().reshape(-1)]  # (R, bytes per row)
-        return dequantize(rows.reshape(-1), DType(table.qtype), (*ids.shape, k))
+        return qmatmul.get_rows(table.data, table.qtype, *table.shape, ids)
     return table[ids.long()].float()
 
 

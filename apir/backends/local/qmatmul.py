@@ -154,6 +154,13 @@ if qkernels is not None:
         return w.new_empty((ids.numel(), k), dtype=torch.float32)
 
 
+def dequantize(w: torch.Tensor, qtype: int, n: int, k: int) -> torch.Tensor:
+    """W (n, k) as f32, bit-exact with gguf-py."""
+    if packs(w.device):
+        return _launch_dequant(w, qtype, n, k, torch.float32)
+    return dequant.dequantize(w, DType(qtype), (n, k))
+
+
 def get_rows(w: torch.Tensor, qtype: int, n: int, k: int, ids: torch.Tensor) -> torch.Tensor:
     """Rows ``ids`` (any shape) of W (n, k) as f32 (*ids.shape, k), bit-exact with gguf-py:
     only the gathered rows are decoded."""
@@ -172,10 +179,10 @@ def _check(x: torch.Tensor, w: torch.Tensor, qtype: int, n: int, k: int) -> str 
     packed = packs(w.device)
     if not packed and (qtype not in _TORCH or not x.is_floating_point()):
         return f"type {qtype} has no decoder on {w.device}"
-    bs = DType(qtype).block_size
+    bs = qpack.block_size(qtype)
     if n <= 0 or k <= 0 or k % bs:
         return f"K={k} must be a positive multiple of {bs}"
-    size = DType(qtype).nbytes((n, k))
+    size = qpack.geometry(qtype, n, k).nbytes
     if w.dtype != torch.uint8 or w.dim() != 1 or w.numel() != size:
         return f"the weight must be 1-D uint8 of {size} bytes, got {w.dtype} {tuple(w.shape)}"
     if x.dim() != 2 or x.shape[1] != k or x.device != w.device:
@@ -220,7 +227,7 @@ def qmatmul_stacked(x: torch.Tensor, parts: Sequence[tuple[torch.Tensor, int | D
     y = torch.empty((x.shape[0], sum(n for _, _, n in parts)), device=x.device, dtype=torch.float32)
     off = 0
     for w, qtype, n in parts:
-        per_row = DType(qtype).nbytes((1, k))
+        per_row = qpack.geometry(qtype, 1, k).nbytes
         for r0 in range(0, n, rows):
             r1 = min(n, r0 + rows)
             if packed:

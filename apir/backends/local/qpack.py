@@ -66,6 +66,11 @@ class Geometry:
         return off + per_row * self.n
 
 
+def block_size(qtype: int) -> int:
+    """Elements per GGUF block of ``qtype``."""
+    return _BITS[qtype][2]
+
+
 def chunk_words(qtype: int, k: int) -> int:
     """CW: 32 words (16 for 2-bit types: a K-quant's chunk is its 256-element block); a
     32-element type takes the largest power of two up to 32 whose chunk divides K."""
