@@ -88,3 +88,23 @@ def test_one_row_product_kernel_matches_float64():
             assert y.dtype == torch.float32 and y.shape == (1, n)
             torch.testing.assert_close(y.double(), want, rtol=0, atol=1e-5 * k ** 0.5 * 4)
             assert torch.equal(y, gemv.gemv(x, w))  # the same blocks, the same bits
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0"])
+def test_quantized_weights_packed_in_place_match_the_reference(tmp_path, qtype):
+    """A quantized model on CUDA: its weights packed in place for the kernels (qpack), the
+    logits those of the numpy reference, its memory the GGUF's bytes, and a weight read
+    back through the API its GGUF bytes."""
+    path = str(write_tiny_gguf(tmp_path / f"{qtype}.gguf", TinyConfig(context_length=512), qtype))
+    with apir.load(path, backend="local", device="cuda") as gpu, apir.load(path, backend="numpy") as ref:
+        ids = gpu.tokenize(PROMPT)
+        np.testing.assert_allclose(gpu.logits(ids), ref.logits(ids), rtol=2e-2, atol=2e-2)
+        be = gpu.backend
+        spans = [(buf, off, rec) for buf in be._buffers.values()
+                 for off, rec in be._packed.get(id(buf), {}).items()]
+        assert spans  # packed in place
+        buf, off, (qt, n, k, size) = spans[0]
+        handle = next(h for h, b in be._buffers.items() if b is buf)
+        packed = buf.storage[off : off + size].clone()
+        from apir.backends.local import qpack
+        assert be.get_tensor(handle, off, size) == qpack.unpack(packed, qt, n, k).cpu().numpy().tobytes()

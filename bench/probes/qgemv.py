@@ -26,6 +26,8 @@ from apir.graph.dtypes import DType
 
 # (N, K) of an 8B llama's decode products: q/o, gate/up, down, output; and a 135M vocabulary
 SHAPES = [(4096, 4096), (14336, 4096), (4096, 14336), (128256, 4096), (49152, 576)]
+if "--big" in sys.argv:  # the 8B decode's largest products only
+    SHAPES = [(14336, 4096), (4096, 14336)]
 TYPES = [Q.Q4_0, Q.Q8_0, Q.Q4_K, Q.Q6_K, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q5_K, Q.Q2_K, Q.Q3_K]
 # byte offsets of each type's f16 scales (kept finite so the products can be compared)
 SCALES = {Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q5_0: (0,), Q.Q5_1: (0, 2), Q.Q8_0: (0,),
@@ -43,13 +45,13 @@ def random_raw(qtype, n, k):
 def fused(qtype, n, k, cfg=None):
     if cfg is None:
         return lambda x, raw: _launch_gemv(x, raw, int(qtype), n, k)
-    bn, nc, warps = cfg
+    bn, nc, warps, pf = cfg
 
     def run(x, w):
         y = torch.empty((x.shape[0], n), device="cuda", dtype=torch.float32)
         qkernels._qgemv_kernel[(x.shape[0], triton.cdiv(n, bn))](
             x, *_planes(w, int(qtype), n, k), y, n, k, n, **_meta(int(qtype), n, k), BN=bn, NC=nc,
-            num_warps=warps)
+            PREFETCH=pf, num_warps=warps)
         return y
     return run
 
@@ -100,14 +102,15 @@ def main(types, rows, sweep):
             if sweep:
                 best = None
                 g = qpack.geometry(int(qtype), n, k)
-                for cfg in [(bn, nc, wp) for bn in (1, 2, 4, 8, 16) for nc in (1, 2, 4, 8, 16)
-                            for wp in (2, 4, 8) if g.chunks % nc == 0 and 256 <= bn * nc * g.cw <= 4096]:
+                for cfg in [(bn, nc, wp, pf) for bn in (2, 4, 8, 16) for nc in (4, 8)
+                            for wp in (4, 8) for pf in (False, True)
+                            if g.chunks % nc == 0 and 512 <= bn * nc * g.cw <= 4096]:
                     t = time_us(fused(qtype, n, k, cfg), x, ws, reps=10)
                     if best is None or t < best[0]:
                         best = (t, cfg)
                 res[f"best{best[1]}"] = best[0]
             res["triton-dq+mm"] = time_us(triton_dq_mm(qtype, n, k), x, ws[:2])
-            if want is not None:
+            if want is not None and "--no-torch" not in sys.argv:
                 res["torch-dq+mm"] = time_us(torch_dq_mm(qtype, n, k), x, raws[:2])
             line = " | ".join(f"{name} {t:.2f} µs {nbytes / t / 1e6:.2f} TB/s" for name, t in res.items())
             print(f"  {qtype.name} M={rows} ({nbytes / 1e6:.1f} MB): {line}", flush=True)

@@ -154,12 +154,29 @@ def _tile(low_ptr, high_ptr, r, c, w, WPR, LB: tl.constexpr, HB: tl.constexpr, C
 
 
 @triton.jit
+def _accumulate(acc, lw, hw, x_row, r, c, w, p0, p1, p2, K, QT: tl.constexpr, LB: tl.constexpr,
+                HB: tl.constexpr, OFF: tl.constexpr, MIN: tl.constexpr, CW: tl.constexpr,
+                ASM: tl.constexpr):
+    # acc (BN, NC, CW) + the products of the tile's words with x, slot by slot
+    S: tl.constexpr = 32 // LB
+    for s in tl.static_range(S):
+        q = _quant(lw, hw, s, QT, LB, HB, OFF, ASM)
+        x = tl.load(x_row + c * (S * CW) + s * CW + w)
+        d, mn = _scale(p0, p1, p2, r, c, w, K, s, QT, S, CW)
+        if MIN:
+            acc += d * (q * x) + mn * x
+        else:
+            acc += d * (q * x)
+    return acc
+
+
+@triton.jit
 def _qgemv_kernel(x_ptr, low_ptr, high_ptr, p0, p1, p2, y_ptr, N, K, LDY, QT: tl.constexpr,
                   LB: tl.constexpr, HB: tl.constexpr, OFF: tl.constexpr, MIN: tl.constexpr,
-                  CW: tl.constexpr, ASM: tl.constexpr, BN: tl.constexpr, NC: tl.constexpr):
+                  CW: tl.constexpr, ASM: tl.constexpr, BN: tl.constexpr, NC: tl.constexpr,
+                  PREFETCH: tl.constexpr):
     # program (m, i): y[m, i*BN : (i+1)*BN] (y's rows LDY apart). The M programs of one row
     # tile run side by side, so the tile's bytes come from DRAM once and from L2 after
-    S: tl.constexpr = 32 // LB
     m = tl.program_id(0)
     # rows past the end re-read the last one (in bounds, no masks on the weight stream)
     r = tl.minimum(tl.program_id(1) * BN + tl.arange(0, BN), N - 1)[:, None, None]
@@ -170,17 +187,21 @@ def _qgemv_kernel(x_ptr, low_ptr, high_ptr, p0, p1, p2, y_ptr, N, K, LDY, QT: tl
     # partial sums per (row, chunk, word) position, reduced once at the end: no cross-thread
     # traffic in the loop, and a summation order fixed by the shape
     acc = tl.zeros((BN, NC, CW), dtype=tl.float32)
-    for c0 in tl.range(0, chunks, NC):
-        c = c0 + tl.arange(0, NC)[None, :, None]
-        lw, hw = _tile(low_ptr, high_ptr, r, c, w, WPR, LB, HB, CW)
-        for s in tl.static_range(S):
-            q = _quant(lw, hw, s, QT, LB, HB, OFF, ASM)
-            x = tl.load(x_row + c * (S * CW) + s * CW + w)
-            d, mn = _scale(p0, p1, p2, r, c, w, K, s, QT, S, CW)
-            if MIN:
-                acc += d * (q * x) + mn * x
-            else:
-                acc += d * (q * x)
+    step = tl.arange(0, NC)[None, :, None]
+    if PREFETCH:  # the next step's words are loaded before this step's are used
+        lw, hw = _tile(low_ptr, high_ptr, r, step, w, WPR, LB, HB, CW)
+        for c0 in tl.range(0, chunks, NC):
+            c = c0 + step
+            # (the last step loads its own words again: in bounds, and from L2)
+            lw_next, hw_next = _tile(low_ptr, high_ptr, r, tl.minimum(c0 + NC, chunks - NC) + step,
+                                     w, WPR, LB, HB, CW)
+            acc = _accumulate(acc, lw, hw, x_row, r, c, w, p0, p1, p2, K, QT, LB, HB, OFF, MIN, CW, ASM)
+            lw, hw = lw_next, hw_next
+    else:
+        for c0 in tl.range(0, chunks, NC):
+            c = c0 + step
+            lw, hw = _tile(low_ptr, high_ptr, r, c, w, WPR, LB, HB, CW)
+            acc = _accumulate(acc, lw, hw, x_row, r, c, w, p0, p1, p2, K, QT, LB, HB, OFF, MIN, CW, ASM)
     rows = tl.program_id(1) * BN + tl.arange(0, BN)
     tl.store(y_ptr + m * LDY + rows, tl.sum(tl.sum(acc, axis=2), axis=1), mask=rows < N)
 

@@ -36,6 +36,8 @@ except ImportError:  # CPU-only PyTorch
 
 # x with at most this many rows is multiplied by the fused kernel (a decode step's rows)
 FUSED_ROWS = 8
+# the fused kernel loads a step's words before the last step's are used
+PREFETCH = True
 # dequantized rows of one tile of the prefill path, in bytes
 SCRATCH_BYTES = 64 << 20
 
@@ -102,7 +104,7 @@ if qkernels is not None:
         bn, nc, warps = tiles(qtype, n, k, fused=True)
         qkernels._qgemv_kernel[(x.shape[0], triton.cdiv(n, bn))](
             x, *_planes(w, qtype, n, k), y, n, k, y.stride(0), **_meta(qtype, n, k),
-            BN=bn, NC=nc, num_warps=warps)
+            BN=bn, NC=nc, PREFETCH=PREFETCH, num_warps=warps)
         return y
 
     def _launch_dequant(w: torch.Tensor, qtype: int, n: int, k: int, dtype: torch.dtype,
