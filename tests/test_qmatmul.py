@@ -170,8 +170,8 @@ def test_fused_kernel_matches_gguf(qtype):
 @pytest.mark.parametrize(("qtype", "k"), [(Q.Q4_0, 4096), (Q.Q8_0, 8192), (Q.Q6_K, 32768)],
                          ids=lambda v: getattr(v, "name", v))
 def test_fused_kernel_with_many_chunks_a_step_matches_gguf(qtype, k):
-    # 8B-sized rows: a program walks several steps of 256 words
-    assert qm.tiles(int(qtype), 3, k, True)[1] * qpack.geometry(int(qtype), 3, k).cw == 256
+    # 8B-sized rows: a program walks many steps of 128 words
+    assert qm.tiles(int(qtype), 3, k, True)[1] * qpack.geometry(int(qtype), 3, k).cw == 128
     raw = random_weight(qtype, 3, k, seed=5)
     x = np.random.default_rng(6).standard_normal((2, k)).astype(np.float32)
     y = qm._launch_gemv(torch.from_numpy(x), packed(raw, qtype, 3, k), int(qtype), 3, k)

@@ -45,13 +45,13 @@ def random_raw(qtype, n, k):
 def fused(qtype, n, k, cfg=None):
     if cfg is None:
         return lambda x, raw: _launch_gemv(x, raw, int(qtype), n, k)
-    bn, nc, warps, pf = cfg
+    bn, nc, warps = cfg
 
     def run(x, w):
         y = torch.empty((x.shape[0], n), device="cuda", dtype=torch.float32)
         qkernels._qgemv_kernel[(x.shape[0], triton.cdiv(n, bn))](
             x, *_planes(w, int(qtype), n, k), y, n, k, n, **_meta(int(qtype), n, k), BN=bn, NC=nc,
-            PREFETCH=pf, num_warps=warps)
+            num_warps=warps)
         return y
     return run
 
@@ -102,9 +102,8 @@ def main(types, rows, sweep):
             if sweep:
                 best = None
                 g = qpack.geometry(int(qtype), n, k)
-                for cfg in [(bn, nc, wp, pf) for bn in (2, 4, 8, 16) for nc in (4, 8)
-                            for wp in (4, 8) for pf in (False, True)
-                            if g.chunks % nc == 0 and 512 <= bn * nc * g.cw <= 4096]:
+                for cfg in [(bn, nc, wp) for bn in (2, 4, 8, 16) for nc in (2, 4, 8)
+                            for wp in (4, 8) if g.chunks % nc == 0 and 512 <= bn * nc * g.cw <= 4096]:
                     t = time_us(fused(qtype, n, k, cfg), x, ws, reps=10)
                     if best is None or t < best[0]:
                         best = (t, cfg)

@@ -173,8 +173,7 @@ def _accumulate(acc, lw, hw, x_row, r, c, w, p0, p1, p2, K, QT: tl.constexpr, LB
 @triton.jit
 def _qgemv_kernel(x_ptr, low_ptr, high_ptr, p0, p1, p2, y_ptr, N, K, LDY, QT: tl.constexpr,
                   LB: tl.constexpr, HB: tl.constexpr, OFF: tl.constexpr, MIN: tl.constexpr,
-                  CW: tl.constexpr, ASM: tl.constexpr, BN: tl.constexpr, NC: tl.constexpr,
-                  PREFETCH: tl.constexpr):
+                  CW: tl.constexpr, ASM: tl.constexpr, BN: tl.constexpr, NC: tl.constexpr):
     # program (m, i): y[m, i*BN : (i+1)*BN] (y's rows LDY apart). The M programs of one row
     # tile run side by side, so the tile's bytes come from DRAM once and from L2 after
     m = tl.program_id(0)
@@ -188,20 +187,10 @@ def _qgemv_kernel(x_ptr, low_ptr, high_ptr, p0, p1, p2, y_ptr, N, K, LDY, QT: tl
     # traffic in the loop, and a summation order fixed by the shape
     acc = tl.zeros((BN, NC, CW), dtype=tl.float32)
     step = tl.arange(0, NC)[None, :, None]
-    if PREFETCH:  # the next step's words are loaded before this step's are used
-        lw, hw = _tile(low_ptr, high_ptr, r, step, w, WPR, LB, HB, CW)
-        for c0 in tl.range(0, chunks, NC):
-            c = c0 + step
-            # (the last step loads its own words again: in bounds, and from L2)
-            lw_next, hw_next = _tile(low_ptr, high_ptr, r, tl.minimum(c0 + NC, chunks - NC) + step,
-                                     w, WPR, LB, HB, CW)
-            acc = _accumulate(acc, lw, hw, x_row, r, c, w, p0, p1, p2, K, QT, LB, HB, OFF, MIN, CW, ASM)
-            lw, hw = lw_next, hw_next
-    else:
-        for c0 in tl.range(0, chunks, NC):
-            c = c0 + step
-            lw, hw = _tile(low_ptr, high_ptr, r, c, w, WPR, LB, HB, CW)
-            acc = _accumulate(acc, lw, hw, x_row, r, c, w, p0, p1, p2, K, QT, LB, HB, OFF, MIN, CW, ASM)
+    for c0 in tl.range(0, chunks, NC):
+        c = c0 + step
+        lw, hw = _tile(low_ptr, high_ptr, r, c, w, WPR, LB, HB, CW)
+        acc = _accumulate(acc, lw, hw, x_row, r, c, w, p0, p1, p2, K, QT, LB, HB, OFF, MIN, CW, ASM)
     rows = tl.program_id(1) * BN + tl.arange(0, BN)
     tl.store(y_ptr + m * LDY + rows, tl.sum(tl.sum(acc, axis=2), axis=1), mask=rows < N)
 

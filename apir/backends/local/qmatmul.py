@@ -36,8 +36,6 @@ except ImportError:  # CPU-only PyTorch
 
 # x with at most this many rows is multiplied by the fused kernel (a decode step's rows)
 FUSED_ROWS = 8
-# the fused kernel loads a step's words before the last step's are used
-PREFETCH = True
 # dequantized rows of one tile of the prefill path, in bytes
 SCRATCH_BYTES = 64 << 20
 
@@ -51,17 +49,20 @@ def packs(device: torch.device) -> bool:
 
 
 def tiles(qtype: int, n: int, k: int, fused: bool) -> tuple[int, int, int]:
-    """(BN rows, NC chunks, num_warps) of a program for a packed (n, k) weight: NC the
-    largest power of two dividing the row's chunks with at most 256 words a row (1 KiB),
-    then rows for 1,024 words a program (the fused kernel; 8 a thread, two 16-byte loads)
-    or 4,096 (the dequantize kernel), at most 16."""
+    """(BN rows, NC chunks, num_warps) of a program for a packed (n, k) weight. The fused
+    kernel: NC the largest power of two dividing the row's chunks with at most 128 words a
+    row step, rows for 1,024 words a program, 8 warps (the best of bench/probes/qgemv.py
+    --sweep on an H200 for the 8B products: 1.35-1.40 TB/s for Q4_0, against 0.98-1.08
+    with 256 words and 4 warps). The dequantize kernel: 256 words a row step, 4,096 a
+    program, 4 warps."""
     g = qpack.geometry(qtype, n, k)
+    limit = 128 if fused else 256
     nc = 1
-    while g.chunks % (2 * nc) == 0 and 2 * nc * g.cw <= 256:
+    while g.chunks % (2 * nc) == 0 and 2 * nc * g.cw <= limit:
         nc *= 2
     words = nc * g.cw
     bn = max(1, min(16, (1024 if fused else 4096) // words))
-    return bn, nc, 4
+    return bn, nc, 8 if fused else 4
 
 
 if qkernels is not None:
@@ -104,7 +105,7 @@ if qkernels is not None:
         bn, nc, warps = tiles(qtype, n, k, fused=True)
         qkernels._qgemv_kernel[(x.shape[0], triton.cdiv(n, bn))](
             x, *_planes(w, qtype, n, k), y, n, k, y.stride(0), **_meta(qtype, n, k),
-            BN=bn, NC=nc, PREFETCH=PREFETCH, num_warps=warps)
+            BN=bn, NC=nc, num_warps=warps)
         return y
 
     def _launch_dequant(w: torch.Tensor, qtype: int, n: int, k: int, dtype: torch.dtype,
