@@ -5,7 +5,8 @@ Buffers are uint8 tensors on the device. A registered graph is compiled once int
 only binds inputs and walks the list.
 
 Every weight is held once, in the buffer the guest uploaded it to: a quantized one is read
-by MATMUL and GET_ROWS straight from its GGUF blocks (``kernels.Blocks``, qmatmul), a
+by MATMUL and GET_ROWS straight from its GGUF blocks (``kernels.Blocks``, qmatmul), on a
+GPU packed in place at first use for the Triton kernels (qpack: the same bytes, moved), a
 16-bit or f32 one is a view of its bytes. Only a step that needs a weight as a plain
 tensor gets a dense copy, made per compute and freed after it (on a CPU that includes
 16-bit weights, which are computed in f32). ``ExecutorConfig.dequant_cache`` brings back
