@@ -149,8 +149,8 @@ if qkernels is not None:
 
     @torch.library.custom_op("apir::qrows", mutates_args=())
     def _qrows(w: torch.Tensor, qtype: int, n: int, k: int, ids: torch.Tensor) -> torch.Tensor:
-        rows = qpack.from_rows(qpack.rows_of(w, qtype, n, k)[ids], qtype, k)
-        return _launch_dequant(rows, qtype, ids.numel(), k, torch.float32)
+        return _launch_dequant(qpack.gather_rows(w, qtype, n, k, ids), qtype, ids.numel(), k,
+                               torch.float32)
 
     @_qrows.register_fake
     def _(w: torch.Tensor, qtype: int, n: int, k: int, ids: torch.Tensor) -> torch.Tensor:

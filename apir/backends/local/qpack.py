@@ -196,10 +196,11 @@ def rows_of(packed: torch.Tensor, qtype: int, n: int, k: int) -> torch.Tensor:
     return torch.cat([packed[off : off + per * n].reshape(n, per) for off, per in g.planes], dim=1)
 
 
-def from_rows(rows: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
-    """``rows_of``'s inverse: (r, row bytes) -> the packed (r, k) weight, 1-D."""
-    g = geometry(qtype, rows.shape[0], k)
-    return torch.cat([part.reshape(-1) for part in rows.split([per for _, per in g.planes], dim=1)])
+def gather_rows(packed: torch.Tensor, qtype: int, n: int, k: int, ids: torch.Tensor) -> torch.Tensor:
+    """Rows ``ids`` (1-D) of a packed (n, k) weight as a packed (len(ids), k) weight: only
+    those rows' bytes are read."""
+    g = geometry(qtype, n, k)
+    return torch.cat([packed[off : off + per * n].view(n, per)[ids].reshape(-1) for off, per in g.planes])
 
 
 @cache
