@@ -142,7 +142,9 @@ def _scale(p0, p1, p2, r, c, w, K, s: tl.constexpr, QT: tl.constexpr, S: tl.cons
 def _tile(low_ptr, high_ptr, r, c, w, WPR, LB: tl.constexpr, HB: tl.constexpr, CW: tl.constexpr):
     # the (BN, NC, CW) words of rows r, chunks c: one contiguous run of NC * CW words a row
     # (the planes are passed as int32, int16 and uint8 tensors: torch has no unsigned views)
-    at = r.to(tl.int64) * WPR + c * CW + w
+    # (rows are 16-byte multiples: K * LB / 32 words is a multiple of 4 for every type; the
+    # hint lets Triton load 4 words a thread at once)
+    at = tl.multiple_of(r.to(tl.int64) * WPR + c * CW, [4, 4, 4]) + w
     lw = tl.load(low_ptr + at, eviction_policy="evict_first").to(tl.uint32, bitcast=True)
     if HB * 32 // LB == 16:
         hw = tl.load(high_ptr + at, eviction_policy="evict_first").to(tl.uint16, bitcast=True).to(tl.uint32)
@@ -161,7 +163,7 @@ def _accumulate(acc, lw, hw, x_row, r, c, w, p0, p1, p2, K, QT: tl.constexpr, LB
     S: tl.constexpr = 32 // LB
     for s in tl.static_range(S):
         q = _quant(lw, hw, s, QT, LB, HB, OFF, ASM)
-        x = tl.load(x_row + c * (S * CW) + s * CW + w)
+        x = tl.load(x_row + tl.multiple_of(c * (S * CW) + s * CW, [4, 4, 4]) + w)
         d, mn = _scale(p0, p1, p2, r, c, w, K, s, QT, S, CW)
         if MIN:
             acc += d * (q * x) + mn * x
@@ -208,7 +210,7 @@ def _dequant_kernel(low_ptr, high_ptr, p0, p1, p2, out_ptr, R0, R1, K, QT: tl.co
     c = (tl.program_id(1) * NC + tl.arange(0, NC))[None, :, None]
     w = tl.arange(0, CW)[None, None, :]
     lw, hw = _tile(low_ptr, high_ptr, r, c, w, K * LB // 32, LB, HB, CW)
-    out = out_ptr + (rows - R0).to(tl.int64)[:, None, None] * K + c * (S * CW) + w
+    out = out_ptr + tl.multiple_of((rows - R0).to(tl.int64)[:, None, None] * K + c * (S * CW), [4, 4, 4]) + w
     keep = (rows < R1)[:, None, None] & (w >= 0)
     for s in tl.static_range(S):
         q = _quant(lw, hw, s, QT, LB, HB, OFF, ASM)
