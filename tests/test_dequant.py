@@ -16,7 +16,7 @@ from apir.graph.dtypes import DType  # noqa: E402
 
 PLAIN = (DType.F32, DType.F16, DType.BF16)
 SMALL_BLOCKS = (DType.Q4_0, DType.Q4_1, DType.Q5_0, DType.Q5_1, DType.Q8_0)
-K_QUANTS = (DType.Q4_K, DType.Q5_K, DType.Q6_K)
+K_QUANTS = (DType.Q2_K, DType.Q3_K, DType.Q4_K, DType.Q5_K, DType.Q6_K)
 # Byte offsets of the f16 scale fields inside one block.
 F16_FIELDS: dict[DType, tuple[int, ...]] = {
     DType.Q4_0: (0,),
@@ -24,6 +24,8 @@ F16_FIELDS: dict[DType, tuple[int, ...]] = {
     DType.Q5_0: (0,),
     DType.Q5_1: (0, 2),
     DType.Q8_0: (0,),
+    DType.Q2_K: (80, 82),
+    DType.Q3_K: (108,),
     DType.Q4_K: (0, 2),
     DType.Q5_K: (0, 2),
     DType.Q6_K: (208,),

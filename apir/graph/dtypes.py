@@ -20,6 +20,8 @@ class DType(enum.IntEnum):
     Q5_0 = 6
     Q5_1 = 7
     Q8_0 = 8
+    Q2_K = 10
+    Q3_K = 11
     Q4_K = 12
     Q5_K = 13
     Q6_K = 14
@@ -74,6 +76,8 @@ _BLOCKS: dict[DType, tuple[int, int]] = {
     DType.Q5_0: (32, 2 + 4 + 16),
     DType.Q5_1: (32, 2 + 2 + 4 + 16),
     DType.Q8_0: (32, 2 + 32),
+    DType.Q2_K: (256, 16 + 64 + 2 + 2),
+    DType.Q3_K: (256, 32 + 64 + 12 + 2),
     DType.Q4_K: (256, 2 + 2 + 12 + 128),
     DType.Q5_K: (256, 2 + 2 + 12 + 32 + 128),
     DType.Q6_K: (256, 128 + 64 + 16 + 2),

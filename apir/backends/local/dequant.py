@@ -19,6 +19,8 @@ import torch
 
 from apir.graph.dtypes import DType
 
+from . import qpack
+
 __all__ = ["SUPPORTED", "dequantize"]
 
 
@@ -166,6 +168,34 @@ def _q6_k(blocks: torch.Tensor) -> torch.Tensor:
     return (d * q).reshape(n, 256)
 
 
+def _q2_k(blocks: torch.Tensor) -> torch.Tensor:
+    # Q2_K block (84 B): scales[16] (low nibble scale, high nibble min, per 16 elements) |
+    #   qs[64] (element 128h + 32s + j: bits 2s.. of qs[32h + j]) | d f16 | dmin f16
+    # x = (d * sc) * q - (dmin * m); the quants as qpack reads them
+    n = blocks.shape[0]
+    low, _, _ = qpack._fields(blocks, int(DType.Q2_K))
+    sc = blocks[:, 0:16]
+    dl = (_f16(blocks, 80) * (sc & 0xF).float()).view(n, 16, 1)
+    ml = (_f16(blocks, 82) * (sc >> 4).float()).view(n, 16, 1)
+    return (dl * low.reshape(n, 16, 16).float() - ml).reshape(n, 256)
+
+
+def _q3_k(blocks: torch.Tensor) -> torch.Tensor:
+    # Q3_K block (110 B): hmask[32] | qs[64] (as Q2_K) | scales[12] (16 six-bit, low 4 bits
+    #   in nibble s // 8 of byte s % 8, high 2 at bits 2 (s // 4) of byte 8 + s % 4) | d f16
+    # x = (d * (sc - 32)) * (q - 4), q = the 2 bits | the hmask bit << 2
+    n = blocks.shape[0]
+    low, high, _ = qpack._fields(blocks, int(DType.Q3_K))
+    lo = (blocks[:, 96:104].reshape(n, 1, 8) >> torch.tensor([0, 4], dtype=torch.uint8, device=blocks.device)
+          .view(1, 2, 1)).reshape(n, 16) & 0xF
+    hi = (blocks[:, 104:108].reshape(n, 1, 4) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=blocks.device)
+          .view(1, 4, 1)).reshape(n, 16) & 3
+    sc = ((lo | (hi << 4)).to(torch.int8) - 32).float()
+    dl = (_f16(blocks, 108) * sc).view(n, 16, 1)
+    q = ((low | (high << 2)).to(torch.int8) - 4).reshape(n, 16, 16).float()
+    return (dl * q).reshape(n, 256)
+
+
 _DECODERS: dict[DType, Callable[[torch.Tensor], torch.Tensor]] = {
     DType.F32: _f32,
     DType.F16: _f16_plain,
@@ -175,6 +205,8 @@ _DECODERS: dict[DType, Callable[[torch.Tensor], torch.Tensor]] = {
     DType.Q5_0: _q5_0,
     DType.Q5_1: _q5_1,
     DType.Q8_0: _q8_0,
+    DType.Q2_K: _q2_k,
+    DType.Q3_K: _q3_k,
     DType.Q4_K: _q4_k,
     DType.Q5_K: _q5_k,
     DType.Q6_K: _q6_k,
