@@ -165,10 +165,9 @@ def _accumulate(acc, lw, hw, x_row, r, c, w, p0, p1, p2, K, QT: tl.constexpr, LB
         q = _quant(lw, hw, s, QT, LB, HB, OFF, ASM)
         x = tl.load(x_row + tl.multiple_of(c * (S * CW) + s * CW, [4, 4, 4]) + w)
         d, mn = _scale(p0, p1, p2, r, c, w, K, s, QT, S, CW)
+        acc = tl.fma(d, q * x, acc)
         if MIN:
-            acc += d * (q * x) + mn * x
-        else:
-            acc += d * (q * x)
+            acc = tl.fma(mn, x, acc)
     return acc
 
 
