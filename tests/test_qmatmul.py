@@ -196,3 +196,14 @@ def test_dequant_kernel_is_bit_exact(qtype):
         # a range of rows, as the prefill path's tiles take them
         got = qm._launch_dequant(w, int(qtype), n, k, torch.float32, 2, n - 1).numpy()
         np.testing.assert_array_equal(got, want[2 : n - 1])
+
+
+def test_packing_a_few_rows_at_a_time_gives_the_same_bytes(monkeypatch):
+    # a large weight is packed and unpacked in steps of rows (bounded temporaries)
+    for qtype in (Q.Q4_0, Q.Q5_1, Q.Q3_K, Q.Q6_K):
+        raw = random_weight(qtype, 37, 512, seed=3)
+        whole = packed(raw, qtype, 37, 512)
+        monkeypatch.setattr(qpack, "STEP_ELEMENTS", 5 * 512)  # 5 rows a step, 8 steps
+        assert torch.equal(packed(raw, qtype, 37, 512), whole)
+        np.testing.assert_array_equal(qpack.unpack(whole, int(qtype), 37, 512).numpy(), raw)
+        monkeypatch.undo()

@@ -50,7 +50,7 @@ def fused(qtype, n, k, cfg=None):
     def run(x, w):
         y = torch.empty((x.shape[0], n), device="cuda", dtype=torch.float32)
         qkernels._qgemv_kernel[(x.shape[0], triton.cdiv(n, bn))](
-            x, *_planes(w, int(qtype), n, k), y, n, k, n, **_meta(int(qtype), n, k), BN=bn, NC=nc,
+            x, *_planes(w, int(qtype), n, k), y, n, k, n, **_meta(int(qtype), k), BN=bn, NC=nc,
             num_warps=warps)
         return y
     return run

@@ -52,9 +52,9 @@ def tiles(qtype: int, n: int, k: int, fused: bool) -> tuple[int, int, int]:
     """(BN rows, NC chunks, num_warps) of a program for a packed (n, k) weight. The fused
     kernel: NC the largest power of two dividing the row's chunks with at most 128 words a
     row step, rows for 1,024 words a program, 8 warps (the best of bench/probes/qgemv.py
-    --sweep on an H200 for the 8B products: 1.35-1.40 TB/s for Q4_0, against 0.98-1.08
-    with 256 words and 4 warps). The dequantize kernel: 256 words a row step, 4,096 a
-    program, 4 warps."""
+    --sweep on an H200 for the 8B products: 1.35-1.40 TB/s for Q4_0 where 256 words and 4
+    warps gave 0.98-1.08; 1.55-1.59 since the alignment hints). The dequantize kernel: 256
+    words a row step, 4,096 a program, 4 warps."""
     g = qpack.geometry(qtype, n, k)
     limit = 128 if fused else 256
     nc = 1
@@ -92,7 +92,7 @@ if qkernels is not None:
         scales += [scales[0]] * (3 - len(scales))
         return [low, high, *scales]
 
-    def _meta(qtype: int, n: int, k: int) -> dict:
+    def _meta(qtype: int, k: int) -> dict:
         lb, hb, off, mins = qkernels.TYPES[qtype]
         return dict(QT=qtype, LB=lb, HB=hb, OFF=off, MIN=mins, CW=qpack.chunk_words(qtype, k),
                     ASM=qkernels.ASM)
@@ -104,7 +104,7 @@ if qkernels is not None:
             y = torch.empty((x.shape[0], n), device=x.device, dtype=torch.float32)
         bn, nc, warps = tiles(qtype, n, k, fused=True)
         qkernels._qgemv_kernel[(x.shape[0], triton.cdiv(n, bn))](
-            x, *_planes(w, qtype, n, k), y, n, k, y.stride(0), **_meta(qtype, n, k),
+            x, *_planes(w, qtype, n, k), y, n, k, y.stride(0), **_meta(qtype, k),
             BN=bn, NC=nc, num_warps=warps)
         return y
 
@@ -116,7 +116,7 @@ if qkernels is not None:
         bn, nc, warps = tiles(qtype, n, k, fused=False)
         chunks = qpack.geometry(qtype, n, k).chunks
         qkernels._dequant_kernel[(triton.cdiv(r1 - r0, bn), chunks // nc)](
-            *_planes(w, qtype, n, k), out, r0, r1, k, **_meta(qtype, n, k), BN=bn, NC=nc,
+            *_planes(w, qtype, n, k), out, r0, r1, k, **_meta(qtype, k), BN=bn, NC=nc,
             num_warps=warps, enable_fp_fusion=False)  # d*q + m rounded twice, as gguf-py does
         return out
 

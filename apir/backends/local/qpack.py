@@ -161,32 +161,51 @@ def _slot_shift(lb: int, s: int) -> int:
     return 8 * (s % 4) + lb * (s // 4)
 
 
+# elements packed or unpacked at a time: the temporaries (an int64 per element while
+# packing, a byte per bit while unpacking) stay a few hundred MiB for any weight
+STEP_ELEMENTS = 16 << 20
+
+
+def _steps(n: int, k: int) -> list[tuple[int, int]]:
+    """Row ranges [r0, r1) of at most STEP_ELEMENTS elements (one row at least)."""
+    step = max(1, STEP_ELEMENTS // k)
+    return [(r0, min(n, r0 + step)) for r0 in range(0, n, step)]
+
+
 def pack(raw: torch.Tensor, qtype: int, n: int, k: int) -> torch.Tensor:
     """The GGUF bytes of W (n, k) (1-D uint8) -> its packed form, a new 1-D uint8 tensor of
     the same size on the same device."""
     g = geometry(qtype, n, k)
+    out = torch.empty_like(raw)
+    row_bytes = raw.numel() // n
+    for r0, r1 in _steps(n, k):
+        for (off, per), part in zip(g.planes, _pack_rows(raw[r0 * row_bytes : r1 * row_bytes], qtype, r1 - r0, k)):
+            out[off + r0 * per : off + r1 * per] = part
+    return out
+
+
+def _pack_rows(raw: torch.Tensor, qtype: int, n: int, k: int) -> list[torch.Tensor]:
+    """The planes of the packed (n, k) weight whose GGUF bytes are ``raw``, each 1-D."""
+    g = geometry(qtype, n, k)
     lb, hb, bs = _BITS[qtype]
-    blocks = raw.reshape(n * k // bs, -1)
-    low, high, scales = _fields(blocks, qtype)
+    low, high, scales = _fields(raw.reshape(n * k // bs, -1), qtype)
     s_, cw = g.slots, g.cw
     # (n, chunks, S, CW): element c*S*CW + s*CW + w
     low = low.reshape(n, g.chunks, s_, cw).to(torch.int64)
     words = torch.zeros((n, g.chunks, cw), dtype=torch.int64, device=raw.device)
     for s in range(s_):
         words |= low[:, :, s] << _slot_shift(lb, s)
-    out = [words.to(torch.int32).contiguous().view(torch.uint8).reshape(-1)]  # little-endian u32
+    planes = [words.to(torch.int32).contiguous().view(torch.uint8).reshape(-1)]  # little-endian u32
     if hb:
         high = high.reshape(n, g.chunks, s_, cw).to(torch.int32)
         hw = torch.zeros((n, g.chunks, cw), dtype=torch.int32, device=raw.device)
         for s in range(s_):
             hw |= high[:, :, s] << (hb * s)
         width = torch.uint8 if hb * s_ == 8 else torch.int16
-        out.append(hw.to(width).contiguous().view(torch.uint8).reshape(-1))
-    for field in scales:  # (nblk, bytes) in row-major block order: (n, blocks per row * bytes)
-        out.append(field.reshape(-1))
-    packed = torch.cat(out)
-    assert packed.numel() == g.nbytes == raw.numel()
-    return packed
+        planes.append(hw.to(width).contiguous().view(torch.uint8).reshape(-1))
+    # scale fields: (blocks, bytes) in row-major block order, so (n, blocks a row * bytes)
+    planes += [field.reshape(-1) for field in scales]
+    return planes
 
 
 def rows_of(packed: torch.Tensor, qtype: int, n: int, k: int) -> torch.Tensor:
@@ -221,13 +240,24 @@ def _inverse(qtype: int, k0: int, device: str) -> torch.Tensor:
 def unpack(packed: torch.Tensor, qtype: int, n: int, k: int) -> torch.Tensor:
     """``pack``'s inverse: the GGUF bytes of W (n, k), 1-D uint8, a new tensor."""
     g = geometry(qtype, n, k)
+    out = torch.empty_like(packed)
+    row_bytes = packed.numel() // n
+    for r0, r1 in _steps(n, k):
+        rows = torch.cat([packed[off + r0 * per : off + r1 * per].reshape(r1 - r0, per)
+                          for off, per in g.planes], dim=1)
+        out[r0 * row_bytes : r1 * row_bytes] = _unpack_rows(rows, qtype, k)
+    return out
+
+
+def _unpack_rows(rows: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
+    """(r, row bytes) of a packed weight, each row's planes in order -> its GGUF bytes."""
+    g = geometry(qtype, rows.shape[0], k)
+    r, nc = rows.shape[0], g.chunks
     k0 = g.slots * g.cw  # a chunk: every plane's row is its chunks' pieces, one after another
-    nc = g.chunks
-    per_chunk = [part.reshape(n * nc, -1) for part in
-                 rows_of(packed, qtype, n, k).split([per for _, per in g.planes], dim=1)]
-    rows = torch.cat(per_chunk, dim=1)  # (n * chunks, packed bytes of a (1, k0) weight)
-    src = _inverse(qtype, k0, str(packed.device))
+    per_chunk = [part.reshape(r * nc, -1) for part in rows.split([per for _, per in g.planes], dim=1)]
+    chunks = torch.cat(per_chunk, dim=1)  # (r * chunks, packed bytes of a (1, k0) weight)
+    src = _inverse(qtype, k0, str(rows.device))
     shifts = torch.arange(8, dtype=torch.uint8, device=rows.device)
-    bits = ((rows.unsqueeze(-1) >> shifts) & 1).reshape(n * nc, -1)[:, src]
+    bits = ((chunks.unsqueeze(-1) >> shifts) & 1).reshape(r * nc, -1)[:, src]
     weights = (1 << torch.arange(8, dtype=torch.int32, device=rows.device))
-    return (bits.reshape(n * nc, -1, 8).to(torch.int32) * weights).sum(-1).to(torch.uint8).reshape(-1)
+    return (bits.reshape(r * nc, -1, 8).to(torch.int32) * weights).sum(-1).to(torch.uint8).reshape(-1)
