@@ -34,13 +34,21 @@ def test_fused_decode_rows_match_gguf(qtype):
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_batched_decode_rows_match_gguf(qtype):
+    def product(x, raw, n, k):  # (K of 96, 64 or 160 take the dequantize path)
+        return qm.qmatmul(_cuda(x), _packed(raw, qtype, n, k), qtype, n, k)
+    # x and W are rounded to f16 before the tensor cores multiply them
+    check_products(qtype, product, rel=2e-3, rows=(qm.FUSED_ROWS + 1, 16, 33, qm.BATCH_ROWS))
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_prefill_rows_match_gguf(qtype, monkeypatch):
-    # 17 rows take the dequantize + matmul path; a scratch of 192 B makes it tile N (1 to 3 rows)
+    # 65 rows take the dequantize + matmul path; a scratch of 192 B makes it tile N (1 to 3 rows)
     monkeypatch.setattr(qm, "SCRATCH_BYTES", 3 * 64 * 2)
     def product(x, raw, n, k):
         return qm.qmatmul(_cuda(x), _packed(raw, qtype, n, k), qtype, n, k)
     # x and W are rounded to f16 before cuBLAS multiplies them
-    check_products(qtype, product, rel=2e-3, rows=(17,))
+    check_products(qtype, product, rel=2e-3, rows=(qm.BATCH_ROWS + 1,))
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
@@ -51,7 +59,7 @@ def test_dequant_kernel_is_bit_exact_on_cuda(qtype):
         np.testing.assert_array_equal(got.cpu().numpy(), quants.dequantize(raw.reshape(n, -1), qtype))
 
 
-@pytest.mark.parametrize("m", [1, 17])
+@pytest.mark.parametrize("m", [1, 17, 65])
 def test_stacked_weights_of_mixed_types_on_cuda(m):
     def product(x, parts):
         return qm.qmatmul_stacked(_cuda(x), [(_packed(r, t, n, 512), t, n) for r, t, n in parts], 512)

@@ -178,6 +178,36 @@ def test_fused_kernel_with_many_chunks_a_step_matches_gguf(qtype, k):
 
 
 @needs_triton
+@pytest.mark.parametrize("qtype", list(SCALES), ids=lambda t: t.name)
+def test_batched_kernel_matches_gguf(qtype):
+    # a batched decode step's rows: each weight tile dequantized once to f16 and multiplied
+    # with every row (x rounded to f16 too, as the prefill path does)
+    for i, (m, n, k) in enumerate([(9, 13, 256), (17, 70, 512)]):
+        raw = random_weight(qtype, n, k, seed=i)
+        assert qm.batched(m, [(int(qtype), n)], k)
+        x = np.random.default_rng(i).standard_normal((m, k)).astype(np.float32)
+        y = torch.full((m, n), float("nan"))
+        qm._launch_mm(torch.from_numpy(x), packed(raw, qtype, n, k), int(qtype), n, k, y)
+        check(y, x, raw, qtype, n, k, rel=2e-3)
+
+
+def test_batched_kernel_needs_a_k_slice_of_16():
+    # Q4_0 with K = 96: chunks of 4 words (32 values), 3 of them a row: no slice of 16 words
+    assert qm.batch_tiles(int(Q.Q4_0), 4, 96) is None
+    assert not qm.batched(9, [(int(Q.Q4_0), 4)], 96)
+    assert qm.batch_tiles(int(Q.Q4_0), 4, 4096) == (16, 64, 2, 4)
+    assert not qm.batched(qm.FUSED_ROWS, [(int(Q.Q4_0), 4)], 4096)  # the fused kernel's rows
+
+
+@needs_triton
+def test_batched_kernel_writes_stacked_weights_into_one_result():
+    def product(x, parts):
+        ws, qtypes, ns = zip(*[(packed(r, t, n, 512), int(t), n) for r, t, n in parts])
+        return qm._qmm(torch.from_numpy(x), list(ws), list(qtypes), list(ns), 512)
+    check_stacked(product, 11, rel=2e-3)
+
+
+@needs_triton
 def test_fused_kernel_writes_stacked_weights_into_one_result():
     def product(x, parts):
         ws, qtypes, ns = zip(*[(packed(r, t, n, 512), int(t), n) for r, t, n in parts])

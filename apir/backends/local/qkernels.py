@@ -2,6 +2,7 @@
 moved into planes; the layout is described there).
 
     _qgemv_kernel    y (M, N) f32 = x (M, K) f32 @ W.T   for the few rows of a decode step
+    _qmm_kernel      y (M, N) f32 = x (M, K) @ W.T        for a batched decode step's rows
     _dequant_kernel  out (N, K) f16/f32 = W                for prefill and row lookups
 
 Both take a tile of (BN rows, NC chunks, CW words) of the low plane, loaded as one
@@ -194,6 +195,39 @@ def _qgemv_kernel(x_ptr, low_ptr, high_ptr, p0, p1, p2, y_ptr, N, K, LDY, QT: tl
         acc = _accumulate(acc, lw, hw, x_row, r, c, w, p0, p1, p2, K, QT, LB, HB, OFF, MIN, CW, ASM)
     rows = tl.program_id(1) * BN + tl.arange(0, BN)
     tl.store(y_ptr + m * LDY + rows, tl.sum(tl.sum(acc, axis=2), axis=1), mask=rows < N)
+
+
+@triton.jit
+def _qmm_kernel(x_ptr, low_ptr, high_ptr, p0, p1, p2, y_ptr, M, N, K, LDY, QT: tl.constexpr,
+                LB: tl.constexpr, HB: tl.constexpr, OFF: tl.constexpr, MIN: tl.constexpr,
+                CW: tl.constexpr, ASM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                NC: tl.constexpr):
+    # program (i, j): y[i*BM : (i+1)*BM, j*BN : (j+1)*BN] for a few rows of x (a batched
+    # decode step): each weight tile is dequantized once, to f16, and multiplied with every
+    # row on the tensor cores; slot s of a tile is a K-slice of the product whose x values
+    # are the elements c * S * CW + s * CW + w. x is rounded to f16, as the prefill path does
+    S: tl.constexpr = 32 // LB
+    m = tl.program_id(0) * BM + tl.arange(0, BM)
+    keep = (m < M)[:, None, None]
+    xm = x_ptr + tl.minimum(m, M - 1).to(tl.int64)[:, None, None] * K
+    r = tl.minimum(tl.program_id(1) * BN + tl.arange(0, BN), N - 1)[:, None, None]
+    w = tl.arange(0, CW)[None, None, :]
+    WPR = K * LB // 32
+    chunks = WPR // CW
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    step = tl.arange(0, NC)[None, :, None]
+    for c0 in tl.range(0, chunks, NC):
+        c = c0 + step
+        lw, hw = _tile(low_ptr, high_ptr, r, c, w, WPR, LB, HB, CW)
+        for s in tl.static_range(S):
+            q = _quant(lw, hw, s, QT, LB, HB, OFF, ASM)
+            d, mn = _scale(p0, p1, p2, r, c, w, K, s, QT, S, CW)
+            v = d * q + mn if MIN else d * q
+            wt = tl.reshape(v.to(tl.float16), (BN, NC * CW))
+            x = tl.load(xm + tl.multiple_of(c * (S * CW) + s * CW, [4, 4, 4]) + w, mask=keep, other=0.0)
+            acc = tl.dot(tl.reshape(x.to(tl.float16), (BM, NC * CW)), tl.trans(wt), acc)
+    rows = tl.program_id(1) * BN + tl.arange(0, BN)
+    tl.store(y_ptr + m[:, None] * LDY + rows[None, :], acc, mask=(m < M)[:, None] & (rows < N)[None, :])
 
 
 @triton.jit

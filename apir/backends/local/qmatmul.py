@@ -9,6 +9,9 @@ Two paths, chosen by the rows of x and the device:
 
 - M <= FUSED_ROWS on CUDA: one Triton kernel reads every weight byte once and dequantizes
   in registers (``qkernels._qgemv_kernel``). No memory beyond the (M, N) result.
+- M <= BATCH_ROWS on CUDA (a batched decode step): a Triton kernel dequantizes each weight
+  tile once, to f16, and multiplies it with every row on the tensor cores
+  (``qkernels._qmm_kernel``). No memory beyond the result either.
 - otherwise (prefill, or a CPU host): W is dequantized a tile of rows at a time into a
   scratch of at most SCRATCH_BYTES (f16 by a Triton kernel on CUDA, f32 by the torch
   decoders of ``dequant`` on a CPU) and multiplied densely; the scratch is freed after.
@@ -36,6 +39,8 @@ except ImportError:  # CPU-only PyTorch
 
 # x with at most this many rows is multiplied by the fused kernel (a decode step's rows)
 FUSED_ROWS = 8
+# ... and with at most this many by the batched kernel (a batched decode step's rows)
+BATCH_ROWS = 64
 # dequantized rows of one tile of the prefill path, in bytes
 SCRATCH_BYTES = 64 << 20
 
@@ -63,6 +68,24 @@ def tiles(qtype: int, n: int, k: int, fused: bool) -> tuple[int, int, int]:
     words = nc * g.cw
     bn = max(1, min(16, (1024 if fused else 4096) // words))
     return bn, nc, 8 if fused else 4
+
+
+def batch_tiles(qtype: int, n: int, k: int) -> tuple[int, int, int, int] | None:
+    """(BM rows of x, BN rows of W, NC chunks, num_warps) of the batched kernel, or None
+    where a step's K-slice would be under the 16 a tensor-core product needs. 64 words a
+    row step (a 16 x 64-row tile): the sm_90 build's largest without register spills,
+    ~6.2 instructions a weight value for up to 16 rows of x (bench/probes/qkernel_sass.py
+    counts the fused kernel's; this one was counted the same way)."""
+    g = qpack.geometry(qtype, n, k)
+    nc = 1
+    while g.chunks % (2 * nc) == 0 and 2 * nc * g.cw <= 64:
+        nc *= 2
+    return (16, 64, nc, 4) if nc * g.cw >= 16 else None
+
+
+def batched(m: int, parts: Sequence[tuple[int, int]], k: int) -> bool:
+    """Whether x of ``m`` rows times weights [(qtype, N)] takes the batched kernel."""
+    return FUSED_ROWS < m <= BATCH_ROWS and all(batch_tiles(q, n, k) for q, n in parts)
 
 
 if qkernels is not None:
@@ -108,6 +131,15 @@ if qkernels is not None:
             BN=bn, NC=nc, num_warps=warps)
         return y
 
+    def _launch_mm(x: torch.Tensor, w: torch.Tensor, qtype: int, n: int, k: int,
+                   y: torch.Tensor) -> torch.Tensor:
+        # x (M, K) f32 contiguous -> y (M, N) f32 (rows unit-strided)
+        bm, bn, nc, warps = batch_tiles(qtype, n, k)
+        qkernels._qmm_kernel[(triton.cdiv(x.shape[0], bm), triton.cdiv(n, bn))](
+            x, *_planes(w, qtype, n, k), y, x.shape[0], n, k, y.stride(0), **_meta(qtype, k),
+            BM=bm, BN=bn, NC=nc, num_warps=warps, num_stages=1)
+        return y
+
     def _launch_dequant(w: torch.Tensor, qtype: int, n: int, k: int, dtype: torch.dtype,
                         r0: int = 0, r1: int | None = None) -> torch.Tensor:
         # rows r0..r1 of a packed (n, k) weight -> (r1 - r0, k) of dtype
@@ -135,6 +167,22 @@ if qkernels is not None:
         return y
 
     @_qgemv.register_fake
+    def _(x: torch.Tensor, ws: list[torch.Tensor], qtypes: list[int], ns: list[int],
+          k: int) -> torch.Tensor:
+        return x.new_empty((x.shape[0], sum(ns)), dtype=torch.float32)
+
+    @torch.library.custom_op("apir::qmm", mutates_args=())
+    def _qmm(x: torch.Tensor, ws: list[torch.Tensor], qtypes: list[int], ns: list[int],
+             k: int) -> torch.Tensor:
+        # as _qgemv, with the batched kernel
+        y = torch.empty((x.shape[0], sum(ns)), device=x.device, dtype=torch.float32)
+        off = 0
+        for w, qtype, n in zip(ws, qtypes, ns):
+            _launch_mm(x, w, qtype, n, k, y[:, off : off + n])
+            off += n
+        return y
+
+    @_qmm.register_fake
     def _(x: torch.Tensor, ws: list[torch.Tensor], qtypes: list[int], ns: list[int],
           k: int) -> torch.Tensor:
         return x.new_empty((x.shape[0], sum(ns)), dtype=torch.float32)
@@ -224,6 +272,8 @@ def qmatmul_stacked(x: torch.Tensor, parts: Sequence[tuple[torch.Tensor, int | D
     packed = packs(x.device)
     if packed and x.shape[0] <= FUSED_ROWS:
         return _qgemv(x.float().contiguous(), *map(list, zip(*parts)), k)
+    if packed and batched(x.shape[0], [(q, n) for _, q, n in parts], k):
+        return _qmm(x.float().contiguous(), *map(list, zip(*parts)), k)
     wdtype = torch.float16 if packed else torch.float32
     rows = max(1, SCRATCH_BYTES // (k * wdtype.itemsize))
     xs = x.to(wdtype)  # rounded as the dense path rounds x to its f16 weights
