@@ -5,7 +5,9 @@ into an f16 scratch then a matmul. Each call reads a different
 weight copy (as a decode step's layers do), inside one CUDA graph. Prints µs per call and the
 effective read rate: the weight's bytes in its own format (GGUF blocks, or f16) per second.
 
-    python3 bench/probes/qgemv.py [Q4_0 Q8_0 ...] [--rows M] [--sweep]
+    python3 bench/probes/qgemv.py [Q4_0 Q8_0 ...] [--rows M] [--sweep] [--big] [--no-torch]
+
+--rows M (M > 1) times the batched kernel too (a batched decode step's M rows).
 
 --sweep also times the fused kernel over a grid of (BN, NC, warps) and prints the best
 next to the one apir.backends.local.qmatmul.tiles picks.
@@ -21,7 +23,15 @@ from gguf import quants
 
 from apir.backends.local import dequant, qkernels, qpack
 from apir.backends.local.gemv import _gemv_kernel, blocks
-from apir.backends.local.qmatmul import _launch_dequant, _launch_gemv, _meta, _planes, tiles
+from apir.backends.local.qmatmul import (
+    _launch_dequant,
+    _launch_gemv,
+    _launch_mm,
+    _meta,
+    _planes,
+    batch_tiles,
+    tiles,
+)
 from apir.graph.dtypes import DType
 
 # (N, K) of an 8B llama's decode products: q/o, gate/up, down, output; and a 135M vocabulary
@@ -63,6 +73,14 @@ def gemv16(n, k):
         y = torch.empty(n, device="cuda", dtype=torch.float32)
         _gemv_kernel[(triton.cdiv(n, bn),)](x, w, y, n, k, BLOCK_N=bn, BLOCK_K=bk, num_warps=wp, num_stages=st)
         return y
+    return run
+
+
+def batched(qtype, n, k):
+    # the batched decode kernel (qmatmul's path for FUSED_ROWS < M <= BATCH_ROWS)
+    def run(x, w):
+        y = torch.empty((x.shape[0], n), device="cuda", dtype=torch.float32)
+        return _launch_mm(x, w, int(qtype), n, k, y)
     return run
 
 
@@ -108,6 +126,8 @@ def main(types, rows, sweep):
                     if best is None or t < best[0]:
                         best = (t, cfg)
                 res[f"best{best[1]}"] = best[0]
+            if rows > 1 and batch_tiles(int(qtype), n, k):
+                res["batched"] = time_us(batched(qtype, n, k), x, ws)
             res["triton-dq+mm"] = time_us(triton_dq_mm(qtype, n, k), x, ws[:2])
             if want is not None and "--no-torch" not in sys.argv:
                 res["torch-dq+mm"] = time_us(torch_dq_mm(qtype, n, k), x, raws[:2])
