@@ -237,3 +237,29 @@ def test_packing_a_few_rows_at_a_time_gives_the_same_bytes(monkeypatch):
         assert torch.equal(packed(raw, qtype, 37, 512), whole)
         np.testing.assert_array_equal(qpack.unpack(whole, int(qtype), 37, 512).numpy(), raw)
         monkeypatch.undo()
+
+
+@needs_triton
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0"])
+def test_a_model_computes_from_packed_weights_as_from_the_cache(qtype, monkeypatch, tmp_path):
+    """The GPU's whole path on this CPU, under the interpreter: weights packed in place at
+    first use, the prompt through the batched kernel, decode steps through the fused one,
+    embeddings through the packed row lookup; logits and tokens as the dequantized cache's."""
+    import apir
+    from apir.backends.base import ExecutorConfig
+    from apir.backends.local import LocalBackend
+    from apir.engine import SamplingParams
+    from tiny_models import TinyConfig, write_tiny_gguf
+
+    path = str(write_tiny_gguf(tmp_path / f"{qtype}.gguf", TinyConfig(n_layer=2, n_embd=128, n_ff=256,
+                                                                       head_dim=32), qtype))
+    ids = [256, 72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100, 33]  # 14: batched rows
+    greedy = SamplingParams(temperature=0, max_tokens=4)
+    with apir.load(path, backend=LocalBackend("cpu", config=ExecutorConfig(dequant_cache=True))) as ref:
+        want_logits, want = ref.logits(ids), list(ref.generate_ids(ids, greedy))
+    monkeypatch.setattr(qm, "packs", lambda device: True)
+    with apir.load(path, backend=LocalBackend("cpu", config=ExecutorConfig(dequant_cache=False))) as model:
+        assert model.backend._packs
+        np.testing.assert_allclose(model.logits(ids), want_logits, rtol=2e-2, atol=2e-2)
+        assert list(model.generate_ids(ids, greedy)) == want
+        assert any(model.backend._packed.values())
