@@ -245,11 +245,12 @@ def test_a_model_computes_from_packed_weights_as_from_the_cache(qtype, monkeypat
     """The GPU's whole path on this CPU, under the interpreter: weights packed in place at
     first use, the prompt through the batched kernel, decode steps through the fused one,
     embeddings through the packed row lookup; logits and tokens as the dequantized cache's."""
+    from tiny_models import TinyConfig, write_tiny_gguf
+
     import apir
     from apir.backends.base import ExecutorConfig
     from apir.backends.local import LocalBackend
     from apir.engine import SamplingParams
-    from tiny_models import TinyConfig, write_tiny_gguf
 
     path = str(write_tiny_gguf(tmp_path / f"{qtype}.gguf", TinyConfig(n_layer=2, n_embd=128, n_ff=256,
                                                                        head_dim=32), qtype))
