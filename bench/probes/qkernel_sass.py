@@ -1,10 +1,12 @@
-"""The fused decode kernel's inner loop, compiled for sm_90 on a machine without a GPU: the
-instructions it spends per weight value, per type, from the SASS of Triton's own ptxas and
+"""The decode kernels' inner loop, compiled for sm_90 on a machine without a GPU: the
+instructions they spend per weight value, per type, from the SASS of Triton's own ptxas and
 cuobjdump (they come with the triton wheel). Costs no device time; the counts explain the
 H200 timings of bench/probes/qgemv.py (16-byte loads or not, scales loaded per value or per
-slot, integer and f32 work per value).
+slot, integer and f32 work per value, register spills).
 
-    python3 bench/probes/qkernel_sass.py [Q4_0 Q4_K ...] [--k 4096] [--show]
+    python3 bench/probes/qkernel_sass.py [Q4_0 Q4_K ...] [--k 4096] [--batched] [--show]
+
+--batched: the batched kernel (16 rows of x a program) instead of the fused one (one row).
 """
 
 from __future__ import annotations
@@ -26,28 +28,37 @@ from apir.backends.local import qkernels, qmatmul, qpack
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 
 
-def _signature(qtype: int) -> dict[str, str]:
+def _signature(qtype: int, batched: bool) -> dict[str, str]:
     lb, hb, _, _ = qkernels.TYPES[qtype]
     high = "*i32" if not hb else ("*i16" if hb * 32 // lb == 16 else "*u8")
     scales = {2: "fp16", 3: "fp16", 6: "fp16", 7: "fp16", 8: "fp16"}.get(qtype)
     ps = [f"*{scales}"] * 3 if scales else {10: ["*u8", "*fp16", "*fp16"], 11: ["*u8", "*fp16", "*u8"],
                                              12: ["*u8"] * 3, 13: ["*u8"] * 3, 14: ["*i8", "*fp16", "*i8"]}[qtype]
     sig = {"x_ptr": "*fp32", "low_ptr": "*i32", "high_ptr": high, "p0": ps[0], "p1": ps[1], "p2": ps[2],
-           "y_ptr": "*fp32", "N": "i32", "K": "i32", "LDY": "i32"}
-    return sig | {name: "constexpr" for name in ("QT", "LB", "HB", "OFF", "MIN", "CW", "ASM", "BN", "NC")}
+           "y_ptr": "*fp32", **({"M": "i32"} if batched else {}), "N": "i32", "K": "i32", "LDY": "i32"}
+    consts = ("QT", "LB", "HB", "OFF", "MIN", "CW", "ASM", *(("BM",) if batched else ()), "BN", "NC")
+    return sig | {name: "constexpr" for name in consts}
 
 
-def loop_sass(qtype: int, n: int, k: int) -> tuple[list[str], int]:
+def loop_sass(qtype: int, n: int, k: int, batched: bool = False) -> tuple[list[str], int]:
     """The SASS lines of the kernel's main loop for a (n, k) weight, and the values a
     thread takes per iteration."""
-    bn, nc, warps = qmatmul.tiles(qtype, n, k, fused=True)
     lb, hb, off, mins = qkernels.TYPES[qtype]
     cw = qpack.chunk_words(qtype, k)
-    consts = dict(QT=qtype, LB=lb, HB=hb, OFF=off, MIN=mins, CW=cw, ASM=True, BN=bn, NC=nc)
+    consts = dict(QT=qtype, LB=lb, HB=hb, OFF=off, MIN=mins, CW=cw, ASM=True)
+    if batched:
+        bm, bn, nc, warps = qmatmul.batch_tiles(qtype, n, k)
+        consts |= dict(BM=bm, BN=bn, NC=nc)
+        fn, stages, ints = qkernels._qmm_kernel, 1, (9, 10)
+    else:
+        bn, nc, warps = qmatmul.tiles(qtype, n, k, fused=True)
+        consts |= dict(BN=bn, NC=nc)
+        fn, stages, ints = qkernels._qgemv_kernel, 3, (8, 9)
     # as Triton specializes at run time: aligned pointers, K and LDY multiples of 16
-    attrs = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 4, 5, 6, 8, 9)}
-    src = ASTSource(fn=qkernels._qgemv_kernel, signature=_signature(qtype), constexprs=consts, attrs=attrs)
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    attrs = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 4, 5, 6, *ints)}
+    src = ASTSource(fn=fn, signature=_signature(qtype, batched), constexprs=consts, attrs=attrs)
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": warps, "num_stages": stages})
     with tempfile.TemporaryDirectory() as tmp:
         cubin = Path(tmp) / "k.cubin"
         cubin.write_bytes(kernel.asm["cubin"])
@@ -69,14 +80,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("types", nargs="*", default=[t.name for t in qkernels_types()])
     ap.add_argument("--k", type=int, default=4096)
+    ap.add_argument("--batched", action="store_true", help="the batched kernel (16 rows of x)")
     ap.add_argument("--show", action="store_true", help="print the loop")
     args = ap.parse_args()
     for name in args.types:
         qtype = int(Q[name])
-        loop, values = loop_sass(qtype, 4096, args.k)
+        loop, values = loop_sass(qtype, 4096, args.k, args.batched)
         ops = collections.Counter(re.match(r"\s*/\*[0-9a-f]+\*/\s*(?:@!?U?P\w+\s+)?([A-Z0-9_]+)", line).group(1)
                                   for line in loop)
-        loads = collections.Counter(m.group(0) for line in loop for m in [re.search(r"LDG\S*", line)] if m)
+        loads = collections.Counter(m.group(0) for line in loop
+                                    for m in [re.search(r"LDG\S*|STL|LDL", line)] if m)
         print(f"{name}: {len(loop)} instructions per iteration, {values} values a thread: "
               f"{len(loop) / values:.1f} a value; loads {dict(loads)}")
         print("   " + " ".join(f"{op}:{count}" for op, count in ops.most_common(12)))
