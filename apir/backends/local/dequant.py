@@ -173,7 +173,7 @@ def _q2_k(blocks: torch.Tensor) -> torch.Tensor:
     #   qs[64] (element 128h + 32s + j: bits 2s.. of qs[32h + j]) | d f16 | dmin f16
     # x = (d * sc) * q - (dmin * m); the quants as qpack reads them
     n = blocks.shape[0]
-    low, _, _ = qpack._fields(blocks, int(DType.Q2_K))
+    low, _, _ = qpack.fields(blocks, int(DType.Q2_K))
     sc = blocks[:, 0:16]
     dl = (_f16(blocks, 80) * (sc & 0xF).float()).view(n, 16, 1)
     ml = (_f16(blocks, 82) * (sc >> 4).float()).view(n, 16, 1)
@@ -185,7 +185,7 @@ def _q3_k(blocks: torch.Tensor) -> torch.Tensor:
     #   in nibble s // 8 of byte s % 8, high 2 at bits 2 (s // 4) of byte 8 + s % 4) | d f16
     # x = (d * (sc - 32)) * (q - 4), q = the 2 bits | the hmask bit << 2
     n = blocks.shape[0]
-    low, high, _ = qpack._fields(blocks, int(DType.Q3_K))
+    low, high, _ = qpack.fields(blocks, int(DType.Q3_K))
     lo = (blocks[:, 96:104].reshape(n, 1, 8) >> torch.tensor([0, 4], dtype=torch.uint8, device=blocks.device)
           .view(1, 2, 1)).reshape(n, 16) & 0xF
     hi = (blocks[:, 104:108].reshape(n, 1, 4) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=blocks.device)

@@ -3,9 +3,9 @@ moved into planes; the layout is described there).
 
     _qgemv_kernel    y (M, N) f32 = x (M, K) f32 @ W.T   for the few rows of a decode step
     _qmm_kernel      y (M, N) f32 = x (M, K) @ W.T        for a batched decode step's rows
-    _dequant_kernel  out (N, K) f16/f32 = W                for prefill and row lookups
+    _dequant_kernel  out (R, K) f16/f32 = rows of W        for prefill and row lookups
 
-Both take a tile of (BN rows, NC chunks, CW words) of the low plane, loaded as one
+All three take a tile of (BN rows, NC chunks, CW words) of the low plane, loaded as one
 contiguous run per row (16-byte loads, a warp reading consecutive bytes), and walk the S
 slots of a word as static steps: slot s of the tile is the elements c * S * CW + s * CW + w,
 so the x values it multiplies are CW consecutive floats per chunk, and its scale is one per
@@ -13,7 +13,7 @@ so the x values it multiplies are CW consecutive floats per chunk, and its scale
 
 Unsigned quants become f32 without an int->float convert (16 per clock per SM on Hopper, a
 quarter of the f32 rate): the f32 with bits 0x4B000000 | q is 2**23 + q exactly, and one
-subtraction removes 2**23 and the type's offset together (``_val``).
+subtraction removes 2**23 and the type's offset together (``_quant``).
 """
 
 from __future__ import annotations

@@ -109,7 +109,7 @@ def geometry(qtype: int, n: int, k: int) -> Geometry:
     return Geometry(qtype, n, k, lb, hb, chunk_words(qtype, k), tuple(planes))
 
 
-def _fields(blocks: torch.Tensor, qtype: int) -> tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor]]:
+def fields(blocks: torch.Tensor, qtype: int) -> tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor]]:
     """File blocks (nblk, TS) uint8 -> (low (nblk, BS), high (nblk, BS) or None, scale
     fields [(nblk, bytes)]), the quants in element order, as the block stores them."""
     def nib(qs):  # (b, 16) -> (b, 32): low nibbles then high
@@ -188,7 +188,7 @@ def _pack_rows(raw: torch.Tensor, qtype: int, n: int, k: int) -> list[torch.Tens
     """The planes of the packed (n, k) weight whose GGUF bytes are ``raw``, each 1-D."""
     g = geometry(qtype, n, k)
     lb, hb, bs = _BITS[qtype]
-    low, high, scales = _fields(raw.reshape(n * k // bs, -1), qtype)
+    low, high, scales = fields(raw.reshape(n * k // bs, -1), qtype)
     s_, cw = g.slots, g.cw
     # (n, chunks, S, CW): element c*S*CW + s*CW + w
     low = low.reshape(n, g.chunks, s_, cw).to(torch.int64)
