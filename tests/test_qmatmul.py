@@ -200,19 +200,13 @@ def test_batched_kernel_needs_a_k_slice_of_16():
 
 
 @needs_triton
-def test_batched_kernel_writes_stacked_weights_into_one_result():
+@pytest.mark.parametrize(("kernel", "m", "rel"), [("_qgemv", 2, 1e-5), ("_qmm", 11, 2e-3)])
+def test_decode_kernels_write_stacked_weights_into_one_result(kernel, m, rel):
+    # the fused kernel (f32) and the batched one (x and W rounded to f16)
     def product(x, parts):
         ws, qtypes, ns = zip(*[(packed(r, t, n, 512), int(t), n) for r, t, n in parts])
-        return qm._qmm(torch.from_numpy(x), list(ws), list(qtypes), list(ns), 512)
-    check_stacked(product, 11, rel=2e-3)
-
-
-@needs_triton
-def test_fused_kernel_writes_stacked_weights_into_one_result():
-    def product(x, parts):
-        ws, qtypes, ns = zip(*[(packed(r, t, n, 512), int(t), n) for r, t, n in parts])
-        return qm._qgemv(torch.from_numpy(x), list(ws), list(qtypes), list(ns), 512)
-    check_stacked(product, 2, rel=1e-5)
+        return getattr(qm, kernel)(torch.from_numpy(x), list(ws), list(qtypes), list(ns), 512)
+    check_stacked(product, m, rel=rel)
 
 
 @needs_triton

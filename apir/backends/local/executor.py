@@ -16,6 +16,7 @@ cached dequantized copies (faster on a CPU, several times the memory).
 from __future__ import annotations
 
 import logging
+import math
 import os
 import warnings
 from collections.abc import Callable
@@ -185,9 +186,7 @@ class LocalBackend(Executor):
         is refused: it would read the packed bytes as GGUF blocks."""
         handle, offset = node.attrs
         buf = self._buffers[handle]
-        k = node.shape[-1]
-        n = node.dtype.nbytes(node.shape) // node.dtype.nbytes((1, k))
-        want = (int(node.dtype), n, k, node.dtype.nbytes(node.shape))
+        want = (int(node.dtype), math.prod(node.shape[:-1]), node.shape[-1], node.dtype.nbytes(node.shape))
         spans = self._packed.setdefault(id(buf), {})
         if spans.get(offset) != want:
             if self._overlapping(buf, offset, want[3]):
@@ -254,9 +253,8 @@ class LocalBackend(Executor):
 
     def _dequantized(self, node) -> torch.Tensor:
         if self._packs and node.dtype.is_quantized:
-            k = node.shape[-1]
             w = qmatmul.dequantize(self._packed_blocks(node), int(node.dtype),
-                                   node.dtype.nbytes(node.shape) // node.dtype.nbytes((1, k)), k)
+                                   math.prod(node.shape[:-1]), node.shape[-1])
             return w.reshape(node.shape).to(self._weight_dtype(node.dtype))
         return dequantize(self._raw(node), node.dtype, node.shape).to(self._weight_dtype(node.dtype))
 

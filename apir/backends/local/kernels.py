@@ -42,14 +42,11 @@ def qproduct(x: torch.Tensor, parts: tuple[Blocks, ...]) -> torch.Tensor:
     """x (..., K) @ concat(parts).T in f32: (..., sum N_i), each part read from its blocks."""
     k = parts[0].shape[1]
     x2 = x.reshape(-1, k)
-    args = ([p.data for p in parts], [p.qtype for p in parts], [p.shape[0] for p in parts], k)
     # the decode kernels, as qmatmul_stacked calls them (buffer offsets are 32-byte aligned,
     # so its argument checks hold by construction), traceable by torch.compile
-    if x2.shape[0] <= qmatmul.FUSED_ROWS and qmatmul.packs(x2.device):
-        y = qmatmul._qgemv(x2.float().contiguous(), *args)
-    elif qmatmul.packs(x2.device) and qmatmul.batched(x2.shape[0], [(p.qtype, p.shape[0]) for p in parts], k):
-        y = qmatmul._qmm(x2.float().contiguous(), *args)
-    else:
+    y = qmatmul.decode_product(x2, [p.data for p in parts], [p.qtype for p in parts],
+                               [p.shape[0] for p in parts], k)
+    if y is None:
         y = _stacked(x2, [(p.data, p.qtype, p.shape[0]) for p in parts], k)
     return y.reshape(*x.shape[:-1], y.shape[-1])
 

@@ -155,16 +155,20 @@ if qkernels is not None:
     # Opaque custom ops, not triton_ops, for the reason gemv.py gives (Inductor compiles a
     # triton_op's kernel per call site while tracing); the launches are recorded into a
     # step's CUDA graph like any other.
-    @torch.library.custom_op("apir::qgemv", mutates_args=())
-    def _qgemv(x: torch.Tensor, ws: list[torch.Tensor], qtypes: list[int], ns: list[int],
-               k: int) -> torch.Tensor:
+    def _stacked_launches(launch, x: torch.Tensor, ws: list[torch.Tensor], qtypes: list[int],
+                          ns: list[int], k: int) -> torch.Tensor:
         # the weights stacked along N: one launch each, into its columns of one result
         y = torch.empty((x.shape[0], sum(ns)), device=x.device, dtype=torch.float32)
         off = 0
         for w, qtype, n in zip(ws, qtypes, ns):
-            _launch_gemv(x, w, qtype, n, k, y[:, off : off + n])
+            launch(x, w, qtype, n, k, y[:, off : off + n])
             off += n
         return y
+
+    @torch.library.custom_op("apir::qgemv", mutates_args=())
+    def _qgemv(x: torch.Tensor, ws: list[torch.Tensor], qtypes: list[int], ns: list[int],
+               k: int) -> torch.Tensor:
+        return _stacked_launches(_launch_gemv, x, ws, qtypes, ns, k)
 
     @_qgemv.register_fake
     def _(x: torch.Tensor, ws: list[torch.Tensor], qtypes: list[int], ns: list[int],
@@ -174,13 +178,7 @@ if qkernels is not None:
     @torch.library.custom_op("apir::qmm", mutates_args=())
     def _qmm(x: torch.Tensor, ws: list[torch.Tensor], qtypes: list[int], ns: list[int],
              k: int) -> torch.Tensor:
-        # as _qgemv, with the batched kernel
-        y = torch.empty((x.shape[0], sum(ns)), device=x.device, dtype=torch.float32)
-        off = 0
-        for w, qtype, n in zip(ws, qtypes, ns):
-            _launch_mm(x, w, qtype, n, k, y[:, off : off + n])
-            off += n
-        return y
+        return _stacked_launches(_launch_mm, x, ws, qtypes, ns, k)
 
     @_qmm.register_fake
     def _(x: torch.Tensor, ws: list[torch.Tensor], qtypes: list[int], ns: list[int],
@@ -221,6 +219,20 @@ def get_rows(w: torch.Tensor, qtype: int, n: int, k: int, ids: torch.Tensor) -> 
     else:
         out = dequant.dequantize(w.view(n, -1)[flat].reshape(-1), DType(qtype), (flat.numel(), k))
     return out.reshape(*ids.shape, k)
+
+
+def decode_product(x: torch.Tensor, ws: list[torch.Tensor], qtypes: list[int], ns: list[int],
+                   k: int) -> torch.Tensor | None:
+    """x (M, K) @ the stacked packed weights ws.T through a decode kernel, fused (M up to
+    FUSED_ROWS) or batched (up to BATCH_ROWS), without the argument checks (traceable by
+    torch.compile); None where neither applies."""
+    if not packs(x.device):
+        return None
+    if x.shape[0] <= FUSED_ROWS:
+        return _qgemv(x.float().contiguous(), ws, qtypes, ns, k)
+    if batched(x.shape[0], list(zip(qtypes, ns)), k):
+        return _qmm(x.float().contiguous(), ws, qtypes, ns, k)
+    return None
 
 
 def _check(x: torch.Tensor, w: torch.Tensor, qtype: int, n: int, k: int) -> str | None:
@@ -269,11 +281,10 @@ def qmatmul_stacked(x: torch.Tensor, parts: Sequence[tuple[torch.Tensor, int | D
         why = _check(x, w, qtype, n, k)
         if why is not None:
             raise ValueError(f"qmatmul: {why}")
+    y = decode_product(x, [w for w, _, _ in parts], [q for _, q, _ in parts], [n for _, _, n in parts], k)
+    if y is not None:
+        return y
     packed = packs(x.device)
-    if packed and x.shape[0] <= FUSED_ROWS:
-        return _qgemv(x.float().contiguous(), *map(list, zip(*parts)), k)
-    if packed and batched(x.shape[0], [(q, n) for _, q, n in parts], k):
-        return _qmm(x.float().contiguous(), *map(list, zip(*parts)), k)
     wdtype = torch.float16 if packed else torch.float32
     rows = max(1, SCRATCH_BYTES // (k * wdtype.itemsize))
     xs = x.to(wdtype)  # rounded as the dense path rounds x to its f16 weights
