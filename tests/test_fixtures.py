@@ -19,6 +19,8 @@ import pytest
 
 import apir
 from apir.engine import SamplingParams
+from apir.env import THREADS
+from apir.flags import set_threads
 from apir.models.errors import ModelNotFoundError
 from apir.models.resolve import resolve_model
 
@@ -133,6 +135,9 @@ def test_apir_run_prints_llama_cpp_greedy_text(name):
 @pytest.mark.parametrize("remote", ["remote-unix", "remote-tcp"])
 def test_remote_logits_and_tokens_identical_to_local(remote, backend_options):
     """Same executor, same device: remoting must not change a single bit."""
+    # the host computes with apir's default thread count; so does local here, as `apir run`
+    # sets it (torch's own default, every core, sums in another order)
+    set_threads(int(THREADS.get()))
     fx = fixture("smollm2-135m")
     case = fx["generate"][0]
     local = model("smollm2-135m", "local")
