@@ -30,6 +30,10 @@ usage: scripts/bench-llamacpp.sh [options] [SPEC...]
   -d LIST         depths, comma-separated (default 0; e.g. 0,4096)
   -r N            repetitions (default 5)
   --backends L    apir's backends (default native,remote-shm)
+  --concurrency L also many streams at once, per model: llama-batched-bench -npl L beside
+                  apir bench serve --concurrency L (-p and -n per stream); e.g. 1,4,16,64
+  --only-serve    with --concurrency: skip llama-bench and apir bench (the single-stream tests)
+  --shared-prefix N  with --concurrency: apir bench serve also times prefix reuse (N tokens)
   -h, --help      this text
 EOF
 }
@@ -38,26 +42,29 @@ die() { echo "bench-llamacpp: $*" >&2; exit 2; }
 tarball=${LLAMACPP_TARBALL:-.device-llamacpp/llama.cpp.tar.gz}
 build=${APIR_LLAMACPP_BUILD:-/tmp/apir-llamacpp}
 out=bench/results/peer arch=native cpu=0 n_prompt=512 n_gen=128 depth=0 reps=5 build_only=0 keep=0
-backends=native,remote-shm
+backends=native,remote-shm concurrency="" only_serve=0 shared_prefix=0
 specs=()
 while [ $# -gt 0 ]; do
   case $1 in
     -h|--help) usage; exit 0 ;;
-    --tarball|--build|--out|--arch|-p|-n|-d|-r|--backends)
+    --tarball|--build|--out|--arch|-p|-n|-d|-r|--backends|--concurrency|--shared-prefix)
       [ $# -ge 2 ] || die "$1 needs a value (see --help)"
       case $1 in
         --tarball) tarball=$2 ;; --build) build=$2 ;; --out) out=$2 ;; --arch) arch=$2 ;;
         -p) n_prompt=$2 ;; -n) n_gen=$2 ;; -d) depth=$2 ;; -r) reps=$2 ;; --backends) backends=$2 ;;
+        --concurrency) concurrency=$2 ;; --shared-prefix) shared_prefix=$2 ;;
       esac
       shift 2 ;;
     --cpu) cpu=1; shift ;;
     --build-only) build_only=1; shift ;;
     --keep-gguf) keep=1; shift ;;
+    --only-serve) only_serve=1; shift ;;
     -*) die "unknown option $1 (see --help)" ;;
     *) specs+=("$1"); shift ;;
   esac
 done
 [ ${#specs[@]} -gt 0 ] || read -r -a specs <<<"$SPECS_DEFAULT"
+[ $only_serve = 0 ] || [ -n "$concurrency" ] || die "--only-serve needs --concurrency"
 bin=$build/build/bin
 built=0
 [ -x "$bin/llama-bench" ] && [ -x "$bin/llama-batched-bench" ] && built=1
@@ -105,17 +112,33 @@ for spec in "${specs[@]}"; do
   if [ $keep = 0 ] || [ ! -f "$gguf" ]; then
     apir bench --write-gguf "$build/gguf" --synthetic "$spec" || die "writing $gguf failed"
   fi
-  echo "bench-llamacpp: $name: llama-bench"
-  "$bin/llama-bench" -m "$gguf" -ngl $ngl -fa 1 -p "$n_prompt" -n "$n_gen" -d "$depth" -r "$reps" -o json -v \
-    >"$out/llama.cpp-$name.json" 2>"$out/llama.cpp-$name.log" && llama+=("$out/llama.cpp-$name.json") \
-    || echo "bench-llamacpp: $name: llama-bench failed (see $out/llama.cpp-$name.log)" >&2
-  grep -hoE "[A-Za-z0-9_]+ +(model|KV|compute) buffer size = +[0-9.]+ MiB" "$out/llama.cpp-$name.log" \
-    | sort -u | sed "s/^/bench-llamacpp: $name: llama.cpp /"
-  echo "bench-llamacpp: $name: apir bench"
-  apir bench -m "$gguf" -p "$n_prompt" -n "$n_gen" -d "$depth" -r "$reps" --backends "$backends" \
-    --device $device -o json --no-history >"$out/apir-$name.json" 2>"$out/apir-$name.log" \
-    && ours+=("$out/apir-$name.json") || echo "bench-llamacpp: $name: apir bench failed (see $out/apir-$name.log)" >&2
+  if [ $only_serve = 0 ]; then
+    echo "bench-llamacpp: $name: llama-bench"
+    "$bin/llama-bench" -m "$gguf" -ngl $ngl -fa 1 -p "$n_prompt" -n "$n_gen" -d "$depth" -r "$reps" -o json -v \
+      >"$out/llama.cpp-$name.json" 2>"$out/llama.cpp-$name.log" && llama+=("$out/llama.cpp-$name.json") \
+      || echo "bench-llamacpp: $name: llama-bench failed (see $out/llama.cpp-$name.log)" >&2
+    grep -hoE "[A-Za-z0-9_]+ +(model|KV|compute) buffer size = +[0-9.]+ MiB" "$out/llama.cpp-$name.log" \
+      | sort -u | sed "s/^/bench-llamacpp: $name: llama.cpp /"
+    echo "bench-llamacpp: $name: apir bench"
+    apir bench -m "$gguf" -p "$n_prompt" -n "$n_gen" -d "$depth" -r "$reps" --backends "$backends" \
+      --device $device -o json --no-history >"$out/apir-$name.json" 2>"$out/apir-$name.log" \
+      && ours+=("$out/apir-$name.json") || echo "bench-llamacpp: $name: apir bench failed (see $out/apir-$name.log)" >&2
+  fi
+  if [ -n "$concurrency" ]; then  # many streams: each tool's own table, one after the other
+    max=$(tr , '\n' <<<"$concurrency" | sort -n | tail -1)
+    echo "bench-llamacpp: $name: llama-batched-bench -npl $concurrency"
+    "$bin/llama-batched-bench" -m "$gguf" -ngl $ngl -fa 1 -c $((max * (n_prompt + n_gen) + 64)) -b 2048 -ub 512 \
+      -npp "$n_prompt" -ntg "$n_gen" -npl "$concurrency" >"$out/llama.cpp-batched-$name.md" 2>"$out/llama.cpp-batched-$name.log" \
+      || echo "bench-llamacpp: $name: llama-batched-bench failed (see $out/llama.cpp-batched-$name.log)" >&2
+    echo "bench-llamacpp: $name: apir bench serve --concurrency $concurrency"
+    apir bench serve -m "$gguf" -p "$n_prompt" -n "$n_gen" --concurrency "$concurrency" --backends "$backends" \
+      --device $device --shared-prefix "$shared_prefix" >"$out/apir-serve-$name.md" 2>"$out/apir-serve-$name.log" \
+      || echo "bench-llamacpp: $name: apir bench serve failed (see $out/apir-serve-$name.log)" >&2
+    { echo "## $name: llama-batched-bench"; grep "^|" "$out/llama.cpp-batched-$name.md"; echo
+      echo "## $name: apir bench serve"; cat "$out/apir-serve-$name.md"; echo; } | tee -a "$out/serve.md"
+  fi
   [ $keep = 1 ] || rm -f "$gguf"
 done
+[ $only_serve = 1 ] && exit 0
 if [ ${#llama[@]} = 0 ] || [ ${#ours[@]} = 0 ]; then die "nothing to compare: see the logs in $out"; fi
 apir bench peer --llamacpp "${llama[@]}" --apir "${ours[@]}" | tee "$out/peer.md"

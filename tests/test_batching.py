@@ -231,6 +231,23 @@ def test_bench_serve_reports_every_round():
     assert "solo (single-sequence path, tg5): native" in table and len(logged) == 2
 
 
+def test_bench_serve_shared_prefix_finds_the_prefix_cached():
+    from apir.bench.backends import BackendOptions
+    from apir.bench.runner import Source
+    from apir.bench.serve import SUFFIX
+    from apir.bench.serve import run as run_serve
+
+    table = run_serve(Source("llama-tiny", synthetic=True), ["native"], BackendOptions(device="cpu"),
+                      [1], n_prompt=8, n_gen=3, log=lambda line: None, shared_prefix=40)
+    head, rule, row = table.splitlines()[-3:]
+    assert head.startswith("| backend | shared prefix | TTFT first ms")
+    cells = [c.strip() for c in row.split("|")[1:-1]]
+    # the second prompt's own SUFFIX tokens (its first differs from the first prompt's with
+    # probability 1 - 1/vocab) are computed; the 40 shared ones are found in the slot
+    assert cells[0] == "native" and int(cells[1]) == 40 and int(cells[5]) >= 40
+    assert int(cells[5]) < 40 + SUFFIX
+
+
 # ---------------------------------------------------------------- apir serve --parallel
 
 

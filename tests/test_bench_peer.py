@@ -263,9 +263,7 @@ def test_script_runs_both_on_each_written_file(tmp_path: Path) -> None:
     for tool in ("llama-bench", "llama-batched-bench"):
         (bin_dir / tool).write_text(FAKE_LLAMA_BENCH)
         (bin_dir / tool).chmod(0o755)
-    apir = tmp_path / "apir"
-    apir.write_text(f'#!/usr/bin/env bash\nexec "{sys.executable}" -m apir.cli "$@"\n')
-    apir.chmod(0o755)
+    apir = _apir_command(tmp_path)
     out = tmp_path / "out"
     proc = script("--cpu", "--build", str(tmp_path / "build"), "--out", str(out), "-p", "8", "-n", "4",
                   "-r", "1", "--backends", "guest-cpu", "llama-tiny:q4_0",
@@ -278,3 +276,42 @@ def test_script_runs_both_on_each_written_file(tmp_path: Path) -> None:
     assert (out / "peer.md").read_text() in proc.stdout
     assert json.loads((out / "apir-llama-tiny-q4_0.json").read_text())[0]["model"] == "llama-tiny-q4_0.gguf"
     assert not list((tmp_path / "build" / "gguf").iterdir())
+
+
+FAKE_BATCHED_BENCH = r"""#!/usr/bin/env bash
+# llama-batched-bench's table for its -npl list
+while [ $# -gt 0 ]; do [ "$1" = -npl ] && npl=$2; shift; done
+echo "|    PP |     TG |    B |   N_KV |   T_PP s | S_PP t/s |   T_TG s | S_TG t/s |      T s |    S t/s |"
+echo "|-------|--------|------|--------|----------|----------|----------|----------|----------|----------|"
+for b in ${npl//,/ }; do echo "|     8 |      4 |  $b |     12 |    0.001 |  8000.00 |    0.010 |   ${b}00.00 |    0.011 |  1000.00 |"; done
+"""
+
+
+def test_script_concurrency_runs_both_batched_benches(tmp_path: Path) -> None:
+    """--concurrency --only-serve: llama-batched-bench and apir bench serve on the same
+    written file, each table in serve.md under its tool's heading."""
+    bin_dir = tmp_path / "build" / "build" / "bin"
+    bin_dir.mkdir(parents=True)
+    for tool, text in (("llama-bench", FAKE_LLAMA_BENCH), ("llama-batched-bench", FAKE_BATCHED_BENCH)):
+        (bin_dir / tool).write_text(text)
+        (bin_dir / tool).chmod(0o755)
+    out = tmp_path / "out"
+    proc = script("--cpu", "--build", str(tmp_path / "build"), "--out", str(out), "-p", "8", "-n", "4",
+                  "--backends", "native", "--concurrency", "1,2", "--only-serve", "--shared-prefix", "24",
+                  "llama-tiny:f16", env={"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
+                                         "APIR": str(_apir_command(tmp_path))})
+    assert proc.returncode == 0, proc.stderr
+    serve = (out / "serve.md").read_text()
+    assert serve.startswith("## llama-tiny-f16: llama-batched-bench\n|    PP |")
+    assert "|     8 |      4 |  2 |" in serve
+    apir_part = serve.split("## llama-tiny-f16: apir bench serve\n")[1]
+    assert [line.split("|")[2].strip() for line in apir_part.splitlines()[2:4]] == ["1", "2"]
+    assert "| native | 24 |" in apir_part
+    assert not (out / "peer.md").exists()  # --only-serve: no single-stream tests
+
+
+def _apir_command(tmp_path: Path) -> Path:
+    apir = tmp_path / "apir"
+    apir.write_text(f'#!/usr/bin/env bash\nexec "{sys.executable}" -m apir.cli "$@"\n')
+    apir.chmod(0o755)
+    return apir

@@ -108,3 +108,27 @@ def test_quantized_weights_packed_in_place_match_the_reference(tmp_path, qtype):
         packed = buf.storage[off : off + size].clone()
         from apir.backends.local import qpack
         assert be.get_tensor(handle, off, size) == qpack.unpack(packed, qt, n, k).cpu().numpy().tobytes()
+
+
+def test_fixed_shape_torch_graph_is_recorded_from_its_second_run():
+    """A torch frontend graph (no token axis) runs eagerly once, then is compiled and
+    replayed as one CUDA graph; every run gives eager PyTorch's result for its own input."""
+    torch = pytest.importorskip("torch")
+    import apir.torch  # noqa: F401 - registers the backend "apir"
+    from apir.backends.local import LocalBackend
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.LayerNorm(128),
+                                torch.nn.Linear(128, 10)).eval()
+    backend = LocalBackend("cuda")
+    try:
+        compiled = torch.compile(model, backend="apir", options={"backend": backend})
+        with torch.no_grad():
+            for run in range(4):
+                x = torch.randn(8, 64)
+                torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-4)
+                (reg,) = backend._graphs.values()
+                assert reg.program.fixed and reg.program.runs == run + 1
+                assert bool(reg.program.captured) == (run >= 1)
+    finally:
+        backend.close()

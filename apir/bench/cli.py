@@ -63,7 +63,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         source = Source(args.synthetic, synthetic=True) if args.synthetic else Source(args.model)
         options = _backend_options(args)
         print(run_serve(source, parse_backends(args.backends), options, args.concurrency,
-                        args.n_prompt, args.n_gen, eprint))
+                        args.n_prompt, args.n_gen, eprint, args.shared_prefix))
         return 0
     if args.write_gguf:
         from .gguf_out import write_all
@@ -192,6 +192,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                     help="streams at once, one round each (default 1,2,4,8)")
     sv.add_argument("-p", "--n-prompt", type=int, default=128, help="prompt tokens per stream (default 128)")
     sv.add_argument("-n", "--n-gen", type=int, default=128, help="tokens generated per stream (default 128)")
+    sv.add_argument("--shared-prefix", type=int, default=0, metavar="N",
+                    help="also time prefix reuse: a second request sharing an N-token prefix with "
+                         "the first (its TTFT against the first's; default 0 = not run)")
     sv.add_argument("--backends", default=DEFAULT_BACKENDS, metavar="LIST",
                     help=f"comma-separated: {', '.join(BACKENDS)} (default: {DEFAULT_BACKENDS})")
     sv.add_argument("--device", choices=("cpu", "cuda", "mps"), default=env.DEVICE.get())

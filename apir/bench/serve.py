@@ -7,6 +7,12 @@ model ends one). Reported: aggregate t/s (every generated token over the round's
 time, prefill included), per-stream decode t/s (median over streams, first token to
 last), time to first token p50/p99, and the aggregate against ``solo``: one stream on the
 single-sequence path (``Model.decode_steps``, what ``apir run`` uses).
+
+``shared_prefix`` N adds prefix reuse (llama-server's ``cache_prompt``): a request of an
+N-token prefix (a system prompt) and 16 tokens of its own, then, once it has ended, one
+with the same prefix and 16 others. Reported: both times to first token, the second's
+share of the first's, and the prompt tokens it found cached. A warm-up pair with another
+prefix runs first, so neither request pays for recording its chunk lengths.
 """
 
 from __future__ import annotations
@@ -56,17 +62,55 @@ def run_round(scheduler: Scheduler, prompts: Sequence[Sequence[int]], n_gen: int
                  float(np.median(rates)) if rates else 0.0, tuple(t[0] - t0 for t in times if t))
 
 
+@dataclass(frozen=True)
+class PrefixReuse:
+    backend: str
+    prefix: int  # tokens shared by the two prompts
+    ttft: tuple[float, float]  # seconds, first request and second
+    cached: int  # prompt tokens the second found in a slot
+
+
+SUFFIX = 16  # each prefix-reuse request's own tokens after the shared prefix
+
+
+def first_token(scheduler: Scheduler, ids: Sequence[int], n_gen: int) -> tuple[float, int]:
+    """One request alone: seconds to its first token, and its cached prompt tokens."""
+    first: list[float] = []
+    ended = threading.Event()
+    t0 = time.perf_counter()
+    request = scheduler.submit(Request(ids, SamplingParams(temperature=0, max_tokens=n_gen),
+                                       lambda t: first.append(time.perf_counter()) or True,
+                                       lambda reason: ended.set()))
+    if not ended.wait(WAIT):
+        raise BenchError(f"a request of {len(ids)} tokens did not end in {WAIT:.0f}s")
+    if not first:
+        raise BenchError(f"a request of {len(ids)} tokens ended without a token ({request.error})")
+    return first[0] - t0, request.cached_tokens
+
+
+def prefix_reuse(scheduler: Scheduler, rng: np.random.Generator, vocab: int, prefix: int, n_gen: int,
+                 backend: str) -> PrefixReuse:
+    for warm in (True, False):
+        shared = rng.integers(0, vocab, prefix).tolist()
+        (t1, _), (t2, cached) = (first_token(scheduler, shared + rng.integers(0, vocab, SUFFIX).tolist(), n_gen)
+                                 for _ in range(2))
+    return PrefixReuse(backend, prefix, (t1, t2), cached)
+
+
 def run(source: Source, backends: Sequence[str], options: BackendOptions, concurrency: Sequence[int],
-        n_prompt: int, n_gen: int, log: Log) -> str:
-    """Every round on every backend; the markdown table."""
+        n_prompt: int, n_gen: int, log: Log, shared_prefix: int = 0) -> str:
+    """Every round on every backend; the markdown table (and prefix reuse's)."""
     if not concurrency or min(concurrency) < 1 or n_prompt < 1 or n_gen < 2:
         raise BenchError("--concurrency takes stream counts >= 1, -p >= 1 and -n >= 2")
     f = source.open()
     rng = np.random.default_rng(SEED)
-    rows = []
+    if shared_prefix < 0:
+        raise BenchError("--shared-prefix takes a token count >= 0")
+    rows, reuse = [], []
+    n_ctx = max(n_prompt, TG_PROMPT, shared_prefix + SUFFIX) + n_gen + 1
     with contextlib.ExitStack() as stack:
         for b in backends:
-            model = Model(f, stack.enter_context(open_backend(b, options)), n_ctx=max(n_prompt, TG_PROMPT) + n_gen + 1)
+            model = Model(f, stack.enter_context(open_backend(b, options)), n_ctx=n_ctx)
             scheduler = Scheduler(model, max(concurrency), max_queue=0)
             stack.callback(scheduler.close)
 
@@ -81,6 +125,9 @@ def run(source: Source, backends: Sequence[str], options: BackendOptions, concur
                 r = run_round(scheduler, prompts(c), n_gen, b)
                 log(f"{b} {c} streams: {r.tokens / r.seconds:,.1f} t/s")
                 rows.append((r, solo))
+            if shared_prefix:
+                reuse.append(prefix_reuse(scheduler, rng, model.vocab_size, shared_prefix, n_gen, b))
+                log(f"{b} shared prefix: TTFT {reuse[-1].ttft[0] * 1e3:,.0f} then {reuse[-1].ttft[1] * 1e3:,.0f} ms")
     head = ("| backend | streams | aggregate t/s | per-stream t/s | TTFT p50 ms | TTFT p99 ms | × solo |\n"
             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     lines = [head]
@@ -91,4 +138,9 @@ def run(source: Source, backends: Sequence[str], options: BackendOptions, concur
                      f"{p99:,.0f} | {agg / solo:.2f} |")
     lines.append(f"\nsolo (single-sequence path, tg{n_gen}): "
                  + ", ".join(f"{b} {s:,.1f} t/s" for b, s in dict((r.backend, s) for r, s in rows).items()))
+    if reuse:
+        lines += ["", "| backend | shared prefix | TTFT first ms | TTFT second ms | second ÷ first | cached tokens |",
+                  "| --- | ---: | ---: | ---: | ---: | ---: |"]
+        lines += [f"| {p.backend} | {p.prefix} | {p.ttft[0] * 1e3:,.1f} | {p.ttft[1] * 1e3:,.1f} | "
+                  f"{p.ttft[1] / p.ttft[0]:.3f} | {p.cached} |" for p in reuse]
     return "\n".join(lines)

@@ -332,7 +332,10 @@ class LocalBackend(Executor):
         # the host sees the sampling params: a greedy step needs no sort of the vocabulary
         greedy = bool(prog.sample_params) and all(SampleArgs.unpack(inputs[n]).greedy
                                                   for n in prog.sample_params)
-        if prog.device_safe and self.cuda_graphs and capturable(n_tokens):
+        prog.runs += 1
+        # a fixed-shape graph is recorded from its second run on: one that runs once (a
+        # transformers generate() registers one per cache length) costs no capture
+        if prog.device_safe and self.cuda_graphs and (prog.fixed and prog.runs > 1 or capturable(n_tokens)):
             outs = self._replay(reg, inputs, n_tokens, greedy)
         else:
             dev = self.torch_device
@@ -379,9 +382,12 @@ class LocalBackend(Executor):
     def _compiled(self, run: Callable, n_tokens: int, greedy: bool) -> Callable:
         """``run`` compiled (on its first call), the guest told first: found in the compile
         cache it takes seconds, compiled anew minutes on a CPU, tens of seconds on a GPU."""
-        what = "decode" if n_tokens == 1 else f"{n_tokens}-token prefill"
-        self.on_compile(f"compiling {what} graph ({'greedy' if greedy else 'sampling'} "
-                        "step, first use in this session)")
+        if n_tokens == 0:
+            self.on_compile("compiling a fixed-shape graph (its second run in this session)")
+        else:
+            what = "decode" if n_tokens == 1 else f"{n_tokens}-token prefill"
+            self.on_compile(f"compiling {what} graph ({'greedy' if greedy else 'sampling'} "
+                            "step, first use in this session)")
         return torch.compile(run, dynamic=False)
 
     def _replay(self, reg: Registered, inputs: dict[str, object], n_tokens: int,
@@ -403,7 +409,9 @@ class LocalBackend(Executor):
             # one-token decode step, and with compile="all" the padded prefill chunks
             # (the engine warms those up). Steps of 2..8 tokens (short prompts, unpadded)
             # are recorded eagerly: their one run costs far less than a compile per length.
-            if self.compile and (n_tokens == 1 or self.compile_prefill and n_tokens > CAPTURE_MAX_DECODE):
+            # A fixed-shape graph run twice (a torch frontend model's forward) is compiled too.
+            if self.compile and (n_tokens == 1 or prog.fixed
+                                 or self.compile_prefill and n_tokens > CAPTURE_MAX_DECODE):
                 try:
                     compiled = self._compiled(run, n_tokens, greedy)
                     step = CapturedStep(compiled, inputs, dtypes, self.torch_device, versions)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ...graph import OPS, DType, Graph, Op
+from ...graph import OPS, DType, Graph, Op, T
 from .kernels import DEVICE_KERNELS, KERNELS
 
 # (op, operand): where a kernel takes a WEIGHT as stored (kernels.Blocks, a 16-bit view)
@@ -75,6 +75,10 @@ class Program:
     weight_buffers: tuple[int, ...] = ()
     sample_params: tuple[str, ...] = ()  # inputs holding SAMPLE's params (greedy when temperature <= 0)
     captured: dict = field(default_factory=dict)  # (n_tokens, greedy) -> CapturedStep (CUDA only)
+    # no input has the token axis: every run has the same shapes (a torch frontend graph,
+    # registered per shape), so a graph run again is worth compiling and recording once
+    fixed: bool = False
+    runs: int = 0  # computes so far (counted for fixed graphs)
 
 
 def fusable_groups(graph: Graph, weight_dtype) -> list[tuple[int, ...]]:
@@ -145,4 +149,5 @@ def compile_program(graph: Graph, accelerated: bool, weight_dtype) -> Program:
         steps, graph.outputs, tuple((*key, what) for key, what in checks.items()), accelerated,
         tuple(sorted({n.attrs[0] for n in nodes if n.op is Op.WEIGHT})),
         sample_params,
+        fixed=not any(T in n.shape for n in nodes if n.op is Op.INPUT),
     )
