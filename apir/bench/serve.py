@@ -90,7 +90,7 @@ def first_token(scheduler: Scheduler, ids: Sequence[int], n_gen: int) -> tuple[f
 
 def prefix_reuse(scheduler: Scheduler, rng: np.random.Generator, vocab: int, prefix: int, n_gen: int,
                  backend: str) -> PrefixReuse:
-    for warm in (True, False):
+    for _warm_up_then_measured in range(2):
         shared = rng.integers(0, vocab, prefix).tolist()
         (t1, _), (t2, cached) = (first_token(scheduler, shared + rng.integers(0, vocab, SUFFIX).tolist(), n_gen)
                                  for _ in range(2))
