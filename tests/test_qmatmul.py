@@ -4,6 +4,9 @@ GPU kernels read (qpack) against the blocks it is made from.
 
 The Triton kernels run on a CPU under Triton's interpreter: with triton installed,
 TRITON_INTERPRET=1 pytest tests/test_qmatmul.py (the shared venv has no triton: skipped).
+Without TRITON_INTERPRET, where triton is installed, every kernel is compiled for sm_90
+instead (no GPU needed): best with the GPU host's Triton version, whose compiler is the one
+that must accept them.
 """
 
 from __future__ import annotations
@@ -182,13 +185,23 @@ def test_fused_kernel_with_many_chunks_a_step_matches_gguf(qtype, k):
 def test_batched_kernel_matches_gguf(qtype):
     # a batched decode step's rows: each weight tile dequantized once to f16 and multiplied
     # with every row (x rounded to f16 too, as the prefill path does)
-    for i, (m, n, k) in enumerate([(9, 13, 256), (17, 70, 512)]):
+    # the last shape is split along K (k_splits: 4 parts, summed after)
+    for i, (m, n, k) in enumerate([(9, 13, 256), (17, 70, 512), (12, 20, 4096)]):
         raw = random_weight(qtype, n, k, seed=i)
         assert qm.batched(m, [(int(qtype), n)], k)
         x = np.random.default_rng(i).standard_normal((m, k)).astype(np.float32)
         y = torch.full((m, n), float("nan"))
         qm._launch_mm(torch.from_numpy(x), packed(raw, qtype, n, k), int(qtype), n, k, y)
         check(y, x, raw, qtype, n, k, rel=2e-3)
+
+
+def test_batched_kernel_splits_k_until_the_gpu_is_full():
+    # an 8B's down projection at 16 rows: 64 programs unsplit, 4 a multiprocessor wanted
+    assert qm.k_splits(int(Q.Q4_0), 16, 4096, 14336, sms=132) == 9
+    assert qm.k_splits(int(Q.Q4_0), 16, 14336, 4096, sms=132) == 3
+    assert qm.k_splits(int(Q.Q4_0), 64, 14336, 4096, sms=132) == 1  # 4 row tiles: enough programs
+    assert qm.k_splits(int(Q.Q4_0), 12, 20, 4096, sms=132) == 4  # at least 2 row steps a part
+    assert qm.k_splits(int(Q.Q4_0), 12, 20, 512, sms=132) == 1
 
 
 def test_batched_kernel_needs_a_k_slice_of_16():
@@ -258,3 +271,33 @@ def test_a_model_computes_from_packed_weights_as_from_the_cache(qtype, monkeypat
         np.testing.assert_allclose(model.logits(ids), want_logits, rtol=2e-2, atol=2e-2)
         assert list(model.generate_ids(ids, greedy)) == want
         assert any(model.backend._packed.values())
+
+
+def _sass_probe():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parents[1] / "bench" / "probes" / "qkernel_sass.py"
+    spec = importlib.util.spec_from_file_location("qkernel_sass", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.skipif(qm.qkernels is None or INTERPRET,
+                    reason="needs triton, not its interpreter (its compiler builds for sm_90 without a GPU)")
+@pytest.mark.parametrize("qtype", list(SCALES), ids=lambda t: t.name)
+def test_every_kernel_compiles_for_sm90(qtype):
+    """Each kernel through Triton's real compiler (ptxas included), as the host launches it,
+    for a large weight and for the small ones of a tiny model: one chunk a row step is where
+    Triton 3.6 failed an assertion on the alignment hints (the H200's version, 2026-12-01)."""
+    probe = _sass_probe()
+    bs = quants.GGML_QUANT_SIZES[qtype][0]
+    for n, k in ((64, 256), (48, 3 * 256), (64, 512), (4096, 4096)):
+        if k % bs:
+            continue
+        for kind in probe.KINDS:
+            if kind == "batched" and qm.batch_tiles(int(qtype), n, k) is None:
+                continue
+            kernel = probe.compile_kernel(int(qtype), n, k, kind)[0]
+            assert kernel.asm["cubin"][:4] == b"\x7fELF", (kind, n, k)

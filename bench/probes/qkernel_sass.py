@@ -28,37 +28,56 @@ from apir.backends.local import qkernels, qmatmul, qpack
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 
 
-def _signature(qtype: int, batched: bool) -> dict[str, str]:
+KINDS = ("fused", "batched", "dequant")
+
+
+def _signature(qtype: int, kind: str) -> dict[str, str]:
     lb, hb, _, _ = qkernels.TYPES[qtype]
     high = "*i32" if not hb else ("*i16" if hb * 32 // lb == 16 else "*u8")
     scales = {2: "fp16", 3: "fp16", 6: "fp16", 7: "fp16", 8: "fp16"}.get(qtype)
     ps = [f"*{scales}"] * 3 if scales else {10: ["*u8", "*fp16", "*fp16"], 11: ["*u8", "*fp16", "*u8"],
                                              12: ["*u8"] * 3, 13: ["*u8"] * 3, 14: ["*i8", "*fp16", "*i8"]}[qtype]
-    sig = {"x_ptr": "*fp32", "low_ptr": "*i32", "high_ptr": high, "p0": ps[0], "p1": ps[1], "p2": ps[2],
-           "y_ptr": "*fp32", **({"M": "i32"} if batched else {}), "N": "i32", "K": "i32", "LDY": "i32"}
-    consts = ("QT", "LB", "HB", "OFF", "MIN", "CW", "ASM", *(("BM",) if batched else ()), "BN", "NC")
+    planes = {"low_ptr": "*i32", "high_ptr": high, "p0": ps[0], "p1": ps[1], "p2": ps[2]}
+    if kind == "dequant":
+        sig = planes | {"out_ptr": "*fp16", "R0": "i32", "R1": "i32", "K": "i32"}
+    else:
+        sig = {"x_ptr": "*fp32", **planes, "y_ptr": "*fp32", **({"M": "i32"} if kind == "batched" else {}),
+               "N": "i32", "K": "i32", "LDY": "i32",
+               **({"SPLIT_CHUNKS": "i32", "SPLIT_STRIDE": "i32"} if kind == "batched" else {})}
+    consts = ("QT", "LB", "HB", "OFF", "MIN", "CW", "ASM", *(("BM",) if kind == "batched" else ()), "BN", "NC")
     return sig | {name: "constexpr" for name in consts}
+
+
+def compile_kernel(qtype: int, n: int, k: int, kind: str = "fused"):
+    """The kernel of ``kind`` for a packed (n, k) weight, compiled for sm_90 with the tiles
+    the host would launch it with, as Triton specializes at run time (aligned pointers, K
+    and LDY multiples of 16). Returns (compiled kernel, BN, NC, num_warps)."""
+    lb, hb, off, mins = qkernels.TYPES[qtype]
+    consts = dict(QT=qtype, LB=lb, HB=hb, OFF=off, MIN=mins, CW=qpack.chunk_words(qtype, k), ASM=True)
+    if kind == "batched":
+        bm, bn, nc, warps = qmatmul.batch_tiles(qtype, n, k)
+        consts |= dict(BM=bm)
+        fn, options, ints = qkernels._qmm_kernel, {"num_stages": 1}, (9, 10)
+    elif kind == "fused":
+        bn, nc, warps = qmatmul.tiles(qtype, n, k, fused=True)
+        fn, options, ints = qkernels._qgemv_kernel, {"num_stages": 3}, (8, 9)
+    else:
+        bn, nc, warps = qmatmul.tiles(qtype, n, k, fused=False)
+        fn, options, ints = qkernels._dequant_kernel, {"enable_fp_fusion": False}, (8,)
+    consts |= dict(BN=bn, NC=nc)
+    pointers = range(6 if kind == "dequant" else 7)
+    attrs = {(i,): [["tt.divisibility", 16]] for i in (*pointers, *ints)}
+    src = ASTSource(fn=fn, signature=_signature(qtype, kind), constexprs=consts, attrs=attrs)
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, **options})
+    return kernel, bn, nc, warps
 
 
 def loop_sass(qtype: int, n: int, k: int, batched: bool = False) -> tuple[list[str], int]:
     """The SASS lines of the kernel's main loop for a (n, k) weight, and the values a
     thread takes per iteration."""
-    lb, hb, off, mins = qkernels.TYPES[qtype]
+    lb = qkernels.TYPES[qtype][0]
     cw = qpack.chunk_words(qtype, k)
-    consts = dict(QT=qtype, LB=lb, HB=hb, OFF=off, MIN=mins, CW=cw, ASM=True)
-    if batched:
-        bm, bn, nc, warps = qmatmul.batch_tiles(qtype, n, k)
-        consts |= dict(BM=bm, BN=bn, NC=nc)
-        fn, stages, ints = qkernels._qmm_kernel, 1, (9, 10)
-    else:
-        bn, nc, warps = qmatmul.tiles(qtype, n, k, fused=True)
-        consts |= dict(BN=bn, NC=nc)
-        fn, stages, ints = qkernels._qgemv_kernel, 3, (8, 9)
-    # as Triton specializes at run time: aligned pointers, K and LDY multiples of 16
-    attrs = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 4, 5, 6, *ints)}
-    src = ASTSource(fn=fn, signature=_signature(qtype, batched), constexprs=consts, attrs=attrs)
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                            options={"num_warps": warps, "num_stages": stages})
+    kernel, bn, nc, warps = compile_kernel(qtype, n, k, "batched" if batched else "fused")
     with tempfile.TemporaryDirectory() as tmp:
         cubin = Path(tmp) / "k.cubin"
         cubin.write_bytes(kernel.asm["cubin"])

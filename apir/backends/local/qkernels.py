@@ -145,7 +145,12 @@ def _tile(low_ptr, high_ptr, r, c, w, WPR, LB: tl.constexpr, HB: tl.constexpr, C
     # (the planes are passed as int32, int16 and uint8 tensors: torch has no unsigned views)
     # (rows are 16-byte multiples: K * LB / 32 words is a multiple of 4 for every type; the
     # hint lets Triton load 4 words a thread at once)
-    at = tl.multiple_of(r.to(tl.int64) * WPR + c * CW, [4, 4, 4]) + w
+    # Triton 3.6's coalescing pass fails an assertion on the hint where the chunk dimension
+    # is 1 (K of one chunk or two, a small model's): the hint is given only where it is not
+    if c.shape[1] > 1:
+        at = tl.multiple_of(r.to(tl.int64) * WPR + c * CW, [4, 4, 4]) + w
+    else:
+        at = r.to(tl.int64) * WPR + c * CW + w
     lw = tl.load(low_ptr + at, eviction_policy="evict_first").to(tl.uint32, bitcast=True)
     if HB * 32 // LB == 16:
         hw = tl.load(high_ptr + at, eviction_policy="evict_first").to(tl.uint16, bitcast=True).to(tl.uint32)
@@ -164,7 +169,10 @@ def _accumulate(acc, lw, hw, x_row, r, c, w, p0, p1, p2, K, QT: tl.constexpr, LB
     S: tl.constexpr = 32 // LB
     for s in tl.static_range(S):
         q = _quant(lw, hw, s, QT, LB, HB, OFF, ASM)
-        x = tl.load(x_row + tl.multiple_of(c * (S * CW) + s * CW, [4, 4, 4]) + w)
+        if c.shape[1] > 1:  # see _tile
+            x = tl.load(x_row + tl.multiple_of(c * (S * CW) + s * CW, [4, 4, 4]) + w)
+        else:
+            x = tl.load(x_row + c * (S * CW) + s * CW + w)
         d, mn = _scale(p0, p1, p2, r, c, w, K, s, QT, S, CW)
         acc = tl.fma(d, q * x, acc)
         if MIN:
@@ -198,14 +206,16 @@ def _qgemv_kernel(x_ptr, low_ptr, high_ptr, p0, p1, p2, y_ptr, N, K, LDY, QT: tl
 
 
 @triton.jit
-def _qmm_kernel(x_ptr, low_ptr, high_ptr, p0, p1, p2, y_ptr, M, N, K, LDY, QT: tl.constexpr,
-                LB: tl.constexpr, HB: tl.constexpr, OFF: tl.constexpr, MIN: tl.constexpr,
-                CW: tl.constexpr, ASM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                NC: tl.constexpr):
-    # program (i, j): y[i*BM : (i+1)*BM, j*BN : (j+1)*BN] for a few rows of x (a batched
-    # decode step): each weight tile is dequantized once, to f16, and multiplied with every
-    # row on the tensor cores; slot s of a tile is a K-slice of the product whose x values
-    # are the elements c * S * CW + s * CW + w. x is rounded to f16, as the prefill path does
+def _qmm_kernel(x_ptr, low_ptr, high_ptr, p0, p1, p2, y_ptr, M, N, K, LDY, SPLIT_CHUNKS, SPLIT_STRIDE,
+                QT: tl.constexpr, LB: tl.constexpr, HB: tl.constexpr, OFF: tl.constexpr,
+                MIN: tl.constexpr, CW: tl.constexpr, ASM: tl.constexpr, BM: tl.constexpr,
+                BN: tl.constexpr, NC: tl.constexpr):
+    # program (i, j, h): y[i*BM : (i+1)*BM, j*BN : (j+1)*BN] for a few rows of x (a batched
+    # decode step), over chunks h*SPLIT_CHUNKS.. of K, written SPLIT_STRIDE * h further on
+    # (the caller sums the splits). Each weight tile is dequantized once, to f16, and
+    # multiplied with every row on the tensor cores; slot s of a tile is a K-slice of the
+    # product whose x values are the elements c * S * CW + s * CW + w. x is rounded to f16,
+    # as the prefill path does
     S: tl.constexpr = 32 // LB
     m = tl.program_id(0) * BM + tl.arange(0, BM)
     keep = (m < M)[:, None, None]
@@ -216,7 +226,8 @@ def _qmm_kernel(x_ptr, low_ptr, high_ptr, p0, p1, p2, y_ptr, M, N, K, LDY, QT: t
     chunks = WPR // CW
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     step = tl.arange(0, NC)[None, :, None]
-    for c0 in tl.range(0, chunks, NC):
+    first = tl.program_id(2) * SPLIT_CHUNKS
+    for c0 in tl.range(first, tl.minimum(first + SPLIT_CHUNKS, chunks), NC):
         c = c0 + step
         lw, hw = _tile(low_ptr, high_ptr, r, c, w, WPR, LB, HB, CW)
         for s in tl.static_range(S):
@@ -224,10 +235,11 @@ def _qmm_kernel(x_ptr, low_ptr, high_ptr, p0, p1, p2, y_ptr, M, N, K, LDY, QT: t
             d, mn = _scale(p0, p1, p2, r, c, w, K, s, QT, S, CW)
             v = d * q + mn if MIN else d * q
             wt = tl.reshape(v.to(tl.float16), (BN, NC * CW))
-            x = tl.load(xm + tl.multiple_of(c * (S * CW) + s * CW, [4, 4, 4]) + w, mask=keep, other=0.0)
+            x = tl.load(xm + (c * (S * CW) + s * CW) + w, mask=keep, other=0.0)  # masked: no hint
             acc = tl.dot(tl.reshape(x.to(tl.float16), (BM, NC * CW)), tl.trans(wt), acc)
     rows = tl.program_id(1) * BN + tl.arange(0, BN)
-    tl.store(y_ptr + m[:, None] * LDY + rows[None, :], acc, mask=(m < M)[:, None] & (rows < N)[None, :])
+    y = y_ptr + tl.program_id(2).to(tl.int64) * SPLIT_STRIDE
+    tl.store(y + m[:, None] * LDY + rows[None, :], acc, mask=(m < M)[:, None] & (rows < N)[None, :])
 
 
 @triton.jit
@@ -243,7 +255,10 @@ def _dequant_kernel(low_ptr, high_ptr, p0, p1, p2, out_ptr, R0, R1, K, QT: tl.co
     c = (tl.program_id(1) * NC + tl.arange(0, NC))[None, :, None]
     w = tl.arange(0, CW)[None, None, :]
     lw, hw = _tile(low_ptr, high_ptr, r, c, w, K * LB // 32, LB, HB, CW)
-    out = out_ptr + tl.multiple_of((rows - R0).to(tl.int64)[:, None, None] * K + c * (S * CW), [4, 4, 4]) + w
+    if NC > 1:  # see _tile
+        out = out_ptr + tl.multiple_of((rows - R0).to(tl.int64)[:, None, None] * K + c * (S * CW), [4, 4, 4]) + w
+    else:
+        out = out_ptr + (rows - R0).to(tl.int64)[:, None, None] * K + c * (S * CW) + w
     keep = (rows < R1)[:, None, None] & (w >= 0)
     for s in tl.static_range(S):
         q = _quant(lw, hw, s, QT, LB, HB, OFF, ASM)

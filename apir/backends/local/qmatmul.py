@@ -22,6 +22,7 @@ same bits. Triton comes with CUDA builds of PyTorch; without it only the CPU pat
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -83,6 +84,18 @@ def batch_tiles(qtype: int, n: int, k: int) -> tuple[int, int, int, int] | None:
     return (16, 64, nc, 4) if nc * g.cw >= 16 else None
 
 
+def k_splits(qtype: int, m: int, n: int, k: int, sms: int) -> int:
+    """How many parts the batched kernel splits K into for x of ``m`` rows: enough programs
+    for 4 a multiprocessor (``sms`` of them), each part at least 2 row steps. Without a split
+    an 8B's 4096 x 14336 product at 16 rows is 64 programs of 4 warps on an H200's 132
+    multiprocessors: 0.24 TB/s (bench/probes/qgemv.py --rows 16). The parts are summed in a
+    fixed order: a shape always gives the same result."""
+    bm, bn, nc, _ = batch_tiles(qtype, n, k)
+    programs = -(-m // bm) * -(-n // bn)
+    steps = qpack.geometry(qtype, n, k).chunks // nc
+    return max(1, min(steps // 2, -(-4 * sms // programs)))
+
+
 def batched(m: int, parts: Sequence[tuple[int, int]], k: int) -> bool:
     """Whether x of ``m`` rows times weights [(qtype, N)] takes the batched kernel."""
     return FUSED_ROWS < m <= BATCH_ROWS and all(batch_tiles(q, n, k) for q, n in parts)
@@ -133,12 +146,26 @@ if qkernels is not None:
 
     def _launch_mm(x: torch.Tensor, w: torch.Tensor, qtype: int, n: int, k: int,
                    y: torch.Tensor) -> torch.Tensor:
-        # x (M, K) f32 contiguous -> y (M, N) f32 (rows unit-strided)
+        # x (M, K) f32 contiguous -> y (M, N) f32 (rows unit-strided); split along K, the
+        # parts go to a (splits, M, N) scratch, then are summed into y
+        m = x.shape[0]
         bm, bn, nc, warps = batch_tiles(qtype, n, k)
-        qkernels._qmm_kernel[(triton.cdiv(x.shape[0], bm), triton.cdiv(n, bn))](
-            x, *_planes(w, qtype, n, k), y, x.shape[0], n, k, y.stride(0), **_meta(qtype, k),
+        splits = k_splits(qtype, m, n, k, _multiprocessors(x.device))
+        chunks = qpack.geometry(qtype, n, k).chunks
+        per = -(-(chunks // nc) // splits) * nc  # chunks a part, whole row steps
+        splits = -(-chunks // per)
+        out = y if splits == 1 else torch.empty((splits, m, n), device=x.device, dtype=torch.float32)
+        qkernels._qmm_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn), splits)](
+            x, *_planes(w, qtype, n, k), out, m, n, k, out.stride(-2), per, m * n, **_meta(qtype, k),
             BM=bm, BN=bn, NC=nc, num_warps=warps, num_stages=1)
+        if splits > 1:
+            torch.sum(out, dim=0, out=y)
         return y
+
+    @functools.cache
+    def _multiprocessors(device: torch.device) -> int:
+        # 132 under Triton's interpreter (no GPU): an H200's, so tests split as it does
+        return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
     def _launch_dequant(w: torch.Tensor, qtype: int, n: int, k: int, dtype: torch.dtype,
                         r0: int = 0, r1: int | None = None) -> torch.Tensor:
