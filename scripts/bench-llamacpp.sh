@@ -132,8 +132,14 @@ for spec in "${specs[@]}"; do
       || echo "bench-llamacpp: $name: llama-batched-bench failed (see $out/llama.cpp-batched-$name.log)" >&2
     echo "bench-llamacpp: $name: apir bench serve --concurrency $concurrency"
     apir bench serve -m "$gguf" -p "$n_prompt" -n "$n_gen" --concurrency "$concurrency" --backends "$backends" \
-      --device $device --shared-prefix "$shared_prefix" >"$out/apir-serve-$name.md" 2>"$out/apir-serve-$name.log" \
+      --device $device >"$out/apir-serve-$name.md" 2>"$out/apir-serve-$name.log" \
       || echo "bench-llamacpp: $name: apir bench serve failed (see $out/apir-serve-$name.log)" >&2
+    if [ "$shared_prefix" -gt 0 ]; then  # apart: its slots' caches are sized for the prefix
+      echo "bench-llamacpp: $name: apir bench serve --shared-prefix $shared_prefix"
+      apir bench serve -m "$gguf" -p "$n_prompt" -n 16 --concurrency 1 --backends "$backends" --device $device \
+        --shared-prefix "$shared_prefix" 2>>"$out/apir-serve-$name.log" | sed -n '/shared prefix/,$p' \
+        >>"$out/apir-serve-$name.md" || echo "bench-llamacpp: $name: prefix reuse failed" >&2
+    fi
     { echo "## $name: llama-batched-bench"; grep "^|" "$out/llama.cpp-batched-$name.md"; echo
       echo "## $name: apir bench serve"; cat "$out/apir-serve-$name.md"; echo; } | tee -a "$out/serve.md"
   fi

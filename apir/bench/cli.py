@@ -194,7 +194,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     sv.add_argument("-n", "--n-gen", type=int, default=128, help="tokens generated per stream (default 128)")
     sv.add_argument("--shared-prefix", type=int, default=0, metavar="N",
                     help="also time prefix reuse: a second request sharing an N-token prefix with "
-                         "the first (its TTFT against the first's; default 0 = not run)")
+                         "the first (its TTFT against the first's; default 0 = not run). Every "
+                         "slot's cache is sized for it: time large concurrencies apart")
     sv.add_argument("--backends", default=DEFAULT_BACKENDS, metavar="LIST",
                     help=f"comma-separated: {', '.join(BACKENDS)} (default: {DEFAULT_BACKENDS})")
     sv.add_argument("--device", choices=("cpu", "cuda", "mps"), default=env.DEVICE.get())
