@@ -20,7 +20,7 @@ from ...graph.ops import Fn, Pool, Reduce
 from ...graph.sampling import PARAMS_SIZE
 from ..base import BackendError
 from ..executor import check_positions
-from . import gemv, qmatmul
+from . import decode_attention, gemv, qmatmul
 
 
 @dataclass(frozen=True)
@@ -140,11 +140,20 @@ def attention_mask(pos: torch.Tensor, n_kv: int, window: int, group: int) -> tor
     return mask
 
 
+# A decode step on a device reads a cache longer than this through decode_attention: only
+# the keys up to the query's position. Shorter ones keep the fixed-shape masked form, whose
+# products Inductor fuses with the step's other kernels.
+LONG_CACHE = 1024
+
+
 def attention(q, k, v, pos, scale: float, window: int, softcap: float, *, memo=None, key=None) -> torch.Tensor:
     """ATTENTION over the keys k[:n_kv] (n_kv = the cache length; on the CPU only the
     filled part). The mask is shared (``memo``) by every layer of a run that reads position
     node ``key``."""
     n_kv, group = k.shape[0], q.shape[1] // k.shape[1]
+    if n_kv > LONG_CACHE and q.shape[0] <= SMALL_ROWS and decode_attention.usable(q, k[None], v[None]):
+        return decode_attention.attend_visible(q, k[None], v[None], pos, torch.zeros_like(pos), scale,
+                                               window, softcap)
     mk = ("mask", key, n_kv, window, group)
     mask = memo.get(mk) if memo is not None else None
     if mask is None:
@@ -195,7 +204,10 @@ def attention_filled(q, k, v, pos, scale: float, window: int, softcap: float, *,
 
 def attention_seq(q, k, v, pos, seq, scale: float, window: int, softcap: float) -> torch.Tensor:
     """ATTENTION_SEQ: k (S, N, Hkv, D) laid end to end, one mask (T*G, S*N) keeping each
-    query to its own slot (``seq``) at positions up to its own. Fixed shapes on a device."""
+    query to its own slot (``seq``) at positions up to its own. Fixed shapes on a device;
+    on CUDA with Triton each query reads only its own slot's visible keys instead."""
+    if decode_attention.usable(q, k, v):
+        return decode_attention.attend_visible(q, k, v, pos, seq, scale, window, softcap)
     n_slots, n_kv = k.shape[:2]
     group = q.shape[1] // k.shape[2]
     # key row j is position j % n_kv of slot j // n_kv: ATTENTION's mask in every slot,
@@ -369,4 +381,5 @@ KERNELS.update({
 })
 
 # Accelerators: no kernel may synchronise with the host.
-DEVICE_KERNELS = {**KERNELS, Op.ATTENTION: attention, Op.ATTENTION_SEQ: attention_seq}  # over the whole cache, masked: fixed shapes
+# fixed shapes: over the whole cache, masked, or (CUDA) reading the visible keys only
+DEVICE_KERNELS = {**KERNELS, Op.ATTENTION: attention, Op.ATTENTION_SEQ: attention_seq}

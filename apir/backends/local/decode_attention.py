@@ -1,0 +1,144 @@
+"""Attention that reads only the keys a query sees: each query's own slot, up to its own
+position (and back to its window), split along the keys (flash-decoding) so a few queries
+still fill the GPU.
+
+    q (T, Hq, D) f32;  k (S, N, Hkv, D), v (S, N, Hkv, Dv) f16 or f32, a cache of S slots
+    pos, seq (T,) i32: query t is at position pos[t] of slot seq[t]
+    -> (T, Hq, Dv) f32, the softmax of the visible keys' scores (softcapped where asked)
+
+The masked dense form (kernels.attention_seq) computes every query against every slot's
+every row: a decode step of 64 streams with 257-token slots scores each query against
+16k keys, and a one-stream step on a 64-slot cache ran at 0.21x of the single-sequence
+path on an H200 (apir bench serve, 2026-12-01). Here a program (query t, kv head h, key
+split s) walks only keys s*KEYS.. of slot seq[t] that are <= pos[t], keeping a running
+maximum, denominator and weighted sum for its G query heads (online softmax); the splits'
+partials are then combined. Shapes and launch grid depend on T and the cache only, so a
+step is recorded in a CUDA graph once; the loop bounds are read on the device.
+
+Triton comes with CUDA builds of PyTorch; without it ``usable`` is False.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+
+SPLIT_KEYS = 256  # keys a split walks at least, where the queries alone would not fill the GPU
+
+
+def usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether ``attend_visible`` applies: CUDA with Triton, a cache whose rows are
+    contiguous (heads, then features)."""
+    return (triton is not None and q.is_cuda and k.dim() == 4 and v.dim() == 4
+            and k.stride(-1) == 1 and k.stride(-2) == k.shape[-1]
+            and v.stride(-1) == 1 and v.stride(-2) == v.shape[-1])
+
+
+def splits(n_queries: int, heads_kv: int, n_keys: int, sms: int) -> tuple[int, int]:
+    """(splits, KEYS a split): enough programs for 4 a multiprocessor, each split at least
+    SPLIT_KEYS keys; one split where the queries fill the GPU alone (a prefill chunk)."""
+    programs = n_queries * heads_kv
+    if programs >= 2 * sms:
+        return 1, n_keys
+    want = min(-(-n_keys // SPLIT_KEYS), -(-4 * sms // programs))
+    keys = -(-n_keys // max(want, 1))
+    return -(-n_keys // keys), keys
+
+
+if triton is not None:
+
+    @triton.jit
+    def _attend_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, seq_ptr, m_ptr, l_ptr, o_ptr, KEYS, HQ,
+                       K_SLOT, K_ROW, V_SLOT, V_ROW, scale, softcap, window,
+                       G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+                       DV: tl.constexpr, DVP: tl.constexpr, BLOCK: tl.constexpr,
+                       SOFTCAP: tl.constexpr, WINDOW: tl.constexpr):
+        # program (t, h, s): query t's heads h*G.. over keys s*KEYS.. of its slot; writes its
+        # running max m, denominator l (T, HQ, splits) and weighted sum o (T, HQ, splits, DV)
+        t = tl.program_id(0)
+        h = tl.program_id(1)
+        sp = tl.program_id(2)
+        p = tl.load(pos_ptr + t)
+        slot = tl.load(seq_ptr + t).to(tl.int64)
+        g = tl.arange(0, GP)
+        d = tl.arange(0, DP)
+        dv = tl.arange(0, DVP)
+        heads = t * HQ + h * G + g
+        q = tl.load(q_ptr + heads[:, None] * D + d[None, :], mask=(g < G)[:, None] & (d < D)[None, :],
+                    other=0.0).to(tl.float32)
+        first = sp * KEYS
+        end = tl.minimum(first + KEYS, p + 1)  # keys first..end-1: none past the query's position
+        if WINDOW:
+            first = tl.maximum(first, p - window + 1)
+        m_i = tl.full((GP,), float("-inf"), tl.float32)
+        l_i = tl.zeros((GP,), tl.float32)
+        acc = tl.zeros((GP, DVP), tl.float32)
+        k_rows = k_ptr + slot * K_SLOT + h * D
+        v_rows = v_ptr + slot * V_SLOT + h * DV
+        for j0 in range(first, end, BLOCK):
+            j = j0 + tl.arange(0, BLOCK)
+            ok = j < end
+            kb = tl.load(k_rows + j.to(tl.int64)[:, None] * K_ROW + d[None, :],
+                         mask=ok[:, None] & (d < D)[None, :], other=0.0).to(tl.float32)
+            sc = tl.sum(q[:, None, :] * kb[None, :, :], axis=2) * scale  # (GP, BLOCK)
+            if SOFTCAP:  # softcap * tanh(sc / softcap), tanh(x) = 1 - 2 / (e^2x + 1)
+                sc = softcap * (1.0 - 2.0 / (tl.exp(2.0 * sc / softcap) + 1.0))
+            sc = tl.where(ok[None, :], sc, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+            alpha = tl.exp(m_i - m_new)  # 0 on the first block (m_i = -inf, m_new finite)
+            pr = tl.exp(sc - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(pr, axis=1)
+            vb = tl.load(v_rows + j.to(tl.int64)[:, None] * V_ROW + dv[None, :],
+                         mask=ok[:, None] & (dv < DV)[None, :], other=0.0).to(tl.float32)
+            acc = acc * alpha[:, None] + tl.sum(pr[:, :, None] * vb[None, :, :], axis=1)
+            m_i = m_new
+        row = heads * tl.num_programs(2) + sp
+        tl.store(m_ptr + row, m_i, mask=g < G)
+        tl.store(l_ptr + row, l_i, mask=g < G)
+        tl.store(o_ptr + row[:, None] * DV + dv[None, :], acc, mask=(g < G)[:, None] & (dv < DV)[None, :])
+
+    @functools.cache
+    def _multiprocessors(device: torch.device) -> int:
+        return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+
+    # Opaque to torch.compile, as the quantized products are (see qmatmul): the launch is
+    # recorded into a step's CUDA graph like any other kernel.
+    @torch.library.custom_op("apir::attend_visible", mutates_args=())
+    def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, seq: torch.Tensor,
+                scale: float, window: int, softcap: float) -> torch.Tensor:
+        n_tok, n_head, dim = q.shape
+        n_slots, n_keys, heads_kv, dim_v = v.shape
+        group = n_head // heads_kv
+        n_split, keys = splits(n_tok, heads_kv, n_keys, _multiprocessors(q.device))
+        gp, dp, dvp = (triton.next_power_of_2(x) for x in (group, dim, dim_v))
+        block = max(16, min(64, 8192 // (gp * max(dp, dvp))))
+        m = torch.empty((n_tok, n_head, n_split), device=q.device, dtype=torch.float32)
+        l = torch.empty_like(m)
+        o = torch.empty((n_tok, n_head, n_split, dim_v), device=q.device, dtype=torch.float32)
+        _attend_kernel[(n_tok, heads_kv, n_split)](
+            q.contiguous(), k, v, pos, seq, m, l, o, keys, n_head, k.stride(0), k.stride(1),
+            v.stride(0), v.stride(1), scale, softcap or 1.0, window,
+            G=group, GP=gp, D=dim, DP=dp, DV=dim_v, DVP=dvp, BLOCK=block, SOFTCAP=bool(softcap),
+            WINDOW=bool(window), num_warps=4 if gp * block * max(dp, dvp) <= 8192 else 8)
+        if n_split == 1:
+            return o[:, :, 0] / l
+        weight = torch.exp(m - m.amax(dim=-1, keepdim=True))  # splits without keys: exp(-inf) = 0
+        return (o * weight[..., None]).sum(dim=2) / (l * weight).sum(dim=-1, keepdim=True)
+
+    @_attend.register_fake
+    def _(q, k, v, pos, seq, scale, window, softcap):
+        return q.new_empty((*q.shape[:2], v.shape[-1]), dtype=torch.float32)
+
+
+def attend_visible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, seq: torch.Tensor,
+                   scale: float, window: int, softcap: float) -> torch.Tensor:
+    """The module docstring's attention; ``usable`` must hold. Positions must lie in the
+    cache (the executor checks them before the step)."""
+    return _attend(q.float(), k, v, pos.int(), seq.int(), float(scale), int(window), float(softcap))

@@ -1,0 +1,102 @@
+"""decode_attention (each query reads its own slot's visible keys, split along the keys)
+against the masked dense form it replaces on a GPU (kernels.attention_seq's fallback).
+
+The Triton kernel runs on a CPU under Triton's interpreter: with triton installed,
+TRITON_INTERPRET=1 pytest tests/test_decode_attention.py (without triton: skipped).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from apir.backends.local import decode_attention as da
+from apir.backends.local import kernels
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1" and da.triton is not None
+needs_triton = pytest.mark.skipif(not INTERPRET, reason="needs triton and TRITON_INTERPRET=1")
+
+
+def test_splits_fill_the_gpu_only_where_the_queries_do_not():
+    assert da.splits(1, 8, 4096, sms=132) == (16, 256)  # one query: split the keys
+    assert da.splits(1, 8, 300, sms=132) == (2, 150)  # at least SPLIT_KEYS a split, rounded evenly
+    assert da.splits(16, 8, 4096, sms=132) == (5, 820)  # 128 programs: 5 splits make 4 an SM
+    assert da.splits(64, 8, 4096, sms=132) == (1, 4096)  # 512 programs fill it alone
+    assert da.splits(2, 2, 40, sms=132) == (1, 40)
+
+
+def dense(q, k, v, pos, seq, scale, window, softcap):
+    # the masked form over every slot's every row (what a GPU ran before)
+    n_slots, n_kv = k.shape[:2]
+    group = q.shape[1] // k.shape[2]
+    slot = torch.arange(n_slots).repeat_interleave(n_kv)[None, :]
+    mask = (kernels.attention_mask(pos, n_kv, window, group).repeat(1, n_slots)
+            & (slot == seq.long().repeat_interleave(group)[:, None]))
+    flat = (n_slots * n_kv, *k.shape[2:])
+    return kernels.attend(q, k.reshape(flat), v.reshape(*flat[:2], v.shape[-1]), mask, scale, softcap)
+
+
+@needs_triton
+@pytest.mark.parametrize(("slots", "keys", "window", "softcap", "dtype"), [
+    (3, 40, 0, 0.0, torch.float32),  # several slots, one split
+    (2, 600, 0, 0.0, torch.float16),  # keys split 3 ways, an f16 cache
+    (3, 40, 7, 0.0, torch.float32),  # a sliding window
+    (1, 300, 50, 30.0, torch.float32),  # softcap and window across splits
+])
+def test_matches_the_masked_dense_form(slots, keys, window, softcap, dtype):
+    g = torch.Generator().manual_seed(keys + slots)
+    n_tok, heads_kv, group, dim = 5, 2, 3, 16  # a group of 3 heads: padded to 4 in the kernel
+    q = torch.randn(n_tok, heads_kv * group, dim, generator=g)
+    k = torch.randn(slots, keys, heads_kv, dim, generator=g).to(dtype)
+    v = torch.randn(slots, keys, heads_kv, 24, generator=g).to(dtype)  # Dv != D
+    pos = torch.randint(0, keys, (n_tok,), generator=g, dtype=torch.int32)
+    pos[0] = keys - 1  # the last row of the cache
+    seq = torch.randint(0, slots, (n_tok,), generator=g, dtype=torch.int32)
+    got = da._attend(q, k, v, pos, seq, 0.25, window, softcap)
+    want = dense(q, k.float(), v.float(), pos, seq, 0.25, window, softcap)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+@needs_triton
+def test_a_query_never_reads_another_slot_or_a_later_row():
+    # poison every row a query must not see: the result stays finite and equal
+    keys, dim = 300, 8
+    q = torch.randn(2, 2, dim)
+    k = torch.randn(2, keys, 1, dim)
+    v = torch.randn(2, keys, 1, dim)
+    pos, seq = torch.tensor([10, 280], dtype=torch.int32), torch.tensor([1, 0], dtype=torch.int32)
+    want = da._attend(q, k, v, pos, seq, 0.3, 0, 0.0)
+    k[0, :, :] = float("nan")  # query 0 sees slot 1 only
+    v[0, :, :] = float("nan")
+    k[1, 11:], v[1, 11:] = float("nan"), float("nan")
+    k2, v2 = k.clone(), v.clone()
+    k2[0], v2[0] = torch.randn(keys, 1, dim), torch.randn(keys, 1, dim)  # query 1 reads slot 0 rows <= 280
+    k2[0, 281:], v2[0, 281:] = float("nan"), float("nan")
+    got0 = da._attend(q, k, v, pos, seq, 0.3, 0, 0.0)[0]
+    torch.testing.assert_close(got0, want[0])
+    got1 = da._attend(q, k2, v2, pos, seq, 0.3, 0, 0.0)[1]
+    assert torch.isfinite(got1).all()
+    torch.testing.assert_close(got1, dense(q, k2.nan_to_num(), v2.nan_to_num(), pos, seq, 0.3, 0, 0.0)[1])
+
+
+@pytest.mark.skipif(da.triton is None or INTERPRET, reason="needs triton, not its interpreter")
+@pytest.mark.parametrize(("group", "dim", "cache"), [(3, 64, "fp16"), (4, 128, "fp16"), (8, 128, "fp32"), (1, 256, "fp16")])
+def test_kernel_compiles_for_sm90(group, dim, cache):
+    """Through Triton's real compiler (ptxas included), no GPU needed: the shapes of
+    SmolLM2, llama 8B, a wide group, Gemma's 256-wide heads."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    gp = triton.next_power_of_2(group)
+    block = max(16, min(64, 8192 // (gp * dim)))
+    sig = {"q_ptr": "*fp32", "k_ptr": f"*{cache}", "v_ptr": f"*{cache}", "pos_ptr": "*i32", "seq_ptr": "*i32",
+           "m_ptr": "*fp32", "l_ptr": "*fp32", "o_ptr": "*fp32", "KEYS": "i32", "HQ": "i32", "K_SLOT": "i32",
+           "K_ROW": "i32", "V_SLOT": "i32", "V_ROW": "i32", "scale": "fp32", "softcap": "fp32", "window": "i32"}
+    consts = dict(G=group, GP=gp, D=dim, DP=dim, DV=dim, DVP=dim, BLOCK=block, SOFTCAP=True, WINDOW=True)
+    src = ASTSource(fn=da._attend_kernel, signature=sig | {c: "constexpr" for c in consts}, constexprs=consts)
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": 4 if gp * block * dim <= 8192 else 8})
+    assert kernel.asm["cubin"][:4] == b"\x7fELF"
