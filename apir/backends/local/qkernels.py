@@ -206,6 +206,95 @@ def _qgemv_kernel(x_ptr, low_ptr, high_ptr, p0, p1, p2, y_ptr, N, K, LDY, QT: tl
 
 
 @triton.jit
+def _dot4(a, b, c, d, xw, t: tl.constexpr, OFF: tl.constexpr, ASM: tl.constexpr):
+    # byte t of the words a, b, c, d (quants of elements i, i+1, i+2, i+3 of one block)
+    # times the four int8 values of x in xw, summed: sum (q - OFF) x. On a GPU three byte
+    # permutes gather the bytes into one word and dp4a multiplies and adds all four; Q4_0's
+    # offset of 8 is a second dp4a of x with the bytes -8 (0xF8F8F8F8). Q8_0's bytes are
+    # signed. The permute selector and the -8s are operands (constants: ptxas folds them)
+    if ASM:
+        sel = tl.full(a.shape, t | ((t + 4) << 4), tl.int32)
+        if OFF == 0:
+            r = tl.inline_asm_elementwise("""{
+                .reg .b32 ab, cd, q;
+                prmt.b32 ab, $1, $2, $6;
+                prmt.b32 cd, $3, $4, $6;
+                prmt.b32 q, ab, cd, 0x5410;
+                dp4a.s32.s32 $0, q, $5, 0;
+                }""", "=r,r,r,r,r,r,r", [a, b, c, d, xw, sel], dtype=tl.int32, is_pure=True, pack=1)
+        else:
+            minus = tl.full(a.shape, -117901064, tl.int32)  # 0xF8F8F8F8: four int8 -8s
+            r = tl.inline_asm_elementwise("""{
+                .reg .b32 ab, cd, q, s;
+                prmt.b32 ab, $1, $2, $6;
+                prmt.b32 cd, $3, $4, $6;
+                prmt.b32 q, ab, cd, 0x5410;
+                dp4a.u32.s32 s, q, $5, 0;
+                dp4a.s32.s32 $0, $7, $5, s;
+                }""", "=r,r,r,r,r,r,r,r", [a, b, c, d, xw, sel, minus], dtype=tl.int32, is_pure=True,
+                pack=1)
+    else:  # the same sum, byte by byte (Triton's interpreter runs no PTX)
+        r = (_sbyte(a, t, OFF) * _sbyte(xw, 0, 0) + _sbyte(b, t, OFF) * _sbyte(xw, 1, 0)
+             + _sbyte(c, t, OFF) * _sbyte(xw, 2, 0) + _sbyte(d, t, OFF) * _sbyte(xw, 3, 0))
+    return r
+
+
+@triton.jit
+def _sbyte(w, t: tl.constexpr, OFF: tl.constexpr):
+    # byte t of w as a signed int8 (OFF = 0), or as unsigned less OFF
+    b = (w >> (8 * t)) & 0xFF
+    if OFF == 0:
+        b = b - ((b & 0x80) << 1)
+    else:
+        b = b - OFF
+    return b
+
+
+@triton.jit
+def _qgemv_i8_kernel(xq_ptr, dx_ptr, low_ptr, p0, y_ptr, N, K, LDY, QT: tl.constexpr, LB: tl.constexpr,
+                     OFF: tl.constexpr, ASM: tl.constexpr, BN: tl.constexpr, NC: tl.constexpr):
+    # program (m, i): y[m, i*BN : (i+1)*BN] for Q4_0 or Q8_0 packed with 32-word chunks, x
+    # row m quantized to int8 in blocks of 32 (xq, natural order, 4 a word; dx its scales):
+    # slot s of word w of chunk c is element c*S*32 + s*32 + w, so a slot is one block and
+    # 4 consecutive words hold 4 consecutive elements of each of the chunk's S blocks; a
+    # thread's 4 words are dotted with x slot by slot, 4 products an instruction
+    S: tl.constexpr = 32 // LB
+    m = tl.program_id(0)
+    r = tl.minimum(tl.program_id(1) * BN + tl.arange(0, BN), N - 1)[:, None, None]
+    g = tl.arange(0, 8)[None, None, :]  # a thread's group of 4 words in the chunk
+    w = tl.arange(0, 32)[None, None, :]
+    WPR = K * LB // 32
+    chunks = WPR // 32
+    acc = tl.zeros((BN, NC, 8), dtype=tl.float32)
+    step = tl.arange(0, NC)[None, :, None]
+    xm = xq_ptr + m * (K // 4)
+    for c0 in tl.range(0, chunks, NC):
+        c = c0 + step
+        if NC > 1:  # see _tile
+            at = tl.multiple_of(r.to(tl.int64) * WPR + c * 32, [4, 4, 4]) + w
+        else:
+            at = r.to(tl.int64) * WPR + c * 32 + w
+        words = tl.load(low_ptr + at, eviction_policy="evict_first")  # (BN, NC, 32) int32
+        # words 4g + 2i + j as (g, i, j): j, then i, split off: a, b, c, d = words 4g .. 4g+3
+        ac, bd = tl.split(tl.reshape(words, (BN, NC, 8, 2, 2)))
+        wa, wc = tl.split(ac)
+        wb, wd = tl.split(bd)
+        for s in tl.static_range(S):
+            if LB == 4:  # slot s: nibble s // 4 of byte s % 4
+                qa, qb = (wa >> (4 * (s // 4))) & 0x0F0F0F0F, (wb >> (4 * (s // 4))) & 0x0F0F0F0F
+                qc, qd = (wc >> (4 * (s // 4))) & 0x0F0F0F0F, (wd >> (4 * (s // 4))) & 0x0F0F0F0F
+            else:
+                qa, qb, qc, qd = wa, wb, wc, wd
+            blk = c * S + s  # the chunk's block s, of K // 32 a row
+            xw = tl.load(xm + blk * 8 + g)  # its elements 4g .. 4g+3
+            dot = _dot4(qa, qb, qc, qd, xw, s % 4, OFF, ASM)
+            d = tl.load(p0 + r * (K // 32) + blk).to(tl.float32) * tl.load(dx_ptr + m * (K // 32) + blk)
+            acc = tl.fma(dot.to(tl.float32), d, acc)
+    rows = tl.program_id(1) * BN + tl.arange(0, BN)
+    tl.store(y_ptr + m * LDY + rows, tl.sum(tl.sum(acc, axis=2), axis=1), mask=rows < N)
+
+
+@triton.jit
 def _qmm_kernel(x_ptr, low_ptr, high_ptr, p0, p1, p2, y_ptr, M, N, K, LDY, SPLIT_CHUNKS, SPLIT_STRIDE,
                 QT: tl.constexpr, LB: tl.constexpr, HB: tl.constexpr, OFF: tl.constexpr,
                 MIN: tl.constexpr, CW: tl.constexpr, ASM: tl.constexpr, BM: tl.constexpr,
