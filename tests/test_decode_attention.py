@@ -38,14 +38,52 @@ def dense(q, k, v, pos, seq, scale, window, softcap):
     return kernels.attend(q, k.reshape(flat), v.reshape(*flat[:2], v.shape[-1]), mask, scale, softcap)
 
 
-@needs_triton
-@pytest.mark.parametrize(("slots", "keys", "window", "softcap", "dtype"), [
+CASES = [
     (3, 40, 0, 0.0, torch.float32),  # several slots, one split
     (2, 600, 0, 0.0, torch.float16),  # keys split 3 ways, an f16 cache
     (3, 40, 7, 0.0, torch.float32),  # a sliding window
     (1, 300, 50, 30.0, torch.float32),  # softcap and window across splits
-])
+]
+
+
+@needs_triton
+@pytest.mark.parametrize(("slots", "keys", "window", "softcap", "dtype"), CASES)
 def test_matches_the_masked_dense_form(slots, keys, window, softcap, dtype):
+    q, k, v, pos, seq = case(slots, keys, dtype)
+    got = da._attend(q, k, v, pos, seq, 0.25, window, softcap)
+    want = dense(q, k.float(), v.float(), pos, seq, 0.25, window, softcap)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or da.triton is None, reason="needs a CUDA GPU and Triton")
+@pytest.mark.parametrize(("slots", "keys", "window", "softcap", "dtype"), CASES)
+def test_cuda_slotted_attention_reads_the_visible_keys_only(slots, keys, window, softcap, dtype):
+    # the device kernel table's ATTENTION_SEQ on CUDA takes this path
+    q, k, v, pos, seq = case(slots, keys, dtype)
+    cuda = [t.cuda() for t in (q, k, v, pos, seq)]
+    assert da.usable(*cuda[:3])
+    got = kernels.attention_seq(*cuda, 0.25, window, softcap).cpu()
+    torch.testing.assert_close(got, dense(q, k.float(), v.float(), pos, seq, 0.25, window, softcap),
+                               rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or da.triton is None, reason="needs a CUDA GPU and Triton")
+def test_cuda_decode_over_a_long_cache_reads_the_filled_part():
+    # ATTENTION over a cache past LONG_CACHE rows, one decode token: rows past its position
+    # are NaN (never written), and must not be read
+    keys = kernels.LONG_CACHE + 500
+    q, k, v, pos, _ = case(1, keys, torch.float16)
+    q, pos = q[:1], torch.tensor([700], dtype=torch.int32)
+    k, v = k[0], v[0]
+    k[701:], v[701:] = float("nan"), float("nan")
+    got = kernels.attention(q.cuda(), k.cuda(), v.cuda(), pos.cuda(), 0.25, 0, 0.0).cpu()
+    want = kernels.attention(q, k[:701].float(), v[:701].float(), pos, 0.25, 0, 0.0)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def case(slots: int, keys: int, dtype: torch.dtype):
     g = torch.Generator().manual_seed(keys + slots)
     n_tok, heads_kv, group, dim = 5, 2, 3, 16  # a group of 3 heads: padded to 4 in the kernel
     q = torch.randn(n_tok, heads_kv * group, dim, generator=g)
@@ -54,9 +92,7 @@ def test_matches_the_masked_dense_form(slots, keys, window, softcap, dtype):
     pos = torch.randint(0, keys, (n_tok,), generator=g, dtype=torch.int32)
     pos[0] = keys - 1  # the last row of the cache
     seq = torch.randint(0, slots, (n_tok,), generator=g, dtype=torch.int32)
-    got = da._attend(q, k, v, pos, seq, 0.25, window, softcap)
-    want = dense(q, k.float(), v.float(), pos, seq, 0.25, window, softcap)
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    return q, k, v, pos, seq
 
 
 @needs_triton
