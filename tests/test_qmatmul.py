@@ -44,7 +44,7 @@ def random_weight(qtype: Q, n: int, k: int, seed: int) -> np.ndarray:
 def int8_values(x: np.ndarray) -> np.ndarray:
     """x as the int8 decode kernel multiplies it: quantize_x's int8 values times their
     block scales, in float64."""
-    xq, dx = qm.quantize_x(torch.from_numpy(x))
+    xq, dx, _ = qm.quantize_x(torch.from_numpy(x))
     q = xq.view(torch.int8).numpy().astype(np.float64).reshape(x.shape[0], -1, 32)
     return (q * dx.numpy().astype(np.float64)[..., None]).reshape(x.shape)
 
@@ -188,16 +188,18 @@ def test_fused_kernel_matches_gguf(qtype):
 
 def test_x_quantized_to_int8_per_block_of_32():
     x = torch.tensor([[0.0] * 32 + [0.5, -1.27] + [0.01] * 30])
-    xq, dx = qm.quantize_x(x)
+    xq, dx, xs = qm.quantize_x(x)
     q = xq.view(torch.int8).reshape(2, 32)
-    assert q[0].eq(0).all() and dx[0, 0] == 0  # an all-zero block: zeros, no division by 0
+    assert q[0].eq(0).all() and dx[0, 0] == 0 and xs[0, 0] == 0  # an all-zero block: no division by 0
     assert q[1, :3].tolist() == [50, -127, 1] and dx[0, 1] == torch.tensor(1.27) / 127
+    assert xs[0, 1] == dx[0, 1] * (50 - 127 + 30)
     assert not qm.int8_x(int(Q.Q4_0), 96) and qm.int8_x(int(Q.Q4_0), 256) and qm.int8_x(int(Q.Q8_0), 128)
-    assert not qm.int8_x(int(Q.Q4_1), 4096)
+    assert qm.int8_x(int(Q.Q4_K), 256) and not qm.int8_x(int(Q.Q5_0), 4096) and not qm.int8_x(int(Q.Q6_K), 256)
 
 
 @needs_triton
-@pytest.mark.parametrize(("qtype", "ks"), [(Q.Q4_0, (256, 768, 4096)), (Q.Q8_0, (128, 384, 8192))],
+@pytest.mark.parametrize(("qtype", "ks"), [(Q.Q4_0, (256, 768, 4096)), (Q.Q8_0, (128, 384, 8192)),
+                                           (Q.Q4_1, (256, 1280)), (Q.Q4_K, (256, 768, 4096))],
                          ids=lambda v: getattr(v, "name", v))
 def test_int8_decode_kernel_matches_gguf_with_x_as_quantized(qtype, ks):
     # integer products, 4 an instruction: exact against the quantized x up to f32 sums, and

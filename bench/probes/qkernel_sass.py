@@ -7,7 +7,7 @@ slot, integer and f32 work per value, register spills).
     python3 bench/probes/qkernel_sass.py [Q4_0 Q4_K ...] [--k 4096] [--kind fused|batched|int8] [--show]
 
 --kind: the fused kernel (one row of x, the default), the batched one (16 rows of x a
-program), or the int8-x one (Q4_0 and Q8_0 decode rows, dp4a).
+program), or the int8-x one (decode rows of the types in qmatmul.INT8_X, dp4a).
 """
 
 from __future__ import annotations
@@ -40,9 +40,9 @@ def _signature(qtype: int, kind: str) -> dict[str, str]:
                                              12: ["*u8"] * 3, 13: ["*u8"] * 3, 14: ["*i8", "*fp16", "*i8"]}[qtype]
     planes = {"low_ptr": "*i32", "high_ptr": high, "p0": ps[0], "p1": ps[1], "p2": ps[2]}
     if kind == "int8":
-        return {"xq_ptr": "*i32", "dx_ptr": "*fp32", "low_ptr": "*i32", "p0": ps[0], "y_ptr": "*fp32",
-                "N": "i32", "K": "i32", "LDY": "i32", **{c: "constexpr" for c in
-                                                           ("QT", "LB", "OFF", "ASM", "BN", "NC")}}
+        return {"xq_ptr": "*i32", "dx_ptr": "*fp32", "xs_ptr": "*fp32", "low_ptr": "*i32", "p0": ps[0],
+                "p1": ps[1], "p2": ps[2], "y_ptr": "*fp32", "N": "i32", "K": "i32", "LDY": "i32",
+                **{c: "constexpr" for c in ("QT", "LB", "ASM", "BN", "NC")}}
     if kind == "dequant":
         sig = planes | {"out_ptr": "*fp16", "R0": "i32", "R1": "i32", "K": "i32"}
     else:
@@ -61,8 +61,8 @@ def compile_kernel(qtype: int, n: int, k: int, kind: str = "fused"):
     consts = dict(QT=qtype, LB=lb, HB=hb, OFF=off, MIN=mins, CW=qpack.chunk_words(qtype, k), ASM=True)
     if kind == "int8":
         bn, nc, warps = qmatmul.tiles(qtype, n, k, fused=True)
-        consts = dict(QT=qtype, LB=lb, OFF=qmatmul.INT8_X[qtype], ASM=True, BN=bn, NC=nc)
-        attrs = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 4, 6, 7)}
+        consts = dict(QT=qtype, LB=lb, ASM=True, BN=bn, NC=nc)
+        attrs = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 4, 5, 6, 7, 9, 10)}
         src = ASTSource(fn=qkernels._qgemv_i8_kernel, signature=_signature(qtype, kind), constexprs=consts,
                         attrs=attrs)
         return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps}), bn, nc, warps

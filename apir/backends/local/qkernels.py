@@ -205,24 +205,21 @@ def _qgemv_kernel(x_ptr, low_ptr, high_ptr, p0, p1, p2, y_ptr, N, K, LDY, QT: tl
     tl.store(y_ptr + m * LDY + rows, tl.sum(tl.sum(acc, axis=2), axis=1), mask=rows < N)
 
 
+# How the int8 kernel reads a quant byte: signed (Q8_0), unsigned (Q4_1, Q4_K: their
+# offset is the min term), or unsigned less 8 (Q4_0)
+SIGNED, UNSIGNED, LESS_8 = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
+
+
 @triton.jit
-def _dot4(a, b, c, d, xw, t: tl.constexpr, OFF: tl.constexpr, ASM: tl.constexpr):
+def _dot4(a, b, c, d, xw, t: tl.constexpr, BYTES: tl.constexpr, ASM: tl.constexpr):
     # byte t of the words a, b, c, d (quants of elements i, i+1, i+2, i+3 of one block)
-    # times the four int8 values of x in xw, summed: sum (q - OFF) x. On a GPU three byte
-    # permutes gather the bytes into one word and dp4a multiplies and adds all four; Q4_0's
-    # offset of 8 is a second dp4a of x with the bytes -8 (0xF8F8F8F8). Q8_0's bytes are
-    # signed. The permute selector and the -8s are operands (constants: ptxas folds them)
+    # times the four int8 values of x in xw, summed. On a GPU three byte permutes gather
+    # the bytes into one word and dp4a multiplies and adds all four; Q4_0's offset of 8 is
+    # a second dp4a, of x with the bytes -8 (cheaper than a min term: no scale, no sum of
+    # x to load). The permute selector and the -8s are operands (constants: ptxas folds them)
     if ASM:
         sel = tl.full(a.shape, t | ((t + 4) << 4), tl.int32)
-        if OFF == 0:
-            r = tl.inline_asm_elementwise("""{
-                .reg .b32 ab, cd, q;
-                prmt.b32 ab, $1, $2, $6;
-                prmt.b32 cd, $3, $4, $6;
-                prmt.b32 q, ab, cd, 0x5410;
-                dp4a.s32.s32 $0, q, $5, 0;
-                }""", "=r,r,r,r,r,r,r", [a, b, c, d, xw, sel], dtype=tl.int32, is_pure=True, pack=1)
-        else:
+        if BYTES == LESS_8:
             minus = tl.full(a.shape, -117901064, tl.int32)  # 0xF8F8F8F8: four int8 -8s
             r = tl.inline_asm_elementwise("""{
                 .reg .b32 ab, cd, q, s;
@@ -233,31 +230,48 @@ def _dot4(a, b, c, d, xw, t: tl.constexpr, OFF: tl.constexpr, ASM: tl.constexpr)
                 dp4a.s32.s32 $0, $7, $5, s;
                 }""", "=r,r,r,r,r,r,r,r", [a, b, c, d, xw, sel, minus], dtype=tl.int32, is_pure=True,
                 pack=1)
+        elif BYTES == SIGNED:
+            r = tl.inline_asm_elementwise("""{
+                .reg .b32 ab, cd, q;
+                prmt.b32 ab, $1, $2, $6;
+                prmt.b32 cd, $3, $4, $6;
+                prmt.b32 q, ab, cd, 0x5410;
+                dp4a.s32.s32 $0, q, $5, 0;
+                }""", "=r,r,r,r,r,r,r", [a, b, c, d, xw, sel], dtype=tl.int32, is_pure=True, pack=1)
+        else:
+            r = tl.inline_asm_elementwise("""{
+                .reg .b32 ab, cd, q;
+                prmt.b32 ab, $1, $2, $6;
+                prmt.b32 cd, $3, $4, $6;
+                prmt.b32 q, ab, cd, 0x5410;
+                dp4a.u32.s32 $0, q, $5, 0;
+                }""", "=r,r,r,r,r,r,r", [a, b, c, d, xw, sel], dtype=tl.int32, is_pure=True, pack=1)
     else:  # the same sum, byte by byte (Triton's interpreter runs no PTX)
-        r = (_sbyte(a, t, OFF) * _sbyte(xw, 0, 0) + _sbyte(b, t, OFF) * _sbyte(xw, 1, 0)
-             + _sbyte(c, t, OFF) * _sbyte(xw, 2, 0) + _sbyte(d, t, OFF) * _sbyte(xw, 3, 0))
+        r = (_qbyte(a, t, BYTES) * _qbyte(xw, 0, SIGNED) + _qbyte(b, t, BYTES) * _qbyte(xw, 1, SIGNED)
+             + _qbyte(c, t, BYTES) * _qbyte(xw, 2, SIGNED) + _qbyte(d, t, BYTES) * _qbyte(xw, 3, SIGNED))
     return r
 
 
 @triton.jit
-def _sbyte(w, t: tl.constexpr, OFF: tl.constexpr):
-    # byte t of w as a signed int8 (OFF = 0), or as unsigned less OFF
+def _qbyte(w, t: tl.constexpr, BYTES: tl.constexpr):
     b = (w >> (8 * t)) & 0xFF
-    if OFF == 0:
+    if BYTES == SIGNED:
         b = b - ((b & 0x80) << 1)
-    else:
-        b = b - OFF
+    elif BYTES == LESS_8:
+        b = b - 8
     return b
 
 
 @triton.jit
-def _qgemv_i8_kernel(xq_ptr, dx_ptr, low_ptr, p0, y_ptr, N, K, LDY, QT: tl.constexpr, LB: tl.constexpr,
-                     OFF: tl.constexpr, ASM: tl.constexpr, BN: tl.constexpr, NC: tl.constexpr):
-    # program (m, i): y[m, i*BN : (i+1)*BN] for Q4_0 or Q8_0 packed with 32-word chunks, x
-    # row m quantized to int8 in blocks of 32 (xq, natural order, 4 a word; dx its scales):
-    # slot s of word w of chunk c is element c*S*32 + s*32 + w, so a slot is one block and
-    # 4 consecutive words hold 4 consecutive elements of each of the chunk's S blocks; a
-    # thread's 4 words are dotted with x slot by slot, 4 products an instruction
+def _qgemv_i8_kernel(xq_ptr, dx_ptr, xs_ptr, low_ptr, p0, p1, p2, y_ptr, N, K, LDY, QT: tl.constexpr,
+                     LB: tl.constexpr, ASM: tl.constexpr, BN: tl.constexpr, NC: tl.constexpr):
+    # program (m, i): y[m, i*BN : (i+1)*BN] for a Q4_0, Q4_1, Q4_K or Q8_0 weight packed with
+    # 32-word chunks, x row m quantized to int8 in blocks of 32 (xq, natural order, 4 a
+    # word; dx its scales; xs the blocks' sums of x as quantized). Slot s of word w of chunk
+    # c is element c*S*32 + s*32 + w, so a slot is one block of 32 (a K-quant's sub-block),
+    # and 4 consecutive words hold 4 consecutive elements of each of the chunk's S blocks:
+    # a thread's 4 words are dotted with x slot by slot, 4 products an instruction. A block
+    # of d q + m (Q4_1, Q4_K) adds m times its sum of x
     S: tl.constexpr = 32 // LB
     m = tl.program_id(0)
     r = tl.minimum(tl.program_id(1) * BN + tl.arange(0, BN), N - 1)[:, None, None]
@@ -266,6 +280,7 @@ def _qgemv_i8_kernel(xq_ptr, dx_ptr, low_ptr, p0, y_ptr, N, K, LDY, QT: tl.const
     WPR = K * LB // 32
     chunks = WPR // 32
     acc = tl.zeros((BN, NC, 8), dtype=tl.float32)
+    acc_min = tl.zeros((BN, NC, 1), dtype=tl.float32)
     step = tl.arange(0, NC)[None, :, None]
     xm = xq_ptr + m * (K // 4)
     for c0 in tl.range(0, chunks, NC):
@@ -287,11 +302,22 @@ def _qgemv_i8_kernel(xq_ptr, dx_ptr, low_ptr, p0, y_ptr, N, K, LDY, QT: tl.const
                 qa, qb, qc, qd = wa, wb, wc, wd
             blk = c * S + s  # the chunk's block s, of K // 32 a row
             xw = tl.load(xm + blk * 8 + g)  # its elements 4g .. 4g+3
-            dot = _dot4(qa, qb, qc, qd, xw, s % 4, OFF, ASM)
-            d = tl.load(p0 + r * (K // 32) + blk).to(tl.float32) * tl.load(dx_ptr + m * (K // 32) + blk)
-            acc = tl.fma(dot.to(tl.float32), d, acc)
+            if QT == 12:
+                d, mn = _scale(p0, p1, p2, r, c, w, K, s, QT, S, 32)
+            else:
+                d = _f16(p0 + r * (K // 32) + blk)
+                mn = _f16(p1 + r * (K // 32) + blk) if QT == 3 else d  # m: Q4_1's only
+            if QT == 8:
+                dot = _dot4(qa, qb, qc, qd, xw, s % 4, SIGNED, ASM)
+            elif QT == 2:
+                dot = _dot4(qa, qb, qc, qd, xw, s % 4, LESS_8, ASM)
+            else:
+                dot = _dot4(qa, qb, qc, qd, xw, s % 4, UNSIGNED, ASM)
+                acc_min = tl.fma(mn, tl.load(xs_ptr + m * (K // 32) + blk), acc_min)
+            acc = tl.fma(dot.to(tl.float32), d * tl.load(dx_ptr + m * (K // 32) + blk), acc)
     rows = tl.program_id(1) * BN + tl.arange(0, BN)
-    tl.store(y_ptr + m * LDY + rows, tl.sum(tl.sum(acc, axis=2), axis=1), mask=rows < N)
+    y = tl.sum(tl.sum(acc, axis=2), axis=1) + tl.sum(tl.sum(acc_min, axis=2), axis=1)
+    tl.store(y_ptr + m * LDY + rows, y, mask=rows < N)
 
 
 @triton.jit
