@@ -41,31 +41,14 @@ def random_weight(qtype: Q, n: int, k: int, seed: int) -> np.ndarray:
     return blocks.reshape(-1)
 
 
-def int8_values(x: np.ndarray) -> np.ndarray:
-    """x as the int8 decode kernel multiplies it: quantize_x's int8 values times their
-    block scales, in float64."""
-    xq, dx, _ = qm.quantize_x(torch.from_numpy(x))
-    q = xq.view(torch.int8).numpy().astype(np.float64).reshape(x.shape[0], -1, 32)
-    return (q * dx.numpy().astype(np.float64)[..., None]).reshape(x.shape)
-
-
-def reference(x: np.ndarray, raw: np.ndarray, qtype: Q, n: int, k: int,
-              int8: bool = False) -> tuple[np.ndarray, np.ndarray]:
-    """x @ W.T in float64 and the bound |x| @ |W|.T that scales the allowed error; with
-    ``int8``, x as the int8 decode kernel sees it."""
+def reference(x: np.ndarray, raw: np.ndarray, qtype: Q, n: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """x @ W.T in float64 and the bound |x| @ |W|.T that scales the allowed error."""
     w = quants.dequantize(raw.reshape(n, -1), qtype).astype(np.float64)
-    xs = int8_values(x) if int8 else x.astype(np.float64)
-    return xs @ w.T, np.abs(xs) @ np.abs(w).T
+    return x.astype(np.float64) @ w.T, np.abs(x.astype(np.float64)) @ np.abs(w).T
 
 
-def takes_int8(qtype: Q, m: int, k: int) -> bool:
-    """Whether a product of m rows takes the int8 decode kernel on a GPU."""
-    return m <= qm.FUSED_ROWS and qm.int8_x(int(qtype), k)
-
-
-def check(y: torch.Tensor, x: np.ndarray, raw: np.ndarray, qtype: Q, n: int, k: int, rel: float,
-          int8: bool = False):
-    want, scale = reference(x, raw, qtype, n, k, int8)
+def check(y: torch.Tensor, x: np.ndarray, raw: np.ndarray, qtype: Q, n: int, k: int, rel: float):
+    want, scale = reference(x, raw, qtype, n, k)
     assert y.dtype == torch.float32 and tuple(y.shape) == want.shape
     err = np.abs(y.numpy().astype(np.float64) - want)
     assert (err <= rel * scale + 1e-6).all(), (qtype.name, float((err / (scale + 1e-30)).max()))
@@ -76,16 +59,15 @@ SHAPES_32 = [(1, 13, 96), (3, 9, 64), (17, 5, 160)]
 SHAPES_256 = [(1, 13, 256), (3, 9, 512), (17, 5, 768)]
 
 
-def check_products(qtype: Q, product, rel: float, rows: tuple[int, ...] = (), gpu: bool = False):
+def check_products(qtype: Q, product, rel: float, rows: tuple[int, ...] = ()):
     """``product(x, raw, n, k)`` (numpy in, a tensor (M, N) out) against gguf-py over the
-    type's shapes, with their M or each of ``rows``; ``gpu``: where the GPU's decode takes
-    int8 x, against that x."""
+    type's shapes, with their M or each of ``rows``."""
     shapes = SHAPES_32 if quants.GGML_QUANT_SIZES[qtype][0] == 32 else SHAPES_256
     for i, (m, n, k) in enumerate(shapes):
         raw = random_weight(qtype, n, k, seed=i)
         for mm in rows or (m,):
             x = np.random.default_rng(100 + i).standard_normal((mm, k)).astype(np.float32)
-            check(product(x, raw, n, k).cpu(), x, raw, qtype, n, k, rel, gpu and takes_int8(qtype, mm, k))
+            check(product(x, raw, n, k).cpu(), x, raw, qtype, n, k, rel)
 
 
 @pytest.mark.parametrize("qtype", TORCH_TYPES, ids=lambda t: t.name)
@@ -104,19 +86,19 @@ def test_cpu_path_tiles_rows_within_the_scratch(monkeypatch):
     check(y, x, raw, Q.Q8_0, 10, 64, rel=1e-5)
 
 
-def stacked_case(m: int, gpu: bool = False):
+def stacked_case(m: int):
     """x and three weights of different types (a Q4_K_M q/k/v) with K=512, and the
-    reference product with them stacked along N (``gpu``: Q8_0's decode takes int8 x)."""
+    reference product with them stacked along N."""
     parts = [(Q.Q4_K, 7), (Q.Q6_K, 3), (Q.Q8_0, 5)]
     raws = [random_weight(t, n, 512, seed=n) for t, n in parts]
     x = np.random.default_rng(9).standard_normal((m, 512)).astype(np.float32)
-    refs = [reference(x, raw, t, n, 512, gpu and takes_int8(t, m, 512)) for raw, (t, n) in zip(raws, parts)]
+    refs = [reference(x, raw, t, n, 512) for raw, (t, n) in zip(raws, parts)]
     want, scale = (np.concatenate(r, axis=1) for r in zip(*refs))
     return x, [(raw, t, n) for raw, (t, n) in zip(raws, parts)], want, scale
 
 
-def check_stacked(product, m: int, rel: float, gpu: bool = False):
-    x, parts, want, scale = stacked_case(m, gpu)
+def check_stacked(product, m: int, rel: float):
+    x, parts, want, scale = stacked_case(m)
     y = product(x, parts).cpu().numpy().astype(np.float64)
     assert y.shape == want.shape
     assert (np.abs(y - want) <= rel * scale + 1e-6).all()
@@ -186,36 +168,6 @@ def test_fused_kernel_matches_gguf(qtype):
     check_products(qtype, product, rel=1e-5)
 
 
-def test_x_quantized_to_int8_per_block_of_32():
-    x = torch.tensor([[0.0] * 32 + [0.5, -1.27] + [0.01] * 30])
-    xq, dx, xs = qm.quantize_x(x)
-    q = xq.view(torch.int8).reshape(2, 32)
-    assert q[0].eq(0).all() and dx[0, 0] == 0 and xs[0, 0] == 0  # an all-zero block: no division by 0
-    assert q[1, :3].tolist() == [50, -127, 1] and dx[0, 1] == torch.tensor(1.27) / 127
-    assert xs[0, 1] == dx[0, 1] * (50 - 127 + 30)
-    assert not qm.int8_x(int(Q.Q4_0), 96) and qm.int8_x(int(Q.Q4_0), 256) and qm.int8_x(int(Q.Q8_0), 128)
-    assert qm.int8_x(int(Q.Q4_K), 256) and not qm.int8_x(int(Q.Q5_0), 4096) and not qm.int8_x(int(Q.Q6_K), 256)
-
-
-@needs_triton
-@pytest.mark.parametrize(("qtype", "ks"), [(Q.Q4_0, (256, 768, 4096)), (Q.Q8_0, (128, 384, 8192)),
-                                           (Q.Q4_1, (256, 1280)), (Q.Q4_K, (256, 768, 4096))],
-                         ids=lambda v: getattr(v, "name", v))
-def test_int8_decode_kernel_matches_gguf_with_x_as_quantized(qtype, ks):
-    # integer products, 4 an instruction: exact against the quantized x up to f32 sums, and
-    # within the int8 rounding of x of the f32 product
-    for i, k in enumerate(ks):
-        n = 13 + i
-        raw = random_weight(qtype, n, k, seed=i)
-        w = packed(raw, qtype, n, k)
-        for m in (1, 3):
-            x = np.random.default_rng(i + m).standard_normal((m, k)).astype(np.float32)
-            assert takes_int8(qtype, m, k)
-            y = qm._qgemv(torch.from_numpy(x), [w], [int(qtype)], [n], k)
-            check(y, x, raw, qtype, n, k, rel=1e-5, int8=True)
-            check(y, x, raw, qtype, n, k, rel=2e-2)
-
-
 @needs_triton
 @pytest.mark.parametrize(("qtype", "k"), [(Q.Q4_0, 4096), (Q.Q8_0, 8192), (Q.Q6_K, 32768)],
                          ids=lambda v: getattr(v, "name", v))
@@ -263,11 +215,11 @@ def test_batched_kernel_needs_a_k_slice_of_16():
 @needs_triton
 @pytest.mark.parametrize(("kernel", "m", "rel"), [("_qgemv", 2, 1e-5), ("_qmm", 11, 2e-3)])
 def test_decode_kernels_write_stacked_weights_into_one_result(kernel, m, rel):
-    # the fused kernels (f32; Q8_0's with x as int8) and the batched one (x and W rounded to f16)
+    # the fused kernel (f32) and the batched one (x and W rounded to f16)
     def product(x, parts):
         ws, qtypes, ns = zip(*[(packed(r, t, n, 512), int(t), n) for r, t, n in parts])
         return getattr(qm, kernel)(torch.from_numpy(x), list(ws), list(qtypes), list(ns), 512)
-    check_stacked(product, m, rel=rel, gpu=True)
+    check_stacked(product, m, rel=rel)
 
 
 @needs_triton
@@ -345,8 +297,7 @@ def test_every_kernel_compiles_for_sm90(qtype):
         if k % bs:
             continue
         for kind in probe.KINDS:
-            if (kind == "batched" and qm.batch_tiles(int(qtype), n, k) is None
-                    or kind == "int8" and not qm.int8_x(int(qtype), k)):
+            if kind == "batched" and qm.batch_tiles(int(qtype), n, k) is None:
                 continue
             kernel = probe.compile_kernel(int(qtype), n, k, kind)[0]
             assert kernel.asm["cubin"][:4] == b"\x7fELF", (kind, n, k)

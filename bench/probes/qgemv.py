@@ -29,9 +29,7 @@ from apir.backends.local.qmatmul import (
     _launch_mm,
     _meta,
     _planes,
-    _qgemv,
     batch_tiles,
-    int8_x,
     tiles,
 )
 from apir.graph.dtypes import DType
@@ -66,12 +64,6 @@ def fused(qtype, n, k, cfg=None):
             num_warps=warps)
         return y
     return run
-
-
-def decode(qtype, n, k):
-    # the decode product as the executor calls it: int8 x (dp4a) for Q4_0 and Q8_0, x
-    # quantized inside the call, else the fused f32 kernel
-    return lambda x, w: _qgemv(x, [w], [int(qtype)], [n], k)
 
 
 def gemv16(n, k):
@@ -125,12 +117,6 @@ def main(types, rows, sweep):
                 err = ((got.double() - want).abs().max() / want.abs().max()).item()
                 assert err < 1e-4, (qtype.name, n, k, err)
             res = {f"fused{tiles(int(qtype), n, k, True)}": time_us(fused(qtype, n, k), x, ws)}
-            if rows <= 8 and int8_x(int(qtype), k):
-                got = decode(qtype, n, k)(x, ws[0])
-                if want is not None:  # x rounded to int8: about 1e-2 of the f32 product
-                    err = ((got.double() - want).abs().max() / want.abs().max()).item()
-                    assert err < 3e-2, (qtype.name, n, k, err)
-                res["int8-x"] = time_us(decode(qtype, n, k), x, ws)
             if sweep:
                 best = None
                 g = qpack.geometry(int(qtype), n, k)

@@ -4,10 +4,9 @@ cuobjdump (they come with the triton wheel). Costs no device time; the counts ex
 H200 timings of bench/probes/qgemv.py (16-byte loads or not, scales loaded per value or per
 slot, integer and f32 work per value, register spills).
 
-    python3 bench/probes/qkernel_sass.py [Q4_0 Q4_K ...] [--k 4096] [--kind fused|batched|int8] [--show]
+    python3 bench/probes/qkernel_sass.py [Q4_0 Q4_K ...] [--k 4096] [--batched] [--show]
 
---kind: the fused kernel (one row of x, the default), the batched one (16 rows of x a
-program), or the int8-x one (decode rows of the types in qmatmul.INT8_X, dp4a).
+--batched: the batched kernel (16 rows of x a program) instead of the fused one (one row).
 """
 
 from __future__ import annotations
@@ -29,7 +28,7 @@ from apir.backends.local import qkernels, qmatmul, qpack
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 
 
-KINDS = ("fused", "batched", "dequant", "int8")
+KINDS = ("fused", "batched", "dequant")
 
 
 def _signature(qtype: int, kind: str) -> dict[str, str]:
@@ -39,10 +38,6 @@ def _signature(qtype: int, kind: str) -> dict[str, str]:
     ps = [f"*{scales}"] * 3 if scales else {10: ["*u8", "*fp16", "*fp16"], 11: ["*u8", "*fp16", "*u8"],
                                              12: ["*u8"] * 3, 13: ["*u8"] * 3, 14: ["*i8", "*fp16", "*i8"]}[qtype]
     planes = {"low_ptr": "*i32", "high_ptr": high, "p0": ps[0], "p1": ps[1], "p2": ps[2]}
-    if kind == "int8":
-        return {"xq_ptr": "*i32", "dx_ptr": "*fp32", "xs_ptr": "*fp32", "low_ptr": "*i32", "p0": ps[0],
-                "p1": ps[1], "p2": ps[2], "y_ptr": "*fp32", "N": "i32", "K": "i32", "LDY": "i32",
-                **{c: "constexpr" for c in ("QT", "LB", "ASM", "BN", "NC")}}
     if kind == "dequant":
         sig = planes | {"out_ptr": "*fp16", "R0": "i32", "R1": "i32", "K": "i32"}
     else:
@@ -59,13 +54,6 @@ def compile_kernel(qtype: int, n: int, k: int, kind: str = "fused"):
     and LDY multiples of 16). Returns (compiled kernel, BN, NC, num_warps)."""
     lb, hb, off, mins = qkernels.TYPES[qtype]
     consts = dict(QT=qtype, LB=lb, HB=hb, OFF=off, MIN=mins, CW=qpack.chunk_words(qtype, k), ASM=True)
-    if kind == "int8":
-        bn, nc, warps = qmatmul.tiles(qtype, n, k, fused=True)
-        consts = dict(QT=qtype, LB=lb, ASM=True, BN=bn, NC=nc)
-        attrs = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 4, 5, 6, 7, 9, 10)}
-        src = ASTSource(fn=qkernels._qgemv_i8_kernel, signature=_signature(qtype, kind), constexprs=consts,
-                        attrs=attrs)
-        return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps}), bn, nc, warps
     if kind == "batched":
         bm, bn, nc, warps = qmatmul.batch_tiles(qtype, n, k)
         consts |= dict(BM=bm)
@@ -84,12 +72,12 @@ def compile_kernel(qtype: int, n: int, k: int, kind: str = "fused"):
     return kernel, bn, nc, warps
 
 
-def loop_sass(qtype: int, n: int, k: int, kind: str = "fused") -> tuple[list[str], int]:
+def loop_sass(qtype: int, n: int, k: int, batched: bool = False) -> tuple[list[str], int]:
     """The SASS lines of the kernel's main loop for a (n, k) weight, and the values a
     thread takes per iteration."""
     lb = qkernels.TYPES[qtype][0]
     cw = qpack.chunk_words(qtype, k)
-    kernel, bn, nc, warps = compile_kernel(qtype, n, k, kind)
+    kernel, bn, nc, warps = compile_kernel(qtype, n, k, "batched" if batched else "fused")
     with tempfile.TemporaryDirectory() as tmp:
         cubin = Path(tmp) / "k.cubin"
         cubin.write_bytes(kernel.asm["cubin"])
@@ -111,13 +99,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("types", nargs="*", default=[t.name for t in qkernels_types()])
     ap.add_argument("--k", type=int, default=4096)
-    ap.add_argument("--kind", choices=("fused", "batched", "int8"), default="fused",
-                    help="the fused kernel (one row), the batched one (16 rows of x), or the int8-x one")
+    ap.add_argument("--batched", action="store_true", help="the batched kernel (16 rows of x)")
     ap.add_argument("--show", action="store_true", help="print the loop")
     args = ap.parse_args()
     for name in args.types:
         qtype = int(Q[name])
-        loop, values = loop_sass(qtype, 4096, args.k, args.kind)
+        loop, values = loop_sass(qtype, 4096, args.k, args.batched)
         ops = collections.Counter(re.match(r"\s*/\*[0-9a-f]+\*/\s*(?:@!?U?P\w+\s+)?([A-Z0-9_]+)", line).group(1)
                                   for line in loop)
         loads = collections.Counter(m.group(0) for line in loop

@@ -8,9 +8,7 @@ Triton) in ``qpack``'s packed form, elsewhere as GGUF blocks, exactly as in the 
 Two paths, chosen by the rows of x and the device:
 
 - M <= FUSED_ROWS on CUDA: one Triton kernel reads every weight byte once and dequantizes
-  in registers (``qkernels._qgemv_kernel``). No memory beyond the (M, N) result. For Q4_0,
-  Q4_1, Q4_K and Q8_0 x is quantized to int8 first and the kernel multiplies integers, 4
-  an instruction (``qkernels._qgemv_i8_kernel``, ``INT8_X``).
+  in registers (``qkernels._qgemv_kernel``). No memory beyond the (M, N) result.
 - M <= BATCH_ROWS on CUDA (a batched decode step): a Triton kernel dequantizes each weight
   tile once, to f16, and multiplies it with every row on the tensor cores
   (``qkernels._qmm_kernel``). No memory beyond the result either.
@@ -86,30 +84,6 @@ def batch_tiles(qtype: int, n: int, k: int) -> tuple[int, int, int, int] | None:
     return (16, 64, nc, 4) if nc * g.cw >= 16 else None
 
 
-# Decode products of these types (at 32-word chunks: K a multiple of 256, or of 128 for
-# Q8_0) quantize x to int8 in blocks of 32, as llama.cpp's q8_1, and multiply 4 values an
-# instruction (dp4a): Q4_0, Q4_1, Q8_0, Q4_K
-INT8_X = frozenset({2, 3, 8, 12})
-
-
-def int8_x(qtype: int, k: int) -> bool:
-    """Whether a decode product with a (N, k) weight of ``qtype`` takes int8 x."""
-    return qtype in INT8_X and qpack.chunk_words(qtype, k) == 32
-
-
-def quantize_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x (M, K) f32 -> (xq (M, K/4) int32: int8 values round(x * 127 / amax) of each block
-    of 32, 4 a word in element order; dx (M, K/32) f32: amax / 127; xs (M, K/32) f32: each
-    block's sum of x as quantized, dx * sum q)."""
-    m, k = x.shape
-    blocks = x.reshape(m, k // 32, 32)
-    amax = blocks.abs().amax(dim=-1)
-    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
-    q = torch.round(blocks * inv[..., None])
-    dx = amax / 127.0
-    return q.to(torch.int8).reshape(m, k).view(torch.int32), dx, dx * q.sum(dim=-1)
-
-
 def k_splits(qtype: int, m: int, n: int, k: int, sms: int) -> int:
     """How many parts the batched kernel splits K into for x of ``m`` rows: enough programs
     for 4 a multiprocessor (``sms`` of them), each part at least 2 row steps. Without a split
@@ -170,16 +144,6 @@ if qkernels is not None:
             BN=bn, NC=nc, num_warps=warps)
         return y
 
-    def _launch_gemv_int8(xq: torch.Tensor, dx: torch.Tensor, xs: torch.Tensor, w: torch.Tensor,
-                          qtype: int, n: int, k: int, y: torch.Tensor) -> torch.Tensor:
-        # quantize_x of x (M, K) -> y (M, N) f32 (rows unit-strided)
-        bn, nc, warps = tiles(qtype, n, k, fused=True)
-        planes = _planes(w, qtype, n, k)
-        qkernels._qgemv_i8_kernel[(xq.shape[0], triton.cdiv(n, bn))](
-            xq, dx, xs, planes[0], *planes[2:], y, n, k, y.stride(0), QT=qtype,
-            LB=qkernels.TYPES[qtype][0], ASM=qkernels.ASM, BN=bn, NC=nc, num_warps=warps)
-        return y
-
     def _launch_mm(x: torch.Tensor, w: torch.Tensor, qtype: int, n: int, k: int,
                    y: torch.Tensor) -> torch.Tensor:
         # x (M, K) f32 contiguous -> y (M, N) f32 (rows unit-strided); split along K, the
@@ -231,14 +195,7 @@ if qkernels is not None:
     @torch.library.custom_op("apir::qgemv", mutates_args=())
     def _qgemv(x: torch.Tensor, ws: list[torch.Tensor], qtypes: list[int], ns: list[int],
                k: int) -> torch.Tensor:
-        quantized = quantize_x(x) if any(int8_x(q, k) for q in qtypes) else None  # once for all parts
-
-        def launch(x, w, qtype, n, k, y):
-            if int8_x(qtype, k):
-                return _launch_gemv_int8(*quantized, w, qtype, n, k, y)
-            return _launch_gemv(x, w, qtype, n, k, y)
-
-        return _stacked_launches(launch, x, ws, qtypes, ns, k)
+        return _stacked_launches(_launch_gemv, x, ws, qtypes, ns, k)
 
     @_qgemv.register_fake
     def _(x: torch.Tensor, ws: list[torch.Tensor], qtypes: list[int], ns: list[int],
