@@ -120,6 +120,7 @@ def run(source: Source, backends: Sequence[str], options: BackendOptions, concur
             solo_prompt = prompts(1)[0]
             measure(model, BenchTest("tg", n_gen), solo_prompt)  # warm-up
             solo = n_gen / measure(model, BenchTest("tg", n_gen), solo_prompt)
+            log(f"{b} solo (single-sequence path, tg{n_gen}): {solo:,.1f} t/s")
             run_round(scheduler, prompts(1), n_gen, b)  # warm-up
             for c in concurrency:
                 r = run_round(scheduler, prompts(c), n_gen, b)
