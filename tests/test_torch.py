@@ -291,3 +291,21 @@ def test_transformers_padded_batch_splits_graphs_and_keeps_eager_tokens(smollm2)
             del smollm2.forward
     assert got.tolist() == want.tolist()
     assert apir.torch.session_for({"backend": be}).uploaded > 0  # apir ran the rest
+
+
+def test_fixed_shape_graphs_are_recorded_from_their_second_run_only() -> None:
+    """This frontend's graphs have no token axis: each shape is its own graph. On a GPU one
+    is recorded and compiled from its second run (see test_gpu.py), never at its first: a
+    generate() registers one per cache length and runs each once."""
+    from apir.backends.local.executor import capturable
+
+    backend = create_backend("local", device="cpu")
+    compiled = torch.compile(torch.nn.Linear(4, 3).eval(), backend="apir", options={"backend": backend})
+    with torch.no_grad():
+        for _ in range(2):
+            compiled(torch.randn(2, 4))
+    reg = max(backend._graphs.values(), key=lambda r: r.program.runs)
+    assert reg.program.fixed and reg.program.runs == 2
+    assert not capturable(0)  # no token axis: the run count decides
+    assert [n for n in range(1, 40) if capturable(n)] == [1, 2, 3, 4, 5, 6, 7, 8, 16, 32]
+    backend.close()

@@ -80,8 +80,9 @@ ASYNC_MAX_BYTES = 1 << 20  # outputs up to this size are copied back behind the 
 
 
 def capturable(n_tokens: int) -> bool:
-    return 0 < n_tokens <= CAPTURE_MAX_DECODE or (
-        n_tokens <= CAPTURE_MAX_TOKENS and n_tokens & (n_tokens - 1) == 0)
+    """Whether a step of ``n_tokens`` (> 0: a graph with the token axis) is recorded."""
+    return 0 < n_tokens and (n_tokens <= CAPTURE_MAX_DECODE or (
+        n_tokens <= CAPTURE_MAX_TOKENS and n_tokens & (n_tokens - 1) == 0))
 
 
 class LocalBackend(Executor):
@@ -333,9 +334,10 @@ class LocalBackend(Executor):
         greedy = bool(prog.sample_params) and all(SampleArgs.unpack(inputs[n]).greedy
                                                   for n in prog.sample_params)
         prog.runs += 1
-        # a fixed-shape graph is recorded from its second run on: one that runs once (a
-        # transformers generate() registers one per cache length) costs no capture
-        if prog.device_safe and self.cuda_graphs and (prog.fixed and prog.runs > 1 or capturable(n_tokens)):
+        # a fixed-shape graph is recorded (and compiled) from its second run on: one that
+        # runs once (a transformers generate() registers one per cache length) costs no
+        # capture and no compile
+        if prog.device_safe and self.cuda_graphs and (prog.runs > 1 if prog.fixed else capturable(n_tokens)):
             outs = self._replay(reg, inputs, n_tokens, greedy)
         else:
             dev = self.torch_device
