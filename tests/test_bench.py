@@ -308,6 +308,16 @@ def test_profile_times_decode_and_prefill_steps(capsys) -> None:
     assert all(w > 0 for w in walls)
 
 
+def test_profile_times_batched_decode_steps(capsys) -> None:
+    code, out, _ = bench(capsys, "profile", "--synthetic", "llama-tiny", "-n", "3", "-p", "0",
+                         "--streams", "3", "--device", "cpu")
+    assert code == 0
+    lines = [line for line in out.splitlines() if line.startswith("## ")]
+    assert [line.split(":")[0] for line in lines] == ["## llama-tiny decode",
+                                                      "## llama-tiny decode of 3 streams at once"]
+    assert float(lines[1].split(": ")[1].split(" µs")[0].replace(",", "")) > 0
+
+
 def test_git_commit_says_when_the_tree_differs_from_it(tmp_path):
     import shutil
 

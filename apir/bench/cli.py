@@ -54,7 +54,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.bench_action == "profile":
         from .profile import run as run_profile
 
-        print(run_profile(args.synthetic, args.device, args.n_gen, args.n_prompt, ExecutorConfig.from_env()))
+        print(run_profile(args.synthetic, args.device, args.n_gen, args.n_prompt, ExecutorConfig.from_env(),
+                          args.streams))
         return 0
     if args.bench_action == "serve":
         from .runner import Source
@@ -183,6 +184,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                     help="the synthetic model to profile (default llama-135m)")
     pr.add_argument("-n", "--n-gen", type=int, default=32, help="decode steps profiled")
     pr.add_argument("-p", "--n-prompt", type=int, default=512, help="prefill tokens profiled (0 = none)")
+    pr.add_argument("--streams", type=int, default=0, metavar="N",
+                    help="also decode steps of N streams at once, as apir serve --parallel runs them")
     pr.add_argument("--device", choices=("cpu", "cuda", "mps"), default=env.DEVICE.get())
     sv = actions.add_parser("serve", help="aggregate and per-stream t/s and time to first token of "
                                           "many streams at once (continuous batching)")

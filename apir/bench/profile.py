@@ -1,6 +1,7 @@
 """``apir bench profile``: where a native step's time goes, from the PyTorch profiler.
 
-Runs a few warm decode steps (and optionally one prefill chunk) on the local executor and
+Runs a few warm decode steps (and optionally one prefill chunk, and decode steps of several
+streams at once as the continuous-batching scheduler runs them) on the local executor and
 prints, per step: wall time, GPU busy time (the sum of kernel durations), the number of
 kernels, and the kernels that took the most time. Launch-bound steps show up as many
 short kernels and a GPU busy time well under the wall time.
@@ -78,8 +79,27 @@ def render(p: Profile) -> str:
     return "\n".join(lines) + "\n"
 
 
-def run(spec: str, device: str | None, n_gen: int, n_prompt: int, executor: ExecutorConfig) -> str:
-    """Profile decode (and a prefill of ``n_prompt`` tokens) of a synthetic model natively."""
+def batched_decode(model: Model, streams: int, n_gen: int):
+    """``n_gen`` decode steps of ``streams`` sequences in one batch (engine.batch, the
+    scheduler's steps), each after a 4-token prompt; every call runs the same positions."""
+    from ..engine.batch import Batch, Chunk
+    from ..graph.sampling import GREEDY
+
+    batch = Batch(model, streams)
+    batch.warm_up()
+    first = batch.step([Chunk(s, [1, 2, 3, 4], 0, GREEDY) for s in range(streams)])
+
+    def run() -> None:
+        tokens = first
+        for i in range(n_gen):
+            tokens = batch.step([Chunk(s, [tokens[s]], 4 + i, GREEDY) for s in range(streams)])
+    return run
+
+
+def run(spec: str, device: str | None, n_gen: int, n_prompt: int, executor: ExecutorConfig,
+        streams: int = 0) -> str:
+    """Profile decode (and a prefill of ``n_prompt`` tokens, and decode of ``streams``
+    sequences at once) of a synthetic model natively."""
     from ..backends.local import LocalBackend
     from .synthetic import SyntheticFile
 
@@ -93,4 +113,7 @@ def run(spec: str, device: str | None, n_gen: int, n_prompt: int, executor: Exec
             ids = list(range(n_prompt))
             out.append(render(profile(model, f"{spec} prefill of {n_prompt}", 1,
                                       lambda: model.prefill(ids))))
+        if streams:
+            out.append(render(profile(model, f"{spec} decode of {streams} streams at once", n_gen,
+                                      batched_decode(model, streams, n_gen))))
     return "\n".join(out)
