@@ -95,6 +95,40 @@ def test_concurrent_greedy_requests_match_each_alone(tiny, backend_options, back
             scheduler.close()
 
 
+def test_a_recording_host_gets_every_step_length_before_the_first_request(tiny):
+    """Where steps are recorded per length (a GPU: "graph_cache", here forced on a CPU
+    model), the scheduler runs a step of each padded length up to PREFILL_CHUNK, greedy
+    and sampled, before any request, all through one sampling graph of every slot; the
+    requests then give what each gives alone (the warm-up's rows are never read)."""
+    from apir.engine.model import PREFILL_CHUNK
+
+    with apir.load(tiny, backend="local", device="cpu") as model:
+        jobs = [(model.tokenize("hello " * (1 + 5 * i)), SamplingParams(temperature=0, max_tokens=6 + i))
+                for i in range(3)]
+        expected = ["".join(model.stream(ids, params)) for ids, params in jobs]
+        model._pad = True  # as on a host with the "graph_cache" capability
+        steps: list[tuple[int, int, int]] = []  # (graph, tokens, sampled rows)
+        compute = model.backend.compute
+
+        def recording(gid, inputs, feed=None):
+            if "last" in inputs:
+                steps.append((gid, len(inputs["tokens"]), len(inputs["last"])))
+            return compute(gid, inputs, feed)
+
+        model.backend.compute = recording
+        scheduler = Scheduler(model, slots=4, max_queue=8)
+        try:
+            lengths = [1 << i for i in range(PREFILL_CHUNK.bit_length()) if 1 << i <= PREFILL_CHUNK]
+            assert [t for _, t, _ in steps] == [n for n in lengths for _ in range(2)]
+            assert len({g for g, _, _ in steps}) == 1 and {b for _, _, b in steps} == {4}
+            warm = len(steps)
+            assert run_all(scheduler, jobs) == expected
+            assert {g for g, _, _ in steps[warm:]} == {steps[0][0]}  # no other graph
+            assert all(t in lengths for _, t, _ in steps[warm:])  # only recorded lengths
+        finally:
+            scheduler.close()
+
+
 def test_seeded_sampling_matches_the_single_path(tiny):
     """Each request draws from its own seeded generator, as Model.generate_tokens does:
     sampled requests in one batch give what each gives alone (a 600-token prompt: two

@@ -8,8 +8,13 @@ The graph, over the symbolic token count T, the fixed slot count S and sampled r
   params (B, PARAMS_SIZE) F32       per sampled sequence, its packed SampleArgs
   -> (B,) I32                       one token per entry of ``last``; unused entries point
                                     at row 0 with greedy params, and their token is dropped
-One graph per B in 1, 2, 4... up to S (the sequences a step samples, rounded up), so the
-projection to the vocabulary runs only for rows that are used.
+On a host that records a graph per step length ("graph_cache": a GPU) B is S, one graph:
+each new (B, T) pair would cost a recording in the middle of a request (a 16-stream round
+met dozens: 0.8x one stream's rate on an H200, 2026-12-01), while projecting S rows to the
+vocabulary instead of the used ones costs little where the weight's bytes, not the rows,
+bound the product; ``warm_up`` records every padded T before the first request. Elsewhere
+(a CPU) one graph per B in 1, 2, 4... up to S (the sequences a step samples, rounded up),
+so the projection runs only for rows that are used.
 Only token ids come back; each sequence keeps its own sampling knobs and seed.
 """
 
@@ -57,8 +62,9 @@ class Batch:
 
     def _graph(self, n_sampled: int) -> tuple[int, int]:
         """(B, graph) for a step sampling ``n_sampled`` sequences: B the next power of two
-        (at most ``slots``), so a lone stream projects one row to the vocabulary, not S."""
-        b = min(self.slots, 1 << max(n_sampled - 1, 0).bit_length())
+        (at most ``slots``), so a lone stream projects one row to the vocabulary, not S;
+        ``slots`` where steps are recorded per length (see the module docstring)."""
+        b = self.slots if self.model._pad else min(self.slots, 1 << max(n_sampled - 1, 0).bit_length())
         if b not in self._graphs:
             model, g = self.model, GraphBuilder()
             tokens, pos, seq, rows = (g.input(n, (T,), DType.I32) for n in ("tokens", "pos", "seq", "rows"))
@@ -70,21 +76,26 @@ class Batch:
         return b, self._graphs[b]
 
     def warm_up(self) -> None:
-        """Run the decode steps of 1, 2, 4... sequences up to every slot, greedy and sampled,
-        so a host that records or compiles a graph per step length does it now (see
-        ``Model.warm_up``), and on one that compiles prefill chunks, each padded chunk
-        length. The rows written are overwritten before anything reads them (no slot's
-        cache is recorded as holding them)."""
+        """On a host that records (or compiles) a graph per step length, run a step of
+        every length a scheduler's step can have, 1, 2, 4... up to PREFILL_CHUNK tokens,
+        greedy and sampled, so it does that now rather than inside a request (see
+        ``Model.warm_up``). The rows written are overwritten before anything reads them (no
+        slot's cache is recorded as holding them)."""
+        if not self.model._pad:
+            return  # nothing is recorded per length: every step runs as it comes
         sampled = SampleArgs(1.0, 40, 0.95, 0.05, 0.5)
-        compiled = self.model._compiled_prefill
         n = 1
-        while n <= self.slots or (compiled and n <= min(PREFILL_CHUNK, self.n_ctx)):
+        while n <= min(PREFILL_CHUNK, self.slots * self.n_ctx):
             for draw in (GREEDY, sampled):
-                if n <= self.slots:
-                    self.step([Chunk(s, [0], 0, draw) for s in range(n)])
-                else:  # one sequence's prompt chunk of n tokens
-                    self.step([Chunk(0, [0] * n, 0, draw)])
+                self.step(self._spread(n, draw))
             n *= 2
+
+    def _spread(self, n: int, draw: SampleArgs) -> list[Chunk]:
+        """Chunks of ``n`` tokens in all, at most one a slot: a token each in ``n`` slots
+        (a decode step's shape), or else as few slots as the cache length allows."""
+        used = n if n <= self.slots else -(-n // self.n_ctx)
+        sizes = [n // used + (i < n % used) for i in range(used)]
+        return [Chunk(s, [0] * size, 0, draw) for s, size in enumerate(sizes)]
 
     def step(self, chunks: Sequence[Chunk]) -> list[int]:
         """Run ``chunks`` (at most one per slot, at most ``slots`` of them) as one step; the

@@ -77,6 +77,7 @@ class Scheduler:
             raise ValueError(f"max_queue must be >= 0, got {max_queue}")
         self.model, self.max_queue = model, max_queue
         self.batch = Batch(model, slots)
+        self.batch.warm_up()  # on a GPU host: every step length recorded before any request
         self.computed_tokens = 0  # tokens the backend has run (prefix reuse shows here)
         self._waiting: collections.deque[Request | tuple[Callable, Future]] = collections.deque()
         self._running: dict[int, Request] = {}
