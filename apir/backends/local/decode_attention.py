@@ -20,9 +20,9 @@ Triton comes with CUDA builds of PyTorch; without it ``usable`` is False.
 
 from __future__ import annotations
 
-import functools
-
 import torch
+
+from .qmatmul import multiprocessors
 
 try:
     import triton
@@ -104,10 +104,6 @@ if triton is not None:
         tl.store(l_ptr + row, l_i, mask=g < G)
         tl.store(o_ptr + row[:, None] * DV + dv[None, :], acc, mask=(g < G)[:, None] & (dv < DV)[None, :])
 
-    @functools.cache
-    def _multiprocessors(device: torch.device) -> int:
-        return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
-
     # Opaque to torch.compile, as the quantized products are (see qmatmul): the launch is
     # recorded into a step's CUDA graph like any other kernel.
     @torch.library.custom_op("apir::attend_visible", mutates_args=())
@@ -116,7 +112,7 @@ if triton is not None:
         n_tok, n_head, dim = q.shape
         n_slots, n_keys, heads_kv, dim_v = v.shape
         group = n_head // heads_kv
-        n_split, keys = splits(n_tok, heads_kv, n_keys, _multiprocessors(q.device))
+        n_split, keys = splits(n_tok, heads_kv, n_keys, multiprocessors(q.device))
         gp, dp, dvp = (triton.next_power_of_2(x) for x in (group, dim, dim_v))
         block = max(16, min(64, 8192 // (gp * max(dp, dvp))))
         m = torch.empty((n_tok, n_head, n_split), device=q.device, dtype=torch.float32)

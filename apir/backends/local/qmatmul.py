@@ -96,6 +96,13 @@ def k_splits(qtype: int, m: int, n: int, k: int, sms: int) -> int:
     return max(1, min(steps // 2, -(-4 * sms // programs)))
 
 
+@functools.cache
+def multiprocessors(device: torch.device) -> int:
+    """The GPU's multiprocessors, which kernels size their grids by; 132 (an H200's) off
+    CUDA, under Triton's interpreter, so tests split work as the H200 does."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+
+
 def batched(m: int, parts: Sequence[tuple[int, int]], k: int) -> bool:
     """Whether x of ``m`` rows times weights [(qtype, N)] takes the batched kernel."""
     return FUSED_ROWS < m <= BATCH_ROWS and all(batch_tiles(q, n, k) for q, n in parts)
@@ -150,7 +157,7 @@ if qkernels is not None:
         # parts go to a (splits, M, N) scratch, then are summed into y
         m = x.shape[0]
         bm, bn, nc, warps = batch_tiles(qtype, n, k)
-        splits = k_splits(qtype, m, n, k, _multiprocessors(x.device))
+        splits = k_splits(qtype, m, n, k, multiprocessors(x.device))
         chunks = qpack.geometry(qtype, n, k).chunks
         per = -(-(chunks // nc) // splits) * nc  # chunks a part, whole row steps
         splits = -(-chunks // per)
@@ -162,10 +169,7 @@ if qkernels is not None:
             torch.sum(out, dim=0, out=y)
         return y
 
-    @functools.cache
-    def _multiprocessors(device: torch.device) -> int:
-        # 132 under Triton's interpreter (no GPU): an H200's, so tests split as it does
-        return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+
 
     def _launch_dequant(w: torch.Tensor, qtype: int, n: int, k: int, dtype: torch.dtype,
                         r0: int = 0, r1: int | None = None) -> torch.Tensor:
