@@ -288,3 +288,19 @@ def test_synchronize_asks_the_host_only_after_a_request_without_a_reply(host, tr
         assert len(sent) == 3
         assert remote.ping() > 0 and len(sent) == 4  # a round trip all the same
         assert remote.compute(gid, {"tokens": np.array([2], np.int32), **_pos(1)})[0].shape == (1,)
+
+
+@pytest.mark.parametrize("transport", ["unix", "tcp"])
+def test_a_step_too_big_for_the_arena_and_a_message_says_what_to_do(host, transport):
+    """Inputs of 80 MiB on a 4 MiB arena (or none, over TCP) cannot travel: a clear error
+    before anything is sent, and the session goes on."""
+    with _remote(host, transport, arena_size=4 << 20) as remote:
+        g = GraphBuilder()
+        x = g.input("x", (T, 1024))
+        gid = remote.register_graph(g.build(g.scale(x, 2.0)))
+        big = np.ones((20 * 1024, 1024), np.float32)  # 80 MiB in and out
+        with pytest.raises(BackendError, match=r"this step's inputs are 80 MiB: more than a message carries "
+                                               r"\(64 MiB\).*larger arena_size.*smaller batches"):
+            remote.compute(gid, {"x": big})
+        small = np.ones((2, 1024), np.float32)
+        assert np.array_equal(remote.compute(gid, {"x": small})[0], 2 * small)

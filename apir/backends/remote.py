@@ -378,10 +378,25 @@ class RemoteBackend(Backend):
             raise BackendError(str(e)) from None
         out_size = layout.placement(True, n_tokens).size
         in_at, out_at = self._place([len(payload), out_size])
+        self._check_fits(len(payload), in_at, out_size, out_at)
         rid = next(self._rids)
         frame = m.step_frame(rid, WANT_REPLY, gid, n_tokens, out_at, out_size if out_at >= 0 else 0,
                              *self._blob_fields(payload, in_at), pairs)
         return self._request(frame, rid, "Compute", functools.partial(self._step_reply, layout, n_tokens))
+
+    def _check_fits(self, in_size: int, in_at: int, out_size: int, out_at: int) -> None:
+        """A step's inputs or outputs left out of the arena travel in one message, which
+        carries at most MAX_BODY bytes: say so, and what to do, before sending."""
+        for size, at, what in ((in_size, in_at, "inputs"), (out_size, out_at, "outputs")):
+            if at < 0 and size > m.MAX_BODY - m.INLINE_MAX:
+                where = (f"with the rest of the step, more than this session's shared arena "
+                         f"({self.arena.size >> 20} MiB)" if self.arena else "and this connection has "
+                         "no shared arena (TCP)")
+                raise BackendError(
+                    f"this step's {what} are {size / 2**20:,.0f} MiB: more than a message carries "
+                    f"({m.MAX_BODY >> 20} MiB), {where}. Connect over a Unix socket with a larger "
+                    "arena_size (the host allows up to its --max-arena, 1 GiB by default), or compute "
+                    "in smaller batches")
 
     def _step_reply(self, layout: StepLayout, n_tokens: int, header: FrameHeader, body: bytearray,
                     rid: int) -> list[np.ndarray]:
