@@ -28,14 +28,10 @@ def test_splits_fill_the_gpu_only_where_the_queries_do_not():
 
 
 def dense(q, k, v, pos, seq, scale, window, softcap):
-    # the masked form over every slot's every row (what a GPU ran before)
-    n_slots, n_kv = k.shape[:2]
-    group = q.shape[1] // k.shape[2]
-    slot = torch.arange(n_slots).repeat_interleave(n_kv)[None, :]
-    mask = (kernels.attention_mask(pos, n_kv, window, group).repeat(1, n_slots)
-            & (slot == seq.long().repeat_interleave(group)[:, None]))
-    flat = (n_slots * n_kv, *k.shape[2:])
-    return kernels.attend(q, k.reshape(flat), v.reshape(*flat[:2], v.shape[-1]), mask, scale, softcap)
+    # the masked form over every slot's every row (kernels.attention_seq off CUDA: what a
+    # GPU ran before)
+    assert not q.is_cuda
+    return kernels.attention_seq(q, k, v, pos, seq, scale, window, softcap)
 
 
 CASES = [
