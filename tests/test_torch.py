@@ -309,3 +309,15 @@ def test_fixed_shape_graphs_are_recorded_from_their_second_run_only() -> None:
     assert not capturable(0)  # no token axis: the run count decides
     assert [n for n in range(1, 40) if capturable(n)] == [1, 2, 3, 4, 5, 6, 7, 8, 16, 32]
     backend.close()
+
+
+def test_a_remote_session_takes_the_arena_size_it_is_given(host) -> None:
+    """``arena_size`` reaches the remote backend: a batch whose step moves more than the
+    default arena can be given room (the host caps it at its --max-arena)."""
+    options = {"backend": "remote", "remote": host.unix, "arena_size": 8 << 20}
+    session = apir.torch.session_for(options)
+    try:
+        # the region holding it is 8 MiB, its rings and header included (the default: 256 MiB)
+        assert 4 << 20 <= session.backend.arena.size <= 8 << 20
+    finally:
+        apir.torch._sessions.pop(tuple(sorted(options.items()))).backend.close()

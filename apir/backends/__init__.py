@@ -18,11 +18,12 @@ BACKENDS = ("local", "numpy", "remote")
 
 def create_backend(name: str = "local", device: str | None = None, remote: str | None = None,
                    token: str = "", config: ExecutorConfig = DEFAULT_EXECUTOR,
-                   spin_us: int | None = None) -> Backend:
+                   spin_us: int | None = None, arena_size: int | None = None) -> Backend:
     """A backend by name: ``local`` (PyTorch on ``device``, run as ``config`` says), ``numpy``
     (reference), or ``remote`` (forwarded to the host daemon at ``remote``, e.g.
-    ``unix:///run/apir.sock``, with ``token`` for tcp/vsock and ``spin_us`` of busy-polling:
-    see ``RemoteBackend``). Reads no environment: the caller resolved all of it."""
+    ``unix:///run/apir.sock``, with ``token`` for tcp/vsock, ``spin_us`` of busy-polling and
+    a shared arena of ``arena_size`` bytes on a Unix socket, the host's cap permitting: see
+    ``RemoteBackend``). Reads no environment: the caller resolved all of it."""
     if name == "numpy":
         if device not in (None, "cpu"):
             raise BackendError(f"the numpy backend runs on the cpu only, not {device!r}")
@@ -40,7 +41,8 @@ def create_backend(name: str = "local", device: str | None = None, remote: str |
     if name == "remote":
         from .remote import RemoteBackend
 
-        return RemoteBackend(remote, device=device, token=token, spin_us=spin_us)
+        sized = {} if arena_size is None else {"arena_size": arena_size}
+        return RemoteBackend(remote, device=device, token=token, spin_us=spin_us, **sized)
     raise BackendError(f"unknown backend {name!r}: choose one of {', '.join(BACKENDS)}")
 
 

@@ -395,8 +395,8 @@ class RemoteBackend(Backend):
                 raise BackendError(
                     f"this step's {what} are {size / 2**20:,.0f} MiB: more than a message carries "
                     f"({m.MAX_BODY >> 20} MiB), {where}. Connect over a Unix socket with a larger "
-                    "arena_size (the host allows up to its --max-arena, 1 GiB by default), or compute "
-                    "in smaller batches")
+                    "arena_size (RemoteBackend, create_backend, or apir.torch's options; the host "
+                    "allows up to its --max-arena, 1 GiB by default), or compute in smaller batches")
 
     def _step_reply(self, layout: StepLayout, n_tokens: int, header: FrameHeader, body: bytearray,
                     rid: int) -> list[np.ndarray]:

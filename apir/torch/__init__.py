@@ -14,8 +14,9 @@ warning naming the op once.
         y = model(x)
 
 ``options``: ``backend`` (an apir ``Backend``, or ``local`` / ``numpy`` / ``remote``, the
-default ``local``), and for a name ``device``, ``remote`` and ``token`` as
-``apir.backends.create_backend`` takes them. Backends made from names are shared by every
+default ``local``), and for a name ``device``, ``remote``, ``token`` and ``arena_size`` (bytes
+of shared memory for a step's inputs and outputs; a batch whose step moves more than the
+default 256 MiB needs more) as ``apir.backends.create_backend`` takes them. Backends made from names are shared by every
 graph compiled with the same options, so weights are uploaded once per process.
 
 This module is the guest's torch frontend: it imports torch (CPU torch is enough), unlike
@@ -37,7 +38,7 @@ from .runtime import Session, compile_graph
 
 __all__ = ["backend", "session_for"]
 
-OPTIONS = ("backend", "device", "remote", "token")
+OPTIONS = ("backend", "device", "remote", "token", "arena_size")
 _sessions: dict[object, Session] = {}
 
 DECOMPOSITIONS = {op: fn for op, fn in core_aten_decompositions().items() if op not in KEEP}
@@ -53,8 +54,10 @@ def session_for(options: Mapping[str, object] | None = None) -> Session:
     key = id(be) if isinstance(be, Backend) else tuple(sorted(options.items()))
     if key not in _sessions:
         if not isinstance(be, Backend):
+            arena = options.get("arena_size")
             be = create_backend(str(be), device=options.get("device"), remote=options.get("remote"),
-                                token=str(options.get("token") or ""))
+                                token=str(options.get("token") or ""),
+                                arena_size=None if arena is None else int(arena))
         _sessions[key] = Session(be)
     return _sessions[key]
 
