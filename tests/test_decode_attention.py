@@ -122,13 +122,11 @@ def test_kernel_compiles_for_sm90(group, dim, cache):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    gp = triton.next_power_of_2(group)
-    block = max(16, min(64, 8192 // (gp * dim)))
+    gp, _, _, block, warps = da.tiles(group, dim, dim)
     sig = {"q_ptr": "*fp32", "k_ptr": f"*{cache}", "v_ptr": f"*{cache}", "pos_ptr": "*i32", "seq_ptr": "*i32",
            "m_ptr": "*fp32", "l_ptr": "*fp32", "o_ptr": "*fp32", "KEYS": "i32", "HQ": "i32", "K_SLOT": "i32",
            "K_ROW": "i32", "V_SLOT": "i32", "V_ROW": "i32", "scale": "fp32", "softcap": "fp32", "window": "i32"}
     consts = dict(G=group, GP=gp, D=dim, DP=dim, DV=dim, DVP=dim, BLOCK=block, SOFTCAP=True, WINDOW=True)
     src = ASTSource(fn=da._attend_kernel, signature=sig | {c: "constexpr" for c in consts}, constexprs=consts)
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                            options={"num_warps": 4 if gp * block * dim <= 8192 else 8})
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
     assert kernel.asm["cubin"][:4] == b"\x7fELF"

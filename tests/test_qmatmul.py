@@ -197,11 +197,12 @@ def test_batched_kernel_matches_gguf(qtype):
 
 def test_batched_kernel_splits_k_until_the_gpu_is_full():
     # an 8B's down projection at 16 rows: 64 programs unsplit, 4 a multiprocessor wanted
-    assert qm.k_splits(int(Q.Q4_0), 16, 4096, 14336, sms=132) == 9
-    assert qm.k_splits(int(Q.Q4_0), 16, 14336, 4096, sms=132) == 3
-    assert qm.k_splits(int(Q.Q4_0), 64, 14336, 4096, sms=132) == 1  # 4 row tiles: enough programs
-    assert qm.k_splits(int(Q.Q4_0), 12, 20, 4096, sms=132) == 4  # at least 2 row steps a part
-    assert qm.k_splits(int(Q.Q4_0), 12, 20, 512, sms=132) == 1
+    # (9 parts), 56 chunks in parts of whole 2-chunk row steps: 7 parts of 8
+    assert qm.k_splits(int(Q.Q4_0), 16, 4096, 14336, sms=132) == (7, 8)
+    assert qm.k_splits(int(Q.Q4_0), 16, 14336, 4096, sms=132) == (3, 6)
+    assert qm.k_splits(int(Q.Q4_0), 64, 14336, 4096, sms=132) == (1, 16)  # 4 row tiles: enough programs
+    assert qm.k_splits(int(Q.Q4_0), 12, 20, 4096, sms=132) == (4, 4)  # at least 2 row steps a part
+    assert qm.k_splits(int(Q.Q4_0), 12, 20, 512, sms=132) == (1, 2)
 
 
 def test_batched_kernel_needs_a_k_slice_of_16():

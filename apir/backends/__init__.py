@@ -39,10 +39,10 @@ def create_backend(name: str = "local", device: str | None = None, remote: str |
             ) from None
         return LocalBackend(device, config=config)
     if name == "remote":
-        from .remote import RemoteBackend
+        from .remote import DEFAULT_ARENA, RemoteBackend
 
-        sized = {} if arena_size is None else {"arena_size": arena_size}
-        return RemoteBackend(remote, device=device, token=token, spin_us=spin_us, **sized)
+        return RemoteBackend(remote, device=device, token=token, spin_us=spin_us,
+                             arena_size=DEFAULT_ARENA if arena_size is None else arena_size)
     raise BackendError(f"unknown backend {name!r}: choose one of {', '.join(BACKENDS)}")
 
 

@@ -16,8 +16,9 @@ warning naming the op once.
 ``options``: ``backend`` (an apir ``Backend``, or ``local`` / ``numpy`` / ``remote``, the
 default ``local``), and for a name ``device``, ``remote``, ``token`` and ``arena_size`` (bytes
 of shared memory for a step's inputs and outputs; a batch whose step moves more than the
-default 256 MiB needs more) as ``apir.backends.create_backend`` takes them. Backends made from names are shared by every
-graph compiled with the same options, so weights are uploaded once per process.
+default 256 MiB needs more) as ``apir.backends.create_backend`` takes them. Backends made
+from names are shared by every graph compiled with the same options, so weights are
+uploaded once per process.
 
 This module is the guest's torch frontend: it imports torch (CPU torch is enough), unlike
 the rest of the guest side.

@@ -52,6 +52,15 @@ def splits(n_queries: int, heads_kv: int, n_keys: int, sms: int) -> tuple[int, i
     return -(-n_keys // keys), keys
 
 
+def tiles(group: int, dim: int, dim_v: int) -> tuple[int, int, int, int, int]:
+    """(GP, DP, DVP: the group and head widths as powers of two, BLOCK keys a loop step,
+    num_warps): a program's (GP, BLOCK, D) products within 8,192 values for 4 warps, more
+    warps where the least BLOCK of 16 exceeds them."""
+    gp, dp, dvp = (1 << (x - 1).bit_length() for x in (group, dim, dim_v))
+    block = max(16, min(64, 8192 // (gp * max(dp, dvp))))
+    return gp, dp, dvp, block, 4 if gp * block * max(dp, dvp) <= 8192 else 8
+
+
 if triton is not None:
 
     @triton.jit
@@ -113,8 +122,7 @@ if triton is not None:
         n_slots, n_keys, heads_kv, dim_v = v.shape
         group = n_head // heads_kv
         n_split, keys = splits(n_tok, heads_kv, n_keys, multiprocessors(q.device))
-        gp, dp, dvp = (triton.next_power_of_2(x) for x in (group, dim, dim_v))
-        block = max(16, min(64, 8192 // (gp * max(dp, dvp))))
+        gp, dp, dvp, block, warps = tiles(group, dim, dim_v)
         m = torch.empty((n_tok, n_head, n_split), device=q.device, dtype=torch.float32)
         l = torch.empty_like(m)
         o = torch.empty((n_tok, n_head, n_split, dim_v), device=q.device, dtype=torch.float32)
@@ -122,7 +130,7 @@ if triton is not None:
             q.contiguous(), k, v, pos, seq, m, l, o, keys, n_head, k.stride(0), k.stride(1),
             v.stride(0), v.stride(1), scale, softcap or 1.0, window,
             G=group, GP=gp, D=dim, DP=dp, DV=dim_v, DVP=dvp, BLOCK=block, SOFTCAP=bool(softcap),
-            WINDOW=bool(window), num_warps=4 if gp * block * max(dp, dvp) <= 8192 else 8)
+            WINDOW=bool(window), num_warps=warps)
         if n_split == 1:
             return o[:, :, 0] / l
         weight = torch.exp(m - m.amax(dim=-1, keepdim=True))  # splits without keys: exp(-inf) = 0

@@ -84,16 +84,18 @@ def batch_tiles(qtype: int, n: int, k: int) -> tuple[int, int, int, int] | None:
     return (16, 64, nc, 4) if nc * g.cw >= 16 else None
 
 
-def k_splits(qtype: int, m: int, n: int, k: int, sms: int) -> int:
-    """How many parts the batched kernel splits K into for x of ``m`` rows: enough programs
-    for 4 a multiprocessor (``sms`` of them), each part at least 2 row steps. Without a split
-    an 8B's 4096 x 14336 product at 16 rows is 64 programs of 4 warps on an H200's 132
-    multiprocessors: 0.24 TB/s (bench/probes/qgemv.py --rows 16). The parts are summed in a
-    fixed order: a shape always gives the same result."""
+def k_splits(qtype: int, m: int, n: int, k: int, sms: int) -> tuple[int, int]:
+    """(parts, chunks a part) the batched kernel splits K into for x of ``m`` rows: enough
+    programs for 4 a multiprocessor (``sms`` of them), each part at least 2 row steps and
+    whole row steps. Without a split an 8B's 4096 x 14336 product at 16 rows is 64 programs
+    of 4 warps on an H200's 132 multiprocessors: 0.24 TB/s (bench/probes/qgemv.py --rows
+    16). The parts are summed in a fixed order: a shape always gives the same result."""
     bm, bn, nc, _ = batch_tiles(qtype, n, k)
     programs = -(-m // bm) * -(-n // bn)
-    steps = qpack.geometry(qtype, n, k).chunks // nc
-    return max(1, min(steps // 2, -(-4 * sms // programs)))
+    chunks = qpack.geometry(qtype, n, k).chunks
+    want = max(1, min(chunks // nc // 2, -(-4 * sms // programs)))
+    per = -(-(chunks // nc) // want) * nc
+    return -(-chunks // per), per
 
 
 @functools.cache
@@ -157,10 +159,7 @@ if qkernels is not None:
         # parts go to a (splits, M, N) scratch, then are summed into y
         m = x.shape[0]
         bm, bn, nc, warps = batch_tiles(qtype, n, k)
-        splits = k_splits(qtype, m, n, k, multiprocessors(x.device))
-        chunks = qpack.geometry(qtype, n, k).chunks
-        per = -(-(chunks // nc) // splits) * nc  # chunks a part, whole row steps
-        splits = -(-chunks // per)
+        splits, per = k_splits(qtype, m, n, k, multiprocessors(x.device))
         out = y if splits == 1 else torch.empty((splits, m, n), device=x.device, dtype=torch.float32)
         qkernels._qmm_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn), splits)](
             x, *_planes(w, qtype, n, k), out, m, n, k, out.stride(-2), per, m * n, **_meta(qtype, k),
@@ -168,8 +167,6 @@ if qkernels is not None:
         if splits > 1:
             torch.sum(out, dim=0, out=y)
         return y
-
-
 
     def _launch_dequant(w: torch.Tensor, qtype: int, n: int, k: int, dtype: torch.dtype,
                         r0: int = 0, r1: int | None = None) -> torch.Tensor:
@@ -196,25 +193,23 @@ if qkernels is not None:
             off += n
         return y
 
+    def _stacked_shape(x: torch.Tensor, ws: list[torch.Tensor], qtypes: list[int], ns: list[int],
+                       k: int) -> torch.Tensor:
+        # what both decode ops return, for torch.compile's tracing: (M, sum N) f32
+        return x.new_empty((x.shape[0], sum(ns)), dtype=torch.float32)
+
     @torch.library.custom_op("apir::qgemv", mutates_args=())
     def _qgemv(x: torch.Tensor, ws: list[torch.Tensor], qtypes: list[int], ns: list[int],
                k: int) -> torch.Tensor:
         return _stacked_launches(_launch_gemv, x, ws, qtypes, ns, k)
-
-    @_qgemv.register_fake
-    def _(x: torch.Tensor, ws: list[torch.Tensor], qtypes: list[int], ns: list[int],
-          k: int) -> torch.Tensor:
-        return x.new_empty((x.shape[0], sum(ns)), dtype=torch.float32)
 
     @torch.library.custom_op("apir::qmm", mutates_args=())
     def _qmm(x: torch.Tensor, ws: list[torch.Tensor], qtypes: list[int], ns: list[int],
              k: int) -> torch.Tensor:
         return _stacked_launches(_launch_mm, x, ws, qtypes, ns, k)
 
-    @_qmm.register_fake
-    def _(x: torch.Tensor, ws: list[torch.Tensor], qtypes: list[int], ns: list[int],
-          k: int) -> torch.Tensor:
-        return x.new_empty((x.shape[0], sum(ns)), dtype=torch.float32)
+    _qgemv.register_fake(_stacked_shape)
+    _qmm.register_fake(_stacked_shape)
 
     @torch.library.custom_op("apir::qdequant", mutates_args=())
     def _qdequant(w: torch.Tensor, qtype: int, n: int, k: int, r0: int, r1: int) -> torch.Tensor:
