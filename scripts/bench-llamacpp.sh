@@ -65,6 +65,7 @@ while [ $# -gt 0 ]; do
 done
 [ ${#specs[@]} -gt 0 ] || read -r -a specs <<<"$SPECS_DEFAULT"
 [ $only_serve = 0 ] || [ -n "$concurrency" ] || die "--only-serve needs --concurrency"
+[ "$shared_prefix" = 0 ] || [ -n "$concurrency" ] || die "--shared-prefix needs --concurrency"
 bin=$build/build/bin
 built=0
 [ -x "$bin/llama-bench" ] && [ -x "$bin/llama-batched-bench" ] && built=1

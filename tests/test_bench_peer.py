@@ -240,6 +240,8 @@ def test_script_without_a_tarball_says_where_it_looked(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("args", "error"), [
     (["--frobnicate"], "unknown option --frobnicate (see --help)"),
     (["-d"], "-d needs a value (see --help)"),
+    (["--shared-prefix", "100"], "--shared-prefix needs --concurrency"),
+    (["--only-serve"], "--only-serve needs --concurrency"),
 ])
 def test_script_bad_arguments(args: list[str], error: str) -> None:
     proc = script(*args)

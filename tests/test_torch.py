@@ -17,7 +17,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import apir.torch  # noqa: E402
-from apir.backends import create_backend  # noqa: E402
+from apir.backends import BackendError, create_backend  # noqa: E402
 
 F = torch.nn.functional
 
@@ -309,6 +309,11 @@ def test_fixed_shape_graphs_are_recorded_from_their_second_run_only() -> None:
     assert not capturable(0)  # no token axis: the run count decides
     assert [n for n in range(1, 40) if capturable(n)] == [1, 2, 3, 4, 5, 6, 7, 8, 16, 32]
     backend.close()
+
+
+def test_arena_size_is_refused_for_a_backend_without_one() -> None:
+    with pytest.raises(BackendError, match="arena_size is for the remote backend"):
+        apir.torch.session_for({"backend": "local", "arena_size": 8 << 20})
 
 
 def test_a_remote_session_takes_the_arena_size_it_is_given(host) -> None:

@@ -24,6 +24,9 @@ def create_backend(name: str = "local", device: str | None = None, remote: str |
     ``unix:///run/apir.sock``, with ``token`` for tcp/vsock, ``spin_us`` of busy-polling and
     a shared arena of ``arena_size`` bytes on a Unix socket, the host's cap permitting: see
     ``RemoteBackend``). Reads no environment: the caller resolved all of it."""
+    if arena_size is not None and name != "remote":
+        raise BackendError(f"arena_size is for the remote backend (shared memory with its host), "
+                           f"not {name!r}")
     if name == "numpy":
         if device not in (None, "cpu"):
             raise BackendError(f"the numpy backend runs on the cpu only, not {device!r}")
