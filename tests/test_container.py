@@ -307,8 +307,12 @@ def test_container_serve_through_a_published_port_equals_local(podman, host, loc
             except (OSError, ValueError):
                 pass  # not forwarding yet
             time.sleep(0.5)
-        status, reply = _http(f"{base}/v1/completions",
-                              {"prompt": PROMPT, "max_tokens": 16, "temperature": 0})
+        try:
+            status, reply = _http(f"{base}/v1/completions",
+                                  {"prompt": PROMPT, "max_tokens": 16, "temperature": 0})
+        except TimeoutError:
+            pytest.fail(f"no completion in 120 s; apir serve's log:\n{log.read_text()[-3000:]}\n"
+                        f"the host's:\n{host.log.read_text()[-3000:]}")
         assert status == 200, reply
         assert reply["choices"][0]["text"] + "\n" == local_output
         assert reply["usage"]["completion_tokens"] == 16
