@@ -189,6 +189,51 @@ def test_a_compute_off_the_layout_is_an_error_naming_the_reason(host):
         assert remote.compute(gid, {"x": np.ones(2, np.float32)})[0].tolist() == [2.0, 2.0]
 
 
+@pytest.mark.parametrize("transport", ["unix", "tcp"])
+def test_two_threads_sharing_a_remote_backend_each_get_their_own_replies(host, transport):
+    """``apir serve`` once asked for the device on its loading thread while the scheduler's
+    first request waited for its reply: each thread read the other's reply and both waited
+    forever. The API is serialized, so threads may share a backend: every reply reaches its
+    own request."""
+    import threading
+
+    from apir.backends.remote import RemoteBackend
+    from apir.graph import GraphBuilder
+
+    url = host.unix if transport == "unix" else host.tcp
+    with RemoteBackend(url, token=Path(host.token_file).read_text().strip()) as remote:
+        results: dict[str, list] = {"graphs": [], "devices": []}
+        errors: list[BaseException] = []
+
+        def graphs() -> None:
+            for k in range(1, 41):
+                g = GraphBuilder()
+                gid = remote.register_graph(g.build(g.scale(g.input("x", (3,)), float(k))))
+                results["graphs"].append(remote.compute(gid, {"x": np.ones(3, np.float32)})[0].tolist())
+
+        def devices() -> None:
+            for _ in range(200):
+                results["devices"].append(remote.device().kind)
+
+        def guarded(fn):
+            def run() -> None:
+                try:
+                    fn()
+                except BaseException as e:  # noqa: BLE001 - reported by the test thread
+                    errors.append(e)
+            return threading.Thread(target=run, daemon=True)
+
+        threads = [guarded(graphs), guarded(devices)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(WAIT)
+        assert not any(t.is_alive() for t in threads), "a thread still waits for its reply"
+        assert errors == []
+        assert results["graphs"] == [[float(k)] * 3 for k in range(1, 41)]
+        assert results["devices"] == ["cpu"] * 200
+
+
 def test_the_remote_backend_takes_its_config_from_its_caller(host, monkeypatch):
     """RemoteBackend and create_backend read no environment: the token and spin time come
     as parameters, resolved once at the edge (the CLI's RunConfig)."""

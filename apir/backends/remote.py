@@ -8,6 +8,9 @@ go through the session's shared arena when there is one (Unix sockets), inline o
 Requests that do want a reply need not wait for it either: ``submit`` sends a compute and
 returns a Pending, and the host answers in request order, so whichever request reads
 replies takes them in that order and keeps each for its own request (see ``Awaited``).
+
+One channel carries every request, so the API is serialized: a call from a second thread
+waits for the first one's (``_serialized``), instead of both reading one reply stream.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import itertools
 import os
 import socket
 import sys
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 
@@ -85,6 +89,16 @@ def _print_notice(text: str) -> None:
     print(f"host {line}…", file=sys.stderr, flush=True)
 
 
+def _serialized(method: Callable) -> Callable:
+    """Hold the backend's lock for ``method``: two threads sending at once would interleave
+    their frames, and two reading would each take the other's reply and wait forever."""
+    @functools.wraps(method)
+    def locked(self: RemoteBackend, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+    return locked
+
+
 def raise_error(err: m.Error) -> None:
     raise _ERRORS.get(err.code, RemoteError)(f"host: {err.message}")
 
@@ -129,6 +143,7 @@ class RemoteBackend(Backend):
         hello = m.Hello(PROTOCOL_VERSION, op_table_hash(), token,
                         f"apir {__version__} pid {os.getpid()} on {socket.gethostname()}", arena_size)
         self.conn, welcome = handshake(url, hello, timeout, m.Welcome)
+        self._lock = threading.RLock()  # see _serialized
         self.chan, self.arena, self.address = self.conn.channel, self.conn.arena, self.conn.address
         self._ids = itertools.count(1)
         self._rids = itertools.count(1)
@@ -188,6 +203,7 @@ class RemoteBackend(Backend):
         rid = next(self._rids)
         return self._request(encode(msg, rid, WANT_REPLY), rid, type(msg).__name__, self._reply).result()
 
+    @_serialized
     def _wait(self, awaited: Awaited) -> None:
         """Take replies, in order, until ``awaited``'s has come."""
         while not awaited.done:
@@ -302,26 +318,33 @@ class RemoteBackend(Backend):
         return self.arena.window(offset, size)
 
     # ------------------------------------------------------------ the backend API
+    @_serialized
     def device(self) -> DeviceInfo:
         return _device(self._call(m.GetDevices()).devices[0])
 
+    @_serialized
     def devices(self) -> list[DeviceInfo]:
         return [_device(d) for d in self._call(m.GetDevices()).devices]
 
+    @_serialized
     def supports(self, op: Op, dtypes: Sequence[DType] = ()) -> bool:
         return self._call(m.Supports(int(op), tuple(int(d) for d in dtypes))).value
 
+    @_serialized
     def alloc_buffer(self, size: int, purpose: BufferPurpose = BufferPurpose.COMPUTE) -> int:
         handle = next(self._ids)
         self._post(m.AllocBuffer(handle, int(size), int(purpose)))
         return handle
 
+    @_serialized
     def free_buffer(self, handle: int) -> None:
         self._post(m.FreeBuffer(handle))
 
+    @_serialized
     def clear_buffer(self, handle: int, value: int = 0) -> None:
         self._post(m.ClearBuffer(handle, value))
 
+    @_serialized
     def set_tensor(self, handle: int, offset: int, data: bytes | memoryview | np.ndarray) -> None:
         if isinstance(data, np.ndarray):
             data = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
@@ -330,13 +353,16 @@ class RemoteBackend(Backend):
             piece = view[start : start + CHUNK]
             self._post(m.SetTensor(handle, offset + start, m.Blob(*self._blob_fields(piece, self._place([len(piece)])[0]))))
 
+    @_serialized
     def get_tensor(self, handle: int, offset: int, size: int) -> bytes:
         reply = self._call(m.GetTensor(handle, offset, size, self._place([size])[0]))
         return self._read_blob(reply.data)
 
+    @_serialized
     def copy_tensor(self, src: int, src_offset: int, dst: int, dst_offset: int, size: int) -> None:
         self._post(m.CopyTensor(src, src_offset, dst, dst_offset, size))
 
+    @_serialized
     def register_graph(self, graph: Graph) -> int:
         graph.validate()  # catch our own mistakes before the round trip
         gid = next(self._ids)
@@ -344,6 +370,7 @@ class RemoteBackend(Backend):
         self._layouts[gid] = StepLayout.of(graph)
         return gid
 
+    @_serialized
     def open_published(self, name: str, layout: bytes, size: int) -> int:
         """The host's copy of published model ``name``; a BackendError says why not (the
         host publishes no such model, or lays it out otherwise than this guest's file)."""
@@ -351,6 +378,7 @@ class RemoteBackend(Backend):
         self._call(m.OpenPublished(handle, name, layout, size))
         return handle
 
+    @_serialized
     def free_graph(self, gid: int) -> None:
         self._layouts.pop(gid, None)
         self._post(m.FreeGraph(gid))
@@ -358,6 +386,7 @@ class RemoteBackend(Backend):
     def compute(self, gid: int, inputs: Mapping[str, np.ndarray], feed: Feed | None = None) -> list[np.ndarray]:
         return self.submit(gid, inputs, feed).result()
 
+    @_serialized
     def submit(self, gid: int, inputs: Mapping[str, np.ndarray], feed: Feed | None = None) -> Pending:
         """Send the compute and return without waiting for it: its ``result()`` reads the
         reply (and those of the requests sent before it). Decode pipelines this way:
@@ -411,6 +440,7 @@ class RemoteBackend(Backend):
             return layout.unpack_outputs(inline, n_tokens)
         return layout.unpack_outputs(bytearray(self._arena_window(arena_offset, size)), n_tokens)  # one copy
 
+    @_serialized
     def ping(self) -> float:
         """Seconds of one round trip to the host (a Synchronize, sent even with nothing
         in flight): what the transport and the host's dispatch cost a request."""
@@ -418,6 +448,7 @@ class RemoteBackend(Backend):
         self._call(m.Synchronize())
         return time.perf_counter() - t
 
+    @_serialized
     def synchronize(self) -> None:
         """Wait until the host has done every request sent. When the last one sent waits
         for a reply, that reply says so (the host answers in order, after the work, and a
@@ -432,6 +463,7 @@ class RemoteBackend(Backend):
             if isinstance(last._error, HostGoneError):
                 raise last._error
 
+    @_serialized
     def close(self) -> None:
         try:
             if not self.closed:

@@ -182,10 +182,12 @@ def create_app(
             runner.close()
             model.close()
             return
+        # Worded before the runner is published: from then on the runner's thread owns the
+        # backend, and a remote device() here would race its first request for the channel.
+        ready = (f"{config.model_id} ready ({model.arch_name}, {model.backend.name}:"
+                 f"{model.backend.device().name}, ctx {model.n_ctx}, {slots} slot{'s' * (slots > 1)})")
         state.runner, state.model = runner, model
-        _log(f"{config.model_id} ready ({model.arch_name}, {model.backend.name}:"
-             f"{model.backend.device().name}, ctx {model.n_ctx}, {slots} slot{'s' * (slots > 1)}) "
-             f"in {time.perf_counter() - t0:.1f}s")
+        _log(f"{ready} in {time.perf_counter() - t0:.1f}s")
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
