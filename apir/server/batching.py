@@ -23,8 +23,7 @@ class BatchRunner(Runner):
     def __init__(self, model: Model, metrics: Metrics, slots: int, max_queue: int) -> None:
         self.model, self.metrics = model, metrics
         self._current = None
-        self.scheduler = Scheduler(model, slots, max_queue)
-        self.scheduler.call(self.scheduler.batch.warm_up).result()  # as Model.warm_up: before serving
+        self.scheduler = Scheduler(model, slots, max_queue)  # warms its batch up: before serving
 
     @property
     def queued(self) -> int:
