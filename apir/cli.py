@@ -189,7 +189,7 @@ def cmd_tokenize(args: argparse.Namespace) -> int:
     from .models.gguf_file import GGUFFile
     from .models.tokenizer import Tokenizer
 
-    tok = Tokenizer.from_gguf(GGUFFile(flags.model_path(flags.run_config(args))).reader)
+    tok = Tokenizer.from_gguf(GGUFFile(flags.model_path(flags.run_config(args))))
     print(json.dumps(tok.encode(args.text)))
     return 0
 

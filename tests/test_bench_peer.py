@@ -55,8 +55,8 @@ def test_the_vocabulary_is_what_llama_cpp_reads(tmp_path: Path) -> None:
     assert f.get(KT.MODEL) == "llama" and len(tokens) == 512 == f.get("llama.vocab_size")
     assert tokens[:3] == ["<unk>", "<s>", "</s>"] and tokens[3 + 0x0A] == "<0x0A>"
     assert len(set(tokens)) == 512
-    types, scores = f.reader.fields[KT.TOKEN_TYPE], f.reader.fields[KT.SCORES]
-    assert types.types[-1] == gguf.GGUFValueType.INT32 and scores.types[-1] == gguf.GGUFValueType.FLOAT32
+    assert f.value_types[KT.TOKEN_TYPE] == (gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.INT32)
+    assert f.value_types[KT.SCORES] == (gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.FLOAT32)
     assert list(f.get(KT.TOKEN_TYPE)[:5]) == [2, 3, 3, 6, 6] and len(f.get(KT.SCORES)) == 512
     assert (f.get(KT.BOS_ID), f.get(KT.EOS_ID), f.get(KT.UNK_ID)) == (1, 2, 0)
     assert f.get(gguf.Keys.General.FILE_TYPE) == gguf.LlamaFileType.MOSTLY_Q4_0

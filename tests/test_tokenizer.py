@@ -16,6 +16,7 @@ import gguf
 import pytest
 
 from apir.models.errors import ModelNotFoundError, TokenizerError
+from apir.models.gguf_file import GGUFFile
 from apir.models.resolve import resolve_model
 from apir.models.tokenizer import Tokenizer, read_tokenizer_metadata
 
@@ -55,7 +56,7 @@ def _metadata(model: str) -> dict:
         path = resolve_model(model)
     except ModelNotFoundError as e:
         pytest.skip(str(e))
-    return read_tokenizer_metadata(gguf.GGUFReader(path))
+    return read_tokenizer_metadata(GGUFFile(path))
 
 
 @functools.cache

@@ -2,7 +2,7 @@
 
 ``SyntheticFile`` offers what the engine reads from a ``GGUFFile`` (``arch``, ``get``,
 ``require``, ``tensor``, ``tensors``, ``nbytes``, ``quantization``, ``path``) and no
-tokenizer (``reader`` is None): a benchmark feeds token ids directly.
+tokenizer (``has_tokenizer`` is False): a benchmark feeds token ids directly.
 
 Weights are cheap to make: one random block of valid values per dtype (1 MiB) is tiled
 into a pool as large as the largest tensor, and every tensor is a zero-copy view of the
@@ -145,7 +145,7 @@ class SyntheticFile:
     """A llama model of ``shape`` with random ``dtype`` weights, duck-typed as a GGUFFile."""
 
     arch = "llama"
-    reader = None  # no tokenizer
+    has_tokenizer = False  # token ids only
 
     def __init__(self, shape: Shape, dtype: DType = DType.F16) -> None:
         self.shape, self.dtype = shape, dtype

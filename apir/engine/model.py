@@ -126,9 +126,8 @@ class Model:
         self.arch_name = gguf.arch
         self.arch = architecture(gguf.arch)
         self.args = self.arch.args_from_gguf(gguf)
-        # a source without a GGUF reader (bench's synthetic weights) has no tokenizer: ids only
-        reader = getattr(gguf, "reader", None)
-        self.tokenizer = Tokenizer.from_gguf(reader) if reader is not None else None
+        # a source without one (bench's synthetic weights) feeds token ids only
+        self.tokenizer = Tokenizer.from_gguf(gguf) if gguf.has_tokenizer else None
         if n_ctx is not None and not 0 < n_ctx <= self.args.context_length:  # before any upload
             raise ContextOverflowError(f"a context of {n_ctx} tokens was asked for (--ctx-size); "
                                        f"this model's holds 1 to {self.args.context_length}")

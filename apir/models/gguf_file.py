@@ -1,4 +1,5 @@
-"""Opening a GGUF file: gguf-py's memory-mapped reader plus clear errors and typed metadata.
+"""Opening a GGUF file: its header parsed (``gguf_parse``), its tensors memory-mapped,
+clear errors and typed metadata.
 
 Tensor shapes are given in numpy order (outermost first): GGUF's ``ne = [K, N]`` for a
 weight becomes ``(N, K)``, one row per output feature.
@@ -6,6 +7,7 @@ weight becomes ``(N, K)``, one row per output feature.
 
 from __future__ import annotations
 
+import mmap
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,8 +16,7 @@ import numpy as np
 
 from ..graph import DType
 from .errors import ModelLoadError
-
-GGUF_MAGIC = b"GGUF"
+from .gguf_parse import MAGIC, parse
 
 
 @dataclass(frozen=True)
@@ -29,43 +30,50 @@ class TensorInfo:
 class GGUFFile:
     """A GGUF model file: metadata by key, tensors by name (zero-copy)."""
 
+    has_tokenizer = True  # its tokenizer.* metadata builds one (a synthetic source has none)
+
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         if not self.path.is_file():
             raise ModelLoadError(f"model file not found: {self.path}")
         with open(self.path, "rb") as f:
             magic = f.read(4)
-        if magic != GGUF_MAGIC:
-            raise ModelLoadError(f"{self.path} is not a GGUF file (it starts with {magic!r}, not b'GGUF')")
+            if magic != MAGIC:
+                raise ModelLoadError(f"{self.path} is not a GGUF file (it starts with {magic!r}, not b'GGUF')")
+            data = np.frombuffer(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ), np.uint8)
         try:
-            self.reader = gguf.GGUFReader(self.path)
-        except (ValueError, IndexError, OSError, KeyError) as e:
-            raise ModelLoadError(
-                f"{self.path} is truncated or corrupt and cannot be read as GGUF ({e})"
-            ) from None
+            header = parse(memoryview(data))
+        except ValueError as e:
+            raise ModelLoadError(f"{self.path} is truncated or corrupt and cannot be read as GGUF ({e})") from None
+        self.metadata = header.metadata
+        self.value_types = header.types  # key -> GGUF value type (then element types, for arrays)
         self.arch: str = self.get(gguf.Keys.General.ARCHITECTURE)
         if not isinstance(self.arch, str):
             raise ModelLoadError(f"{self.path} has no general.architecture in its metadata")
         self.tensors: dict[str, TensorInfo] = {}
-        for t in self.reader.tensors:
+        for t in header.tensors:
             try:
-                dtype = DType(int(t.tensor_type))
+                dtype = DType(t.ggml_type)
             except ValueError:
-                raise ModelLoadError(
-                    f"tensor {t.name} has GGML type {t.tensor_type.name}, which apir does not support"
-                ) from None
-            shape = tuple(int(d) for d in reversed(t.shape))
-            raw = np.asarray(t.data).reshape(-1).view(np.uint8)
-            if raw.nbytes != dtype.nbytes(shape):
+                try:
+                    kind = gguf.GGMLQuantizationType(t.ggml_type).name
+                except ValueError:
+                    kind = f"number {t.ggml_type}"
+                raise ModelLoadError(f"tensor {t.name} has GGML type {kind}, which apir does not support") from None
+            shape = tuple(reversed(t.ne))
+            try:
+                nbytes = dtype.nbytes(shape)
+            except ValueError as e:
+                raise ModelLoadError(f"{self.path}: tensor {t.name}: {e}") from None
+            if t.offset + nbytes > data.size:
                 raise ModelLoadError(f"{self.path}: tensor {t.name} is truncated")
-            self.tensors[t.name] = TensorInfo(t.name, dtype, shape, raw)
+            self.tensors[t.name] = TensorInfo(t.name, dtype, shape, data[t.offset : t.offset + nbytes])
 
     def get(self, key: str, default=None):
         """A metadata value; ``{arch}`` in the key is filled in."""
         if "{arch}" in key:
             key = key.format(arch=self.arch)
-        field = self.reader.fields.get(key)
-        return default if field is None else field.contents()
+        return self.metadata.get(key, default)
 
     def require(self, key: str):
         value = self.get(key)

@@ -26,7 +26,7 @@ import codecs
 import threading
 import warnings
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import gguf
 import numpy as np
@@ -34,6 +34,9 @@ import tokenizers
 from tokenizers import AddedToken, Regex, models, normalizers, pre_tokenizers
 
 from .errors import TokenizerError
+
+if TYPE_CHECKING:
+    from .gguf_file import GGUFFile
 
 K = gguf.Keys.Tokenizer
 T = gguf.TokenType
@@ -119,11 +122,10 @@ def _gpt2_byte_decoder() -> dict[str, int]:
     return {chr(c): b for b, c in zip(bs, cs, strict=True)}
 
 
-def read_tokenizer_metadata(reader: gguf.GGUFReader) -> dict[str, Any]:
+def read_tokenizer_metadata(file: GGUFFile) -> dict[str, Any]:
     """The GGUF's ``tokenizer.*`` values (those gguf.Keys.Tokenizer names), by key."""
     keys = [v for k, v in vars(K).items() if k.isupper() and isinstance(v, str)]
-    fields = {k: reader.get_field(k) for k in keys}
-    return {k: f.contents() for k, f in fields.items() if f is not None}
+    return {k: file.metadata[k] for k in keys if k in file.metadata}
 
 
 class Tokenizer:
@@ -195,9 +197,9 @@ class Tokenizer:
         self._skippable = np.isin(types, (T.CONTROL, T.UNKNOWN))
 
     @classmethod
-    def from_gguf(cls, reader: gguf.GGUFReader) -> Tokenizer:
+    def from_gguf(cls, file: GGUFFile) -> Tokenizer:
         """Read the tokenizer from an opened GGUF file."""
-        return cls(read_tokenizer_metadata(reader))
+        return cls(read_tokenizer_metadata(file))
 
     # --- building ---------------------------------------------------------------------
 
