@@ -234,6 +234,43 @@ def test_two_threads_sharing_a_remote_backend_each_get_their_own_replies(host, t
         assert results["devices"] == ["cpu"] * 200
 
 
+def test_close_while_another_thread_waits_keeps_that_call_whole(host, monkeypatch):
+    """close() from one thread while another waits for a long compute: it waits up to
+    CLOSE_WAIT for that call, then returns without unmapping the region the call still
+    reads; the call gets its right result, and the backend takes no new request."""
+    import threading
+
+    from apir.backends import remote as remote_module
+    from apir.backends.base import BackendError, BufferPurpose
+    from apir.backends.remote import RemoteBackend
+    from apir.graph import DType, GraphBuilder
+
+    monkeypatch.setattr(remote_module, "CLOSE_WAIT", 0.05)
+    n = 1024
+    w = np.eye(n, dtype=np.float32)
+    remote = RemoteBackend(host.unix)
+    buf = remote.alloc_buffer(w.nbytes, BufferPurpose.WEIGHTS)
+    remote.set_tensor(buf, 0, w)
+    g = GraphBuilder()
+    x = g.input("x", (n, n))
+    y = x
+    for _ in range(24):  # seconds of products on the host's one thread
+        y = g.matmul(y, g.weight(buf, 0, (n, n), DType.F32))
+    gid = remote.register_graph(g.build(y))
+    x_in = np.random.default_rng(0).standard_normal((n, n)).astype(np.float32)
+    got: list = []
+    worker = threading.Thread(target=lambda: got.append(remote.compute(gid, {"x": x_in})[0]), daemon=True)
+    worker.start()
+    while not remote._awaited:  # the compute is sent and waited for
+        time.sleep(0.01)
+    remote.close()
+    assert worker.is_alive(), "close returned only after the compute (make the graph slower)"
+    worker.join(WAIT)
+    np.testing.assert_allclose(got[0], x_in, rtol=1e-5, atol=1e-5)
+    with pytest.raises(BackendError, match="closed"):
+        remote.device()
+
+
 def test_the_remote_backend_takes_its_config_from_its_caller(host, monkeypatch):
     """RemoteBackend and create_backend read no environment: the token and spin time come
     as parameters, resolved once at the edge (the CLI's RunConfig)."""

@@ -52,6 +52,7 @@ CHUNK = 8 << 20  # upload pieces: well under the frame limit, big enough to stre
 # well under what a socket's buffers or a ring hold, so the host can always read them.
 PIPELINE_BYTES = 64 << 10
 DEFAULT_ARENA = 256 << 20
+CLOSE_WAIT = 5.0  # seconds close() waits for a call in another thread (see close)
 
 
 class RemoteError(ApirError):
@@ -463,8 +464,20 @@ class RemoteBackend(Backend):
             if isinstance(last._error, HostGoneError):
                 raise last._error
 
-    @_serialized
     def close(self) -> None:
+        """End the session. A call that another thread still waits in (a host that stopped
+        answering) keeps the session: closing would unmap the region under that thread's
+        reads. After CLOSE_WAIT seconds this returns without closing, and the session ends
+        with the process (the host sees its socket close)."""
+        if not self._lock.acquire(timeout=CLOSE_WAIT):
+            self.closed = True  # no new requests; the waiting call ends as the host answers
+            return
+        try:
+            self._close()
+        finally:
+            self._lock.release()
+
+    def _close(self) -> None:
         try:
             if not self.closed:
                 self.closed = True
