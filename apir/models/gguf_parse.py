@@ -133,8 +133,8 @@ def parse(buf: memoryview) -> Header:
             raise ValueError(f"tensor {name} appears twice")
         names.add(name)
         n_dims = c.u32(f"tensor {name}")
-        if not 1 <= n_dims <= MAX_DIMS:
-            raise ValueError(f"tensor {name} has {n_dims} dimensions (1 to {MAX_DIMS})")
+        if n_dims > MAX_DIMS:
+            raise ValueError(f"tensor {name} has {n_dims} dimensions (at most {MAX_DIMS})")
         ne = tuple(c.u64(f"tensor {name}") for _ in range(n_dims))
         tensors.append(TensorRecord(name, c.u32(f"tensor {name}"), ne, c.u64(f"tensor {name}")))
     alignment = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
