@@ -212,15 +212,14 @@ class Tokenizer:
         # "lowest rank first, then leftmost" equals llama.cpp's "highest score first,
         # then leftmost" (llm_tokenizer_spm_session).
         merges: list[tuple[str, str]] = []
+        get = ids.get
         for i in np.argsort(-scores, kind="stable").tolist():
             t = tokens[i]
-            local = []
-            for k in range(1, len(t)):
-                left = ids.get(t[:k])
-                if left is not None and (right := ids.get(t[k:])) is not None:
-                    local.append((left, right))
-            local.sort()
-            merges.extend((tokens[a], tokens[b]) for a, b in local)
+            local = [(left, right) for k in range(1, len(t))
+                     if (left := get(t[:k])) is not None and (right := get(t[k:])) is not None]
+            if len(local) > 1:
+                local.sort()
+            merges += [(tokens[a], tokens[b]) for a, b in local]
         unk = metadata.get(K.UNK_ID)
         bpe = models.BPE(
             vocab=ids,
@@ -262,13 +261,18 @@ class Tokenizer:
     @staticmethod
     def _build_pieces(tokens: list[str], types: np.ndarray, spm: bool) -> list[bytes]:
         """Each token's bytes as llama_token_to_piece(special=True) gives them."""
-        byte_decoder = None if spm else _gpt2_byte_decoder()
+        byte_decoder = {} if spm else _gpt2_byte_decoder()
+        # GPT-2's alphabet maps each char to one byte: as a translation to the latin-1 char
+        # of that byte, a token of only such chars is encoded at C speed
+        to_latin1, alphabet = str.maketrans({c: chr(b) for c, b in byte_decoder.items()}), set(byte_decoder)
         pieces = []
         for text, kind in zip(tokens, types.tolist(), strict=True):
             if kind in (T.CONTROL, T.UNKNOWN, T.USER_DEFINED):
                 pieces.append(text.encode())
             elif kind == T.NORMAL and spm:
                 pieces.append(text.replace("▁", " ").encode())
+            elif kind == T.NORMAL and alphabet.issuperset(text):
+                pieces.append(text.translate(to_latin1).encode("latin-1"))
             elif kind == T.NORMAL:
                 # A char outside GPT-2's alphabet stays as its UTF-8 (llama.cpp inserts
                 # an "[UNK_BYTE_...]" marker instead; no real vocab has one).
