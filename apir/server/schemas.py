@@ -219,7 +219,7 @@ def _last_n(value: int | None) -> int:
 def _sampling(body: dict, logprobs: int | None) -> Sampling:
     for name in ("n", "best_of"):
         _number(body, name, 1, 1 << 31, integer=True)
-        _refuse(body, name, 1, "one choice per request until requests are batched")
+        _refuse(body, name, 1, "one choice per request: send n requests, which run at once up to --parallel")
     repeat = None
     for name in ("repeat_penalty", "repetition_penalty"):
         repeat = _number(body, name, 1e-3, 100) if repeat is None else repeat
