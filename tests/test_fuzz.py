@@ -355,7 +355,8 @@ def test_graphs_are_refused_cleanly_or_run(graph, n_tokens, seed):
     arrays = _inputs_for(graph, n_tokens, rng)
     layout = StepLayout.of(graph)
     try:
-        n, payload = layout.pack_inputs(arrays)
+        packed = layout.pack_inputs(arrays)
+        n, payload = packed.n_tokens, packed.bytes()
     except LayoutError:  # a registered dim of 0 or less, sent as 0: T cannot be read off it
         return
     reply = _dispatch(session, m.Step(9, n, -1, 0, m.Blob(payload, -1, len(payload))))

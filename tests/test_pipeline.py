@@ -212,7 +212,8 @@ class _AheadSession:
         from apir.protocol import WANT_REPLY
         from apir.protocol import messages as m
 
-        n_tokens, payload = self.layout.pack_inputs(inputs, tuple(k for k, _ in feed))
+        packed = self.layout.pack_inputs(inputs, tuple(k for k, _ in feed))
+        n_tokens, payload = packed.n_tokens, packed.bytes()
         self.guest.send_frame(m.step_frame(i, WANT_REPLY, self.gid, n_tokens, -1, 0, payload, -1,
                                            len(payload), feed))
 

@@ -293,11 +293,20 @@ def _step_inputs(n: int) -> dict:
             "params": np.linspace(0, 1, 5, dtype=np.float32)}
 
 
+def _payload(packed) -> tuple[int, bytes]:
+    """(T, the inline payload) of packed inputs, checked equal to what ``into`` writes over
+    a destination of stale bytes (the arena's case)."""
+    dest = bytearray(b"\xee" * packed.size)
+    packed.into(memoryview(dest))
+    assert bytes(dest) == packed.bytes()
+    return packed.n_tokens, packed.bytes()
+
+
 def test_step_layout_round_trips_inputs_and_outputs():
     layout = StepLayout.of(_step_graph())
     for n in (1, 2, 7):
         inputs = _step_inputs(n)
-        n_tokens, payload = layout.pack_inputs(inputs)
+        n_tokens, payload = _payload(layout.pack_inputs(inputs))
         assert n_tokens == n
         place = layout.placement(False, n)
         assert all(offset % ALIGN == 0 for offset, _ in place.places) and len(payload) == place.size
@@ -317,7 +326,7 @@ def test_fed_inputs_take_no_room_in_the_payload():
     layout = StepLayout.of(_step_graph())
     inputs = _step_inputs(3)
     sent = {k: v for k, v in inputs.items() if k != "tokens"}
-    n_tokens, payload = layout.pack_inputs(sent, (0,))
+    n_tokens, payload = _payload(layout.pack_inputs(sent, (0,)))
     assert n_tokens == 3 and len(payload) == layout.placement(False, 3, (0,)).size
     assert payload == pack([inputs["h"], inputs["params"]], layout.placement(False, 3, (0,)))
     back = layout.unpack_inputs(bytearray(payload), 3, (0,))
@@ -327,7 +336,7 @@ def test_fed_inputs_take_no_room_in_the_payload():
     with pytest.raises(LayoutError, match=r"missing \['tokens'\], unexpected \[\]"):
         layout.pack_inputs(sent, ())  # an unfed input missing
     # T shows only in fed inputs: that of the output feeding the first of them last time
-    assert layout.pack_inputs({"params": inputs["params"]}, (0, 1), [(1, 1), (0, 0)]) == (3, inputs["params"].tobytes())
+    assert _payload(layout.pack_inputs({"params": inputs["params"]}, (0, 1), [(1, 1), (0, 0)])) == (3, inputs["params"].tobytes())
     with pytest.raises(ProtocolError, match="step inputs of 16 bytes; the graph's layout takes 52"):
         layout.unpack_inputs(bytearray(payload[:16]), 3, (0,))
 
@@ -355,8 +364,8 @@ def test_inputs_that_only_are_not_arrays_yet_pack_as_arrays():
     """A numpy scalar, or a list of the right dtype, as the local executor takes them."""
     g = GraphBuilder()
     layout = StepLayout.of(g.build(g.scale(g.input("s", (), DType.F32), 2.0), g.input("ids", (2,), DType.I32)))
-    want = layout.pack_inputs({"s": np.full((), 3, np.float32), "ids": np.array([1, 2], np.int32)})
-    assert layout.pack_inputs({"s": np.float32(3), "ids": np.array([1, 2], np.int32)}) == want
+    want = _payload(layout.pack_inputs({"s": np.full((), 3, np.float32), "ids": np.array([1, 2], np.int32)}))
+    assert _payload(layout.pack_inputs({"s": np.float32(3), "ids": np.array([1, 2], np.int32)})) == want
     with pytest.raises(LayoutError, match="input 's' must be F32, got numpy float64"):
         layout.pack_inputs({"s": 3.0, "ids": np.array([1, 2], np.int32)})
 
@@ -373,7 +382,7 @@ def test_a_feed_by_name_becomes_index_pairs_or_is_refused():
 
 def test_step_payloads_are_checked_before_use():
     layout = StepLayout.of(_step_graph())
-    _, payload = layout.pack_inputs(_step_inputs(2))
+    _, payload = _payload(layout.pack_inputs(_step_inputs(2)))
     for bad in (payload[:-1], payload + b"\0", b""):
         with pytest.raises(ProtocolError, match="step inputs of .* bytes; the graph's layout takes"):
             layout.unpack_inputs(bytearray(bad), 2)

@@ -43,7 +43,7 @@ from ..protocol import (
     op_table_hash,
 )
 from ..protocol import messages as m
-from ..protocol.step import LayoutError, StepLayout
+from ..protocol.step import LayoutError, StepLayout, private_copy
 from ..transport import ArenaRing, Connection, ConnectionClosed, connect, spin_seconds
 from .base import Backend, BackendError, BufferPurpose, DeviceInfo, Feed, Pending, QuotaError
 
@@ -403,15 +403,21 @@ class RemoteBackend(Backend):
             raise BackendError(f"unknown graph id {gid!r}")
         try:
             pairs, fed = layout.feed_pairs(feed, gid)
-            n_tokens, payload = layout.pack_inputs(inputs, fed, pairs)
+            packed = layout.pack_inputs(inputs, fed, pairs)
         except LayoutError as e:
             raise BackendError(str(e)) from None
+        n_tokens = packed.n_tokens
         out_size = layout.placement(True, n_tokens).size
-        in_at, out_at = self._place([len(payload), out_size])
-        self._check_fits(len(payload), in_at, out_size, out_at)
+        in_at, out_at = self._place([packed.size, out_size])
+        self._check_fits(packed.size, in_at, out_size, out_at)
+        if in_at >= 0:  # straight into the arena: the inputs' one copy
+            packed.into(self._arena_window(in_at, packed.size))
+            blob: tuple[bytes, int, int] = (b"", in_at, packed.size)
+        else:
+            blob = (packed.bytes(), -1, packed.size)
         rid = next(self._rids)
         frame = m.step_frame(rid, WANT_REPLY, gid, n_tokens, out_at, out_size if out_at >= 0 else 0,
-                             *self._blob_fields(payload, in_at), pairs)
+                             *blob, pairs)
         return self._request(frame, rid, "Compute", functools.partial(self._step_reply, layout, n_tokens))
 
     def _check_fits(self, in_size: int, in_at: int, out_size: int, out_at: int) -> None:
@@ -439,7 +445,7 @@ class RemoteBackend(Backend):
         inline, arena_offset, size = m.parse_data(body)
         if arena_offset < 0:  # a view of the reply's body: already private and writeable
             return layout.unpack_outputs(inline, n_tokens)
-        return layout.unpack_outputs(bytearray(self._arena_window(arena_offset, size)), n_tokens)  # one copy
+        return layout.unpack_outputs(private_copy(self._arena_window(arena_offset, size)), n_tokens)  # one copy
 
     @_serialized
     def ping(self) -> float:

@@ -44,7 +44,7 @@ from ..protocol import (
     encode,
 )
 from ..protocol import messages as m
-from ..protocol.step import Placement, StepLayout, pack
+from ..protocol.step import Placement, StepLayout, pack, private_copy
 from ..transport import Arena, ArenaError, Channel, ConnectionClosed
 
 log = logging.getLogger("apir.host")
@@ -386,7 +386,7 @@ class Session:
         if arena_offset >= 0 or not isinstance(payload, memoryview):
             # One copy, private (the guest may change the arena at any time) and writeable.
             # Inline bytes that arrive as a view of the frame's body are both already.
-            payload = bytearray(payload)
+            payload = private_copy(payload)
         pending = self.backend.submit(gid, layout.unpack_inputs(payload, n_tokens, fed), feed)
 
         def finish() -> tuple[bytes, int, int]:

@@ -68,6 +68,25 @@ class Placement:
     cuts: tuple[tuple[np.dtype, int, int, tuple[int, ...] | None], ...]
 
 
+class Packed(NamedTuple):
+    """A Step's inputs checked against its layout, not copied yet: ``bytes()`` builds the
+    payload (inline), ``into(dest)`` writes it where it travels (the arena), one copy."""
+
+    n_tokens: int
+    arrays: list[np.ndarray]
+    place: Placement
+
+    @property
+    def size(self) -> int:
+        return self.place.size
+
+    def bytes(self) -> bytes:
+        return pack(self.arrays, self.place)
+
+    def into(self, dest: memoryview) -> None:
+        pack_into(self.arrays, self.place, dest)
+
+
 class StepLayout:
     """The inputs and outputs of one registered graph, and how they pack for a given T.
 
@@ -136,8 +155,8 @@ class StepLayout:
         return pairs, tuple(sorted(i for i, _ in pairs))
 
     def pack_inputs(self, inputs: Mapping[str, ArrayLike], fed: tuple[int, ...] = (),
-                    pairs: Sequence[tuple[int, int]] = ()) -> tuple[int, bytes]:
-        """(T, payload) for ``inputs``, the graph's unfed inputs with their registered
+                    pairs: Sequence[tuple[int, int]] = ()) -> Packed:
+        """The payload-to-be of ``inputs``, the graph's unfed inputs with their registered
         dtypes and shapes (``pairs``: the feed, from ``feed_pairs``); a LayoutError says
         what differs."""
         sent = self.sent(fed)
@@ -157,7 +176,7 @@ class StepLayout:
             if not isinstance(a, np.ndarray) or a.dtype != slot.dtype or a.shape != shape:
                 return self._repack(inputs, fed, pairs)
         self.last_tokens = n_tokens
-        return n_tokens, pack(cast("list[np.ndarray]", arrays), place)  # each checked above
+        return Packed(n_tokens, cast("list[np.ndarray]", arrays), place)  # each checked above
 
     def _fed_tokens(self, pairs: Sequence[tuple[int, int]]) -> int:
         """T when it shows only in fed inputs: that of the output feeding the first of them
@@ -168,7 +187,7 @@ class StepLayout:
         return max(self.last_tokens, 1) if n == T else n
 
     def _repack(self, inputs: Mapping[str, ArrayLike], fed: tuple[int, ...],
-                pairs: Sequence[tuple[int, int]]) -> tuple[int, bytes]:
+                pairs: Sequence[tuple[int, int]]) -> Packed:
         """Inputs off the layout: those that only are not numpy arrays yet (lists, scalars)
         pack as arrays, as the local executor takes them; otherwise a LayoutError says
         what differs, in the local executor's words for the same mistake."""
@@ -197,13 +216,13 @@ class StepLayout:
                                       f"got {a.shape}")
         raise LayoutError(f"inputs off graph layout {[s.name for s in sent.slots]}")
 
-    def unpack_outputs(self, payload: bytearray | memoryview, n_tokens: int) -> list[np.ndarray]:
+    def unpack_outputs(self, payload: bytearray | memoryview | np.ndarray, n_tokens: int) -> list[np.ndarray]:
         """The outputs of a ``Data`` reply, as views of ``payload`` (which the caller owns:
         private and writeable, so the arrays are the caller's to keep and change)."""
         return _views(self.placement(True, n_tokens), payload, "outputs")
 
     # ------------------------------------------------------------ host
-    def unpack_inputs(self, payload: bytearray | memoryview, n_tokens: int,
+    def unpack_inputs(self, payload: bytearray | memoryview | np.ndarray, n_tokens: int,
                       fed: tuple[int, ...] = ()) -> dict[str, np.ndarray]:
         """The sent inputs of a Step, as views of ``payload`` (which the caller owns)."""
         self.check_tokens(n_tokens)
@@ -233,6 +252,26 @@ def pack(arrays: Sequence[np.ndarray], place: Placement) -> bytes:
     return b"".join(parts)
 
 
+def pack_into(arrays: Sequence[np.ndarray], place: Placement, dest: memoryview) -> None:
+    """The payload written into ``dest`` (``place.size`` bytes): each array copied once."""
+    out, end = np.frombuffer(dest, np.uint8, place.size), 0
+    for a, (offset, _) in zip(arrays, place.places):
+        out[end:offset] = 0
+        np.copyto(out[offset : offset + a.nbytes].view(a.dtype).reshape(a.shape), a)
+        end = offset + a.nbytes
+    out[end:] = 0
+
+
+def private_copy(data: bytes | bytearray | memoryview | np.ndarray) -> np.ndarray:
+    """A writeable copy of ``data``'s bytes that nobody else can change (a payload read out
+    of shared memory before anything checks or uses it). numpy's copy, not bytearray's:
+    for a 200 MB payload 24 ms against 90 ms on a 2-core machine (page faults included)."""
+    src = np.frombuffer(data, np.uint8)
+    out = np.empty(src.size, np.uint8)
+    np.copyto(out, src)
+    return out
+
+
 def _place(slots: tuple[Slot, ...], n_tokens: int) -> Placement:
     places, cuts, offset = [], [], 0
     for slot in slots:
@@ -245,7 +284,7 @@ def _place(slots: tuple[Slot, ...], n_tokens: int) -> Placement:
     return Placement(tuple(places), offset, tuple(cuts))
 
 
-def _views(place: Placement, payload: bytearray | memoryview, what: str) -> list[np.ndarray]:
+def _views(place: Placement, payload: bytearray | memoryview | np.ndarray, what: str) -> list[np.ndarray]:
     if len(payload) != place.size:
         raise ProtocolError(f"step {what} of {len(payload)} bytes; the graph's layout takes {place.size}")
     views = []
