@@ -355,11 +355,16 @@ class LocalBackend(Executor):
         return outs
 
     def _host_outputs(self, reg: Registered, outputs: list[torch.Tensor]) -> list[np.ndarray]:
-        """One copy per output node, however often the graph lists it (see Scratch)."""
+        """One copy per output node, however often the graph lists it (see Scratch). On a
+        CPU that copy is made here (the tensor may be the executor's own: a cache view, an
+        input); from a GPU, ``cpu()`` is that copy already."""
         host: dict[int, np.ndarray] = {}
         for t, o in zip(outputs, reg.program.outputs):
             if o not in host:
-                host[o] = _numpy(_wire(t, reg.graph.nodes[o].dtype).cpu(), reg.graph.nodes[o].dtype).copy()
+                dtype = reg.graph.nodes[o].dtype
+                wire = _wire(t, dtype)
+                arr = _numpy(wire.cpu(), dtype)
+                host[o] = arr.copy() if wire.device.type == "cpu" else np.ascontiguousarray(arr)
         return [host[o] for o in reg.program.outputs]
 
     def _pending(self, reg: Registered, outputs: list[torch.Tensor]) -> Pending:
