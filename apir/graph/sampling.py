@@ -14,7 +14,7 @@ The engine packs it, the executors unpack it (see Op.SAMPLE in ``apir.graph.ops`
 
 from __future__ import annotations
 
-from dataclasses import astuple, dataclass, fields
+from dataclasses import dataclass, fields
 from typing import Any
 
 import numpy as np
@@ -29,8 +29,9 @@ class SampleArgs:
     u: float
 
     def pack(self) -> np.ndarray:
-        """The F32 vector a graph's ``params`` input takes."""
-        return np.array(astuple(self), np.float32)
+        """The F32 vector a graph's ``params`` input takes (fields named, not astuple's deep
+        copy: a batched step packs one per sequence, 30 us each that way)."""
+        return np.array((self.temperature, self.top_k, self.top_p, self.min_p, self.u), np.float32)
 
     @classmethod
     def unpack(cls, params: Any) -> SampleArgs:  # an ndarray, or a torch tensor on the host
