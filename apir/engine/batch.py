@@ -20,6 +20,7 @@ Only token ids come back; each sequence keeps its own sampling knobs and seed.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -102,22 +103,27 @@ class Batch:
         token sampled for each chunk, in order (-1 where its ``draw`` is None)."""
         if not chunks or len(chunks) > self.slots:
             raise ValueError(f"a step takes 1 to {self.slots} chunks, got {len(chunks)}")
-        tokens = np.concatenate([np.asarray(c.ids, np.int32) for c in chunks])
-        pos = np.concatenate([np.arange(c.start, c.start + len(c.ids), dtype=np.int32) for c in chunks])
-        seq = np.concatenate([np.full(len(c.ids), c.slot, np.int32) for c in chunks])
-        n = len(tokens)
+        # per chunk: its length, first position and slot; per token: the chunk's slot, and
+        # the chunk's first position plus the token's index in it
+        lens = np.fromiter((len(c.ids) for c in chunks), np.int32, len(chunks))
+        n = int(lens.sum())
+        tokens = np.fromiter(itertools.chain.from_iterable(c.ids for c in chunks), np.int32, n)
+        starts = np.fromiter((c.start for c in chunks), np.int32, len(chunks))
+        seq = np.repeat(np.fromiter((c.slot for c in chunks), np.int32, len(chunks)), lens)
+        pos = (np.arange(n) + np.repeat(starts - (np.cumsum(lens) - lens), lens)).astype(np.int32)
         if self.model._pad and n > 1:
             # as Model._step: repeat the last token, which writes the same row again. Every
             # length is padded (a decode step of 3 sequences runs as 4): few graphs to record
             size = 1 << (n - 1).bit_length()
             tokens, pos, seq = (np.concatenate([a, np.full(size - n, a[-1], np.int32)]) for a in (tokens, pos, seq))
-        end = np.cumsum([len(c.ids) for c in chunks]) - 1
+        end = np.cumsum(lens) - 1
         sampled = [i for i, c in enumerate(chunks) if c.draw is not None]
         b, graph = self._graph(len(sampled))
         last = np.zeros(b, np.int32)
+        last[: len(sampled)] = end[sampled]
         params = np.tile(GREEDY.pack(), (b, 1))
-        for row, i in enumerate(sampled):
-            last[row], params[row] = end[i], chunks[i].draw.pack()
+        if sampled:
+            params[: len(sampled)] = [chunks[i].draw.values() for i in sampled]
         rows = seq * self.n_ctx + pos
         (out,) = self.model.backend.compute(
             graph, {"tokens": tokens, "pos": pos, "seq": seq, "rows": rows, "last": last, "params": params})
