@@ -147,3 +147,30 @@ def test_a_key_twice_and_an_unknown_value_type_are_refused(tmp_path):
         path.write_bytes(header(kvs))
         with pytest.raises(ModelLoadError, match=message):
             GGUFFile(path)
+
+
+def test_crafted_headers_are_clear_errors_or_files(tmp_path):
+    """Bytes changed anywhere in a header (seeded, 400 variants), and arrays nested past
+    the bound: GGUFFile reads the file or raises ModelLoadError, nothing else."""
+    import random
+    import struct
+
+    from apir.models.errors import ModelLoadError
+
+    whole = bytearray(_every_value_type(tmp_path / "v.gguf").read_bytes())
+    header = len(whole) - (4 * 12 + 64 * 2 + 64)  # the tensor data is at the end
+    rng, path = random.Random(7), tmp_path / "x.gguf"
+    for _ in range(400):
+        data = bytearray(whole)
+        for _ in range(rng.randint(1, 4)):
+            at = rng.randrange(4, header)
+            data[at : at + 8] = rng.randbytes(rng.choice((1, 2, 4, 8)))[: len(data[at : at + 8])]
+        path.write_bytes(data)
+        try:
+            GGUFFile(path)
+        except ModelLoadError:
+            pass
+    nested = struct.pack("<Q", 1) + b"x" + struct.pack("<I", 9) + struct.pack("<IQ", 9, 1) * 20
+    path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + nested)
+    with pytest.raises(ModelLoadError, match="nests arrays more than 8 deep"):
+        GGUFFile(path)

@@ -29,6 +29,7 @@ MAGIC = b"GGUF"
 VERSIONS = (2, 3)
 DEFAULT_ALIGNMENT = 32
 MAX_DIMS = 4  # GGML_MAX_DIMS
+MAX_NESTING = 8  # arrays of arrays: no model has any; a bound keeps a crafted file off the stack
 
 STRING, ARRAY = 8, 9
 # value type -> (struct format, numpy dtype) for the fixed-size types
@@ -84,8 +85,8 @@ class _Cursor:
         except UnicodeDecodeError:
             raise ValueError(f"{what} at byte {pos} is not UTF-8") from None
 
-    def value(self, vtype: int, what: str) -> tuple[Any, tuple[int, ...]]:
-        """(value, its types) of type ``vtype``."""
+    def value(self, vtype: int, what: str, depth: int = 0) -> tuple[Any, tuple[int, ...]]:
+        """(value, its types) of type ``vtype``; ``depth``: the arrays it is nested in."""
         if vtype in SCALARS:
             fmt, dtype = SCALARS[vtype]
             return struct.unpack_from(fmt, self.buf, self.take(dtype.itemsize, what))[0], (vtype,)
@@ -100,9 +101,11 @@ class _Cursor:
             return np.frombuffer(self.buf, dtype, count, pos).tolist(), (ARRAY, etype)
         if etype == STRING:
             return [self.string(what) for _ in range(count)], (ARRAY, STRING)
+        if depth >= MAX_NESTING:
+            raise ValueError(f"{what} nests arrays more than {MAX_NESTING} deep")
         items, types = [], (ARRAY, etype)
         for _ in range(count):  # nested arrays (unused by models, allowed by the format)
-            item, types = self.value(etype, what)
+            item, types = self.value(etype, what, depth + 1)
             items.append(item)
         return items, (ARRAY, *types)
 
