@@ -5,6 +5,7 @@ alone; the copy goes ``--keep-alive`` seconds after its last session."""
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import signal
@@ -16,6 +17,7 @@ from test_warm import PROMPT, _ids  # the same prompt
 from tiny_models import TinyConfig, write_tiny_gguf
 
 import apir
+from apir.backends import forms
 from apir.backends.base import BackendError
 from apir.backends.remote import HostGoneError, RemoteBackend
 from apir.engine import SamplingParams
@@ -58,6 +60,19 @@ def _allocated(host, model) -> int:
     return next(s.allocated for s in host.status().sessions if s.session == model.backend.session)
 
 
+def _forms_size(tiny) -> int:
+    """The bytes of the dequantized forms' mapping the daemon makes for ``tiny``."""
+    tensors = GGUFFile(tiny).tensors.values()
+    slots, _ = weight_slots(tensors)
+    return forms.plan([(slots[t.name].offset, math.prod(t.shape)) for t in tensors
+                       if t.dtype not in (DType.F32, DType.I32)])[2]
+
+
+def _dequantized_elements(tiny) -> int:
+    """The elements of the weights a CPU session keeps dequantized (16-bit and quantized)."""
+    return sum(math.prod(t.shape) for t in GGUFFile(tiny).tensors.values() if t.dtype not in (DType.F32, DType.I32))
+
+
 def test_sessions_share_one_copy_uploaded_by_nobody(host, tiny, layout, expected, tmp_path):
     host.until(lambda st: not st.sessions and not st.shared_bytes, "an idle host")
     loads = host.status().shared_loads
@@ -69,9 +84,11 @@ def test_sessions_share_one_copy_uploaded_by_nobody(host, tiny, layout, expected
         st = host.status()
         assert st.published == ("tiny",)
         assert st.shared_loads == loads + 1  # read from disk once, for both sessions
-        assert st.shared_bytes == layout[1]  # counted once, beside the sessions
-        # a sharing session holds what the uploader holds but its weights
-        assert _allocated(host, uploader) - _allocated(host, first) == layout[1]
+        # counted once, beside the sessions: the weights and their dequantized f32 forms,
+        # which a CPU session would otherwise make (and be charged) for itself
+        assert st.shared_bytes == layout[1] + _forms_size(tiny)
+        # a sharing session holds what the uploader holds but its weights and their forms
+        assert _allocated(host, uploader) - _allocated(host, first) == layout[1] + _dequantized_elements(tiny) * 4
         assert _allocated(host, first) == _allocated(host, second)
     # after the last session, the copy stays keep-alive seconds, then goes
     st = host.until(lambda st: not st.sessions, "sessions ended")
@@ -175,3 +192,35 @@ def test_an_adopted_buffer_is_read_only_and_charged_only_when_copied(lends):
             b.set_tensor(5, 0, b"\0")
         b.free_buffer(5)
         assert b.allocated_bytes() == 0
+
+
+@pytest.mark.parametrize("weight_type", ["Q8_0", "Q4_0", "F16"])
+def test_the_hosts_forms_are_the_values_a_session_makes(tmp_path, weight_type):
+    """The daemon's dequantized forms of a published model are bit for bit what a CPU
+    session's executor makes of each weight, and the table maps each weight to its own."""
+    import mmap
+
+    import torch
+
+    from apir.backends.local.dequant import dequantize
+    from apir.host.published import load_copy
+
+    path = write_tiny_gguf(tmp_path / "m.gguf", TinyConfig(context_length=64), seed=3, weight_type=weight_type)
+    copy = load_copy(PublishedModel.parse(str(path)), forms=True)
+    try:
+        assert copy.forms_size == _forms_size(path)
+        data = memoryview(mmap.mmap(copy.forms_fd, copy.forms_size, mmap.MAP_SHARED, mmap.PROT_READ))
+        table = forms.read(data)
+        tensors = GGUFFile(path).tensors.values()
+        slots, _ = weight_slots(tensors)
+        dequantized = [t for t in tensors if t.dtype not in (DType.F32, DType.I32)]
+        assert {t.dtype.name for t in dequantized} >= {weight_type}
+        assert sorted(table) == sorted(slots[t.name].offset for t in dequantized)
+        for t in dequantized:
+            at, n = table[slots[t.name].offset]
+            want = dequantize(torch.from_numpy(t.data.copy()), t.dtype, t.shape).to(torch.float32).numpy()
+            got = np.frombuffer(data, np.float32, n, at).reshape(t.shape)
+            assert np.array_equal(got, want), t.name
+    finally:
+        os.close(copy.fd)
+        os.close(copy.forms_fd)

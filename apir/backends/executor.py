@@ -41,6 +41,9 @@ class Buffer:
     version: int = 0  # bumped on every write, so cached derived forms know to refresh
     read_only: bool = False  # a published model's weights (see adopt_buffer)
     lent: bool = False  # bytes the host holds once for every session: not charged to this one
+    # a lent buffer's weights' dequantized forms, made by the host once for every session
+    # (see apir.backends.forms): weight offset -> the executor's form (not charged either)
+    forms: dict[int, object] = field(default_factory=dict)
 
 
 @dataclass
@@ -118,17 +121,20 @@ class Executor(Backend):
             raise BackendError(f"handle {handle} is already in use")
         return handle
 
-    def adopt_buffer(self, handle: int, data: memoryview) -> None:
+    def adopt_buffer(self, handle: int, data: memoryview, forms: memoryview | None = None) -> None:
         """Give ``handle`` to ``data``, a published model's weights shared by every session
         that uses it (a read-only mapping): writes and STATE leaves on it are refused. An
         executor that computes on the mapping itself charges this session nothing (the host
         counts it once) and freeing it only forgets it; one that needs its own copy of it
-        (a GPU's) makes and charges it like an upload."""
+        (a GPU's) makes and charges it like an upload. ``forms``: the weights' dequantized
+        forms, shared the same way (``apir.backends.forms``), which such an executor reads
+        instead of making its own."""
         self._check_open()
         if self._lends:
             handle = self._new_handle(handle, self._buffers)
             self._buffers[handle] = Buffer(len(data), BufferPurpose.WEIGHTS, self._share(data),
-                                           read_only=True, lent=True)
+                                           read_only=True, lent=True,
+                                           forms=self._shared_forms(forms) if forms is not None else {})
         else:
             handle = self.alloc_buffer(len(data), BufferPurpose.WEIGHTS, handle)
             buf = self._buffers[handle]
@@ -378,6 +384,9 @@ class Executor(Backend):
         """The executor's form of WEIGHT leaves ``nodes``: ``make()``, made again after a
         write to one of their buffers. The one place forms are made, so the one place they
         are charged: checked against the limit before ``make`` runs."""
+        shared = self._shared_form(nodes)
+        if shared is not None:
+            return shared  # made by the host once for every session: not this one's to charge
         key = tuple((*n.attrs, n.dtype, n.shape) for n in nodes)
         versions = tuple(self._buffers[n.attrs[0]].version for n in nodes)
         cached = self._weights.get(key)
@@ -390,6 +399,15 @@ class Executor(Backend):
     def _share(self, data: memoryview) -> object:
         """A lent buffer's storage (see adopt_buffer): ``data`` itself, as the executor reads it."""
         return data
+
+    def _shared_forms(self, forms: memoryview) -> dict[int, object]:
+        """A forms mapping (see adopt_buffer) as the executor's forms by weight offset; none
+        where its forms are not those of the mapping (this one dequantizes its own way)."""
+        return {}
+
+    def _shared_form(self, nodes: Sequence[Node]) -> object | None:
+        """The shared form of WEIGHT leaves ``nodes`` (see _shared_forms), or None."""
+        return None
 
     @abstractmethod
     def _fill(self, buf: Buffer, value: int) -> None: ...

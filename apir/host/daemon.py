@@ -32,7 +32,7 @@ from ..protocol import messages as m
 from ..protocol.messages import HEADER, MAX_BODY, decode_body, decode_header, encode
 from ..transport import Address, Connection, listen
 from .handshake import HANDSHAKE_MAX, MAX_PENDING, Gate, RateLimitedLog, check_hello, peer_key
-from .published import KEEP_ALIVE, REQUEST_MAX, PublishedModel, Shelf, ask
+from .published import KEEP_ALIVE, REQUEST_MAX, Grant, PublishedModel, Shelf, ask
 from .session import SessionConfig
 from .worker import (
     MAX_SLOTS,
@@ -176,7 +176,10 @@ class Daemon:
         self.stopping = False
         self.gate = Gate()
         self.refusals = RateLimitedLog(log)
-        self.shelf = Shelf(config.models, config.keep_alive)
+        # sessions on a CPU keep dequantized forms of weights (unless told not to): for a
+        # published model the daemon makes them once, for all of them
+        forms = bool(config.models) and config.executor.dequant_cache is not False and not gpu_host(config.device)
+        self.shelf = Shelf(config.models, config.keep_alive, forms)
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -429,9 +432,9 @@ class Daemon:
         got = wait_for_bind(pool)
         if got is None:
             return
-        copies: dict[str, tuple[memoryview, bytes]] = {}
+        copies: dict[str, Grant] = {}
 
-        def published(name: str) -> tuple[memoryview, bytes]:
+        def published(name: str) -> Grant:
             if name not in copies:
                 copies[name] = ask(pool, name, self.config.io_timeout)
             return copies[name]

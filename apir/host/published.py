@@ -12,16 +12,20 @@ holds the fd or a mapping. The daemon counts which sessions use which copy and c
 its fd ``keep_alive`` seconds after the last one ended.
 
 On a CPU the sessions compute on the mapping itself: one copy in memory however many
-sessions use it. A GPU session copies the mapping to its device (no upload from the
-guest, but a device copy per session): CUDA memory cannot be made before the fork (CUDA
-does not survive one), and a copy one process exports to the others by CUDA IPC must be
+sessions use it. Where they would also keep dequantized f32 forms of the 16-bit and
+quantized weights (a CPU host's default, ``ExecutorConfig.dequant_cache``: ~6x the file),
+the daemon makes those once too, into a second sealed memfd that the sessions' workers map
+beside the first (its layout: ``apir.backends.forms``). A GPU session copies the mapping
+to its device (no upload from the guest, but a device copy per session): CUDA memory
+cannot be made before the fork (CUDA does not survive one), and a copy one process exports to the others by CUDA IPC must be
 held by a process that runs no session, whose crash would otherwise take the copy, and
 every session's graphs, with it; that holder is not built yet.
 
 The daemon and a worker speak over the worker's socketpair (SOCK_SEQPACKET):
 
     worker -> daemon   b"want\\0" + name (UTF-8, at most NAME_MAX bytes)
-    daemon -> worker   b"ok" + i64 size + 32-byte layout digest, with the memfd (SCM_RIGHTS)
+    daemon -> worker   b"ok" + i64 size + 32-byte layout digest + i64 forms size (0: none),
+                    with the memfd and the forms' memfd if any (SCM_RIGHTS)
                     or b"no" + a message for the guest (UTF-8)
 """
 
@@ -37,6 +41,7 @@ import struct
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 from ..backends.base import BackendError
 from ..errors import ApirError
@@ -47,7 +52,8 @@ NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,127}")
 NAME_MAX = 128
 WANT = b"want\0"
 REQUEST_MAX = len(WANT) + NAME_MAX
-_GRANT = struct.Struct("<q32s")  # after b"ok": size, layout digest
+_GRANT = struct.Struct("<q32sq")  # after b"ok": size, layout digest, forms size
+FORM_CHUNK = 1 << 22  # elements dequantized at a time: the daemon's scratch stays small
 _SEALS = fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE
 KEEP_ALIVE = 300.0  # seconds a copy outlives its last session (Ollama's keep_alive default)
 
@@ -77,37 +83,84 @@ class SharedCopy:
     fd: int  # the sealed memfd
     size: int
     digest: bytes  # apir.models.layout.layout_digest of its tensors
+    forms_fd: int = -1  # the sealed memfd of its dequantized forms (-1: not made)
+    forms_size: int = 0
     users: set[int] = field(default_factory=set)  # sessions that opened it, until they end
     idle_since: float = 0.0  # when its last user ended
 
 
-def load_copy(model: PublishedModel) -> SharedCopy:
-    """Read ``model``'s GGUF into a sealed memfd, laid out as a guest's engine uploads it."""
+def load_copy(model: PublishedModel, forms: bool = False) -> SharedCopy:
+    """Read ``model``'s GGUF into a sealed memfd, laid out as a guest's engine uploads it;
+    with ``forms``, its weights' dequantized f32 forms into a second one (see above)."""
     from ..models.gguf_file import GGUFFile
     from ..models.layout import layout_digest, weight_slots
 
     gguf = GGUFFile(model.path)
     slots, size = weight_slots(gguf.tensors.values())
-    fd = os.memfd_create(f"apir-model-{model.name}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    fd = _sealed(f"apir-model-{model.name}", size, (
+        (slots[t.name].offset, memoryview(t.data).cast("B")) for t in gguf.tensors.values()))
     try:
-        os.ftruncate(fd, size)
-        for t in gguf.tensors.values():
-            data, offset = memoryview(t.data).cast("B"), slots[t.name].offset
-            while data:  # pwrite may write less than asked
-                n = os.pwrite(fd, data, offset)
-                data, offset = data[n:], offset + n
-        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)  # nobody writes it again, nor resizes it
+        forms_fd, forms_size = _forms(model.name, gguf, slots) if forms else (-1, 0)
     except BaseException:
         os.close(fd)
         raise
-    return SharedCopy(fd, size, layout_digest(slots))
+    return SharedCopy(fd, size, layout_digest(slots), forms_fd, forms_size)
+
+
+def _sealed(name: str, size: int, pieces) -> int:
+    """A memfd of ``size`` bytes holding ``pieces`` ((offset, bytes), ...), sealed: nobody
+    writes it again, nor resizes it."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, size)
+        for offset, data in pieces:
+            while data:  # pwrite may write less than asked
+                n = os.pwrite(fd, data, offset)
+                data, offset = data[n:], offset + n
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _forms(name: str, gguf, slots) -> tuple[int, int]:
+    """The f32 forms of ``gguf``'s 16-bit and quantized weights as a sealed memfd (fd,
+    size; ``apir.backends.forms``), dequantized by the executor's own CPU decoder, so a
+    session reads the very values it would have made itself."""
+    import numpy as np
+    import torch
+
+    from ..backends import forms
+    from ..backends.local.dequant import dequantize
+    from ..graph import DType
+
+    tensors = [t for t in gguf.tensors.values() if t.dtype not in (DType.F32, DType.I32)]
+    table, offsets, size = forms.plan([(slots[t.name].offset, int(np.prod(t.shape))) for t in tensors])
+
+    def pieces():
+        yield 0, table
+        for t, offset in zip(tensors, offsets):
+            k = t.shape[-1]
+            rows, per_row = t.data.size // t.dtype.nbytes((1, k)), t.dtype.nbytes((1, k))
+            step = max(1, FORM_CHUNK // k)
+            for r in range(0, rows, step):
+                n = min(step, rows - r)
+                raw = torch.from_numpy(t.data[r * per_row : (r + n) * per_row].copy())  # writable: torch asks
+                values = dequantize(raw, t.dtype, (n, k)).to(torch.float32).numpy()
+                yield offset + 4 * r * k, memoryview(np.ascontiguousarray(values)).cast("B")
+
+    return _sealed(f"apir-forms-{name}", size, pieces()), size
 
 
 class Shelf:
     """The daemon's published models and their resident copies."""
 
-    def __init__(self, models: tuple[PublishedModel, ...], keep_alive: float) -> None:
+    def __init__(self, models: tuple[PublishedModel, ...], keep_alive: float, forms: bool = False) -> None:
+        """``forms``: the sessions keep dequantized forms of weights (a CPU host's default),
+        so the daemon makes them once, with each copy."""
         self.models = {p.name: p for p in models}
+        self.forms = forms
         # a guest's engine asks by its file's name: NAME=PATH answers to PATH's file name too
         self.aliases = {**{p.path.stem: p.name for p in models}, **{n: n for n in self.models}}
         self.keep_alive = keep_alive  # negative: loaded at start, kept for the daemon's life
@@ -121,10 +174,10 @@ class Shelf:
         return tuple(sorted(self.models))
 
     def resident_bytes(self) -> int:
-        return sum(c.size for c in self.copies.values())
+        return sum(c.size + c.forms_size for c in self.copies.values())
 
     def fds(self) -> list[int]:
-        return [c.fd for c in self.copies.values()]
+        return [fd for c in self.copies.values() for fd in (c.fd, c.forms_fd) if fd >= 0]
 
     def acquire(self, name: str, session: int) -> SharedCopy:
         """Model ``name``'s copy, loaded if it is not resident, now used by ``session``."""
@@ -139,9 +192,10 @@ class Shelf:
 
     def _load(self, name: str) -> SharedCopy:
         t0 = time.monotonic()
-        copy = self.copies[name] = load_copy(self.models[name])
+        copy = self.copies[name] = load_copy(self.models[name], self.forms)
         self.loads += 1
-        log.info("published model %s loaded: %.1f MiB in %.1fs", name, copy.size / 2**20,
+        log.info("published model %s loaded: %.1f MiB%s in %.1fs", name, copy.size / 2**20,
+                 f" and {copy.forms_size / 2**20:.1f} MiB of dequantized forms" if copy.forms_size else "",
                  time.monotonic() - t0)
         return copy
 
@@ -159,13 +213,13 @@ class Shelf:
             return
         for name, copy in list(self.copies.items()):
             if not copy.users and now - copy.idle_since >= self.keep_alive:
-                os.close(copy.fd)
+                _close(copy)
                 del self.copies[name]
                 log.info("published model %s unloaded: unused for %gs", name, self.keep_alive)
 
     def close(self) -> None:
         for copy in self.copies.values():
-            os.close(copy.fd)
+            _close(copy)
         self.copies.clear()
 
     def answer(self, pool: socket.socket, session: int, data: bytes) -> bool:
@@ -177,7 +231,8 @@ class Shelf:
         fds: list[int] = []
         try:
             copy = self.acquire(name, session)
-            reply, fds = b"ok" + _GRANT.pack(copy.size, copy.digest), [copy.fd]
+            reply = b"ok" + _GRANT.pack(copy.size, copy.digest, copy.forms_size)
+            fds = [copy.fd] + ([copy.forms_fd] if copy.forms_fd >= 0 else [])
         except (BackendError, ApirError, OSError) as e:  # a missing or unreadable file too
             if not isinstance(e, BackendError):
                 log.warning("published model %s cannot be loaded: %s", name, e)
@@ -190,25 +245,43 @@ class Shelf:
         return True
 
 
-def ask(pool: socket.socket, name: str, timeout: float) -> tuple[memoryview, bytes]:
-    """In a worker: the daemon's copy of published model ``name``, mapped read-only, and
-    its layout digest; a BackendError says why not."""
+def _close(copy: SharedCopy) -> None:
+    for fd in (copy.fd, copy.forms_fd):
+        if fd >= 0:
+            os.close(fd)
+
+
+class Grant(NamedTuple):
+    """A published model as a worker maps it: its weights, read-only, their layout digest,
+    and their dequantized forms (None: the daemon made none)."""
+
+    data: memoryview
+    digest: bytes
+    forms: memoryview | None
+
+
+def ask(pool: socket.socket, name: str, timeout: float) -> Grant:
+    """In a worker: the daemon's copy of published model ``name``, mapped read-only; a
+    BackendError says why not."""
     raw = name.encode()
     if not NAME.fullmatch(name) or len(raw) > NAME_MAX:
         raise BackendError(f"{name[:NAME_MAX]!r} is not a model name (1 to {NAME_MAX} letters, "
                            "digits and . _ + -)")
     pool.settimeout(timeout)
     pool.send(WANT + raw)
-    data, fds, _, _ = socket.recv_fds(pool, 4096, 1)
+    data, fds, _, _ = socket.recv_fds(pool, 4096, 2)  # the copy, and its forms if any
     if data.startswith(b"no"):
         for fd in fds:
             os.close(fd)
         raise BackendError(data[2:].decode(errors="replace"))
-    if not data.startswith(b"ok") or len(data) != 2 + _GRANT.size or len(fds) != 1:
-        raise ApirError("the daemon answered a published model request with nonsense")
-    size, digest = _GRANT.unpack_from(data, 2)
     try:
-        mapping = mmap.mmap(fds[0], size, mmap.MAP_SHARED, mmap.PROT_READ)
+        if not data.startswith(b"ok") or len(data) != 2 + _GRANT.size:
+            raise ApirError("the daemon answered a published model request with nonsense")
+        size, digest, forms_size = _GRANT.unpack_from(data, 2)
+        if len(fds) != 1 + (forms_size > 0):
+            raise ApirError("the daemon answered a published model request with nonsense")
+        maps = [mmap.mmap(fd, n, mmap.MAP_SHARED, mmap.PROT_READ) for fd, n in zip(fds, (size, forms_size))]
     finally:
-        os.close(fds[0])  # the mapping keeps the pages
-    return memoryview(mapping), digest
+        for fd in fds:
+            os.close(fd)  # the mappings keep the pages
+    return Grant(memoryview(maps[0]), digest, memoryview(maps[1]) if len(maps) > 1 else None)

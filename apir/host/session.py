@@ -46,6 +46,7 @@ from ..protocol import (
 from ..protocol import messages as m
 from ..protocol.step import Placement, StepLayout, pack, private_copy
 from ..transport import Arena, ArenaError, Channel, ConnectionClosed
+from .published import Grant
 
 log = logging.getLogger("apir.host")
 
@@ -126,7 +127,7 @@ def error_for(exc: BaseException) -> m.Error:
 class Session:
     def __init__(self, chan: Channel, backend: Executor, arena: Arena | None, config: SessionConfig,
                  publish=None, liveness: socket.socket | None = None,
-                 published: Callable[[str], tuple[memoryview, bytes]] | None = None) -> None:
+                 published: Callable[[str], Grant] | None = None) -> None:
         self.chan, self.backend, self.arena, self.config = chan, backend, arena, config
         # a published model's read-only mapping and layout digest, by name (the daemon's)
         self.published = published
@@ -353,7 +354,8 @@ class Session:
                 b.free_graph(gid)
                 self.layouts.pop(gid, None)
             case m.OpenPublished(handle=h, name=name, layout=layout, size=size):
-                b.adopt_buffer(h, self._published_weights(name, layout, size))
+                grant = self._published_weights(name, layout, size)
+                b.adopt_buffer(h, grant.data, grant.forms)
             case m.Synchronize():
                 b.synchronize()
             case m.Hello():
@@ -362,15 +364,15 @@ class Session:
                 raise ProtocolError(f"{type(msg).__name__} is not a request")
         return m.Ok()
 
-    def _published_weights(self, name: str, layout: bytes, size: int) -> memoryview:
+    def _published_weights(self, name: str, layout: bytes, size: int) -> Grant:
         """The daemon's copy of published model ``name``, if it is laid out as the guest's."""
         if self.published is None:
             raise BackendError("this host shares no weights; upload them")
-        data, digest = self.published(name)
-        if digest != layout or len(data) != size:
+        grant = self.published(name)
+        if grant.digest != layout or len(grant.data) != size:
             raise BackendError(f"the host's published model {name!r} is not laid out as this guest's "
                                "file (another version or quantization of it?); upload the weights instead")
-        return data
+        return grant
 
     def _start_step(self, rid: int, gid: int, n_tokens: int, out_offset: int, capacity: int,
                     inline: bytes | memoryview, arena_offset: int, size: int,

@@ -26,6 +26,7 @@ from ..errors import ApirError
 from ..protocol import PROTOCOL_VERSION, ErrorCode, ProtocolError
 from ..protocol import messages as m
 from ..transport import Channel, Connection, ConnectionClosed, accept, spin_seconds
+from .published import Grant
 from .session import Session, SessionConfig, device_message
 
 log = logging.getLogger("apir.host")
@@ -124,7 +125,7 @@ CGROUP = Path("/sys/fs/cgroup")  # the cgroup v2 hierarchy (a hybrid host's v1 c
 
 
 def run_worker(conn: Connection, hello: m.Hello, config: SessionConfig, publish,
-               published: Callable[[str], tuple[memoryview, bytes]] | None = None) -> None:
+               published: Callable[[str], Grant] | None = None) -> None:
     """Entry point of a session's worker process (after fork): build, welcome, serve.
     ``conn``: the guest's connection as the handshake left it (a socket, or a VM's rings
     and arena); ``published``: the daemon's published models, by name (see Session)."""

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from ...graph import DType, Graph, Op, SampleArgs, T
+from .. import forms as shared_forms
 from ..base import (
     DEFAULT_EXECUTOR,
     NO_LIMITS,
@@ -147,6 +148,37 @@ class LocalBackend(Executor):
         with warnings.catch_warnings():  # torch warns that the mapping is not writable
             warnings.simplefilter("ignore", UserWarning)
             return torch.frombuffer(data, dtype=torch.uint8)
+
+    def _shared_forms(self, forms: memoryview) -> dict[int, object]:
+        """f32 views of the mapping, where this executor's forms are f32 (a CPU's)."""
+        if self.torch_device.type != "cpu":
+            return {}
+        try:
+            table = shared_forms.read(forms)
+        except ValueError as e:
+            raise BackendError(f"the host's dequantized forms are unreadable: {e}") from None
+        with warnings.catch_warnings():  # torch warns that the mapping is not writable
+            warnings.simplefilter("ignore", UserWarning)
+            values = torch.frombuffer(forms, dtype=torch.float32)
+        return {weight: values[at // 4 : at // 4 + n] for weight, (at, n) in table.items()}
+
+    def _shared_form(self, nodes) -> torch.Tensor | None:
+        """One weight's shared form in its shape; several (a fused product's) as one view
+        where they lie one after another, as q, k, v do; else None (made and charged here)."""
+        views = []
+        for n in nodes:
+            view = self._buffers[n.attrs[0]].forms.get(n.attrs[1])
+            if view is None or view.numel() != math.prod(n.shape):
+                return None
+            views.append(view)
+        first, k = views[0], nodes[0].shape[-1]
+        end = first.storage_offset()
+        for v in views:
+            if v.storage_offset() != end:
+                return None
+            end += v.numel()
+        whole = first.as_strided((end - first.storage_offset(),), (1,))
+        return whole.view(nodes[0].shape) if len(nodes) == 1 else whole.view(-1, k)
 
     def _fill(self, buf: Buffer, value: int) -> None:
         self._packed.pop(id(buf), None)
