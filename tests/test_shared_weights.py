@@ -64,7 +64,7 @@ def _forms_size(tiny) -> int:
     """The bytes of the dequantized forms' mapping the daemon makes for ``tiny``."""
     tensors = GGUFFile(tiny).tensors.values()
     slots, _ = weight_slots(tensors)
-    return forms.plan([(slots[t.name].offset, math.prod(t.shape)) for t in tensors
+    return forms.plan([(slots[t.name].offset, int(t.dtype), math.prod(t.shape)) for t in tensors
                        if t.dtype not in (DType.F32, DType.I32)])[2]
 
 
@@ -217,10 +217,42 @@ def test_the_hosts_forms_are_the_values_a_session_makes(tmp_path, weight_type):
         assert {t.dtype.name for t in dequantized} >= {weight_type}
         assert sorted(table) == sorted(slots[t.name].offset for t in dequantized)
         for t in dequantized:
-            at, n = table[slots[t.name].offset]
+            kind, at, n = table[slots[t.name].offset]
+            assert kind == int(t.dtype)
             want = dequantize(torch.from_numpy(t.data.copy()), t.dtype, t.shape).to(torch.float32).numpy()
             got = np.frombuffer(data, np.float32, n, at).reshape(t.shape)
             assert np.array_equal(got, want), t.name
     finally:
         os.close(copy.fd)
         os.close(copy.forms_fd)
+
+
+def test_a_leaf_reading_shared_bytes_as_another_type_computes_as_local(host, tiny, layout):
+    """The host's forms are keyed by the type they were made as: a graph that reads an F16
+    weight's bytes as BF16 gets no F16 form from them, but what a local backend computes
+    from the same bytes."""
+    from apir.backends.local import LocalBackend
+
+    tensors = GGUFFile(tiny).tensors
+    slots, _ = weight_slots(tensors.values())
+    name = next(n for n, t in tensors.items() if t.dtype is DType.F16 and len(t.shape) == 2)
+    rows, k = tensors[name].shape
+    x = np.random.default_rng(0).standard_normal((3, k)).astype(np.float32)
+
+    def run(b, handle, offset):
+        outs = []
+        for dtype in (DType.F16, DType.BF16):
+            g = GraphBuilder()
+            gid = b.register_graph(g.build(g.matmul(g.input("x", (3, k)), g.weight(handle, offset, (rows, k), dtype))))
+            outs.append(b.compute(gid, {"x": x})[0])
+        return outs
+
+    with RemoteBackend(host.unix) as remote, LocalBackend("cpu") as local:
+        shared = run(remote, remote.open_published("tiny", *layout), slots[name].offset)
+        own = local.alloc_buffer(tensors[name].data.nbytes)
+        local.set_tensor(own, 0, tensors[name].data)
+        mine = run(local, own, 0)
+    # equal up to the summation order of the products (the host computes on 1 thread)
+    np.testing.assert_allclose(shared[0], mine[0], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(shared[1], mine[1], rtol=1e-5, atol=1e-5)
+    assert not np.allclose(mine[0], mine[1], rtol=1e-2)  # the two readings differ: the test tells them apart

@@ -42,7 +42,8 @@ class Buffer:
     read_only: bool = False  # a published model's weights (see adopt_buffer)
     lent: bool = False  # bytes the host holds once for every session: not charged to this one
     # a lent buffer's weights' dequantized forms, made by the host once for every session
-    # (see apir.backends.forms): weight offset -> the executor's form (not charged either)
+    # (see apir.backends.forms): weight offset -> (its type, the executor's form), not
+    # charged either
     forms: dict[int, object] = field(default_factory=dict)
 
 

@@ -136,7 +136,8 @@ def _forms(name: str, gguf, slots) -> tuple[int, int]:
     from ..graph import DType
 
     tensors = [t for t in gguf.tensors.values() if t.dtype not in (DType.F32, DType.I32)]
-    table, offsets, size = forms.plan([(slots[t.name].offset, int(np.prod(t.shape))) for t in tensors])
+    table, offsets, size = forms.plan([(slots[t.name].offset, int(t.dtype), int(np.prod(t.shape)))
+                                       for t in tensors])
 
     def pieces():
         yield 0, table

@@ -160,16 +160,16 @@ class LocalBackend(Executor):
         with warnings.catch_warnings():  # torch warns that the mapping is not writable
             warnings.simplefilter("ignore", UserWarning)
             values = torch.frombuffer(forms, dtype=torch.float32)
-        return {weight: values[at // 4 : at // 4 + n] for weight, (at, n) in table.items()}
+        return {weight: (kind, values[at // 4 : at // 4 + n]) for weight, (kind, at, n) in table.items()}
 
     def _shared_form(self, nodes) -> torch.Tensor | None:
         """One weight's shared form in its shape; several (a fused product's) as one view
         where they lie one after another, as q, k, v do; else None (made and charged here)."""
         views = []
         for n in nodes:
-            view = self._buffers[n.attrs[0]].forms.get(n.attrs[1])
-            if view is None or view.numel() != math.prod(n.shape):
-                return None
+            kind, view = self._buffers[n.attrs[0]].forms.get(n.attrs[1], (None, None))
+            if view is None or kind != int(n.dtype) or view.numel() != math.prod(n.shape):
+                return None  # no form here, or the leaf reads the bytes as another type or size
             views.append(view)
         first, k = views[0], nodes[0].shape[-1]
         end = first.storage_offset()
