@@ -17,9 +17,10 @@ quantized weights (a CPU host's default, ``ExecutorConfig.dequant_cache``: ~6x t
 the daemon makes those once too, into a second sealed memfd that the sessions' workers map
 beside the first (its layout: ``apir.backends.forms``). A GPU session copies the mapping
 to its device (no upload from the guest, but a device copy per session): CUDA memory
-cannot be made before the fork (CUDA does not survive one), and a copy one process exports to the others by CUDA IPC must be
-held by a process that runs no session, whose crash would otherwise take the copy, and
-every session's graphs, with it; that holder is not built yet.
+cannot be made before the fork (CUDA does not survive one), and a copy one process
+exports to the others by CUDA IPC must be held by a process that runs no session, whose
+crash would otherwise take the copy, and every session's graphs, with it; that holder is
+not built yet.
 
 The daemon and a worker speak over the worker's socketpair (SOCK_SEQPACKET):
 
@@ -142,7 +143,7 @@ def _forms(name: str, gguf, slots) -> tuple[int, int]:
     def pieces():
         yield 0, table
         for t, offset in zip(tensors, offsets):
-            k = t.shape[-1]
+            k = t.shape[-1] if t.shape else 1
             rows, per_row = t.data.size // t.dtype.nbytes((1, k)), t.dtype.nbytes((1, k))
             step = max(1, FORM_CHUNK // k)
             for r in range(0, rows, step):
