@@ -172,9 +172,9 @@ class LocalBackend(Executor):
                 return None  # no form here, or the leaf reads the bytes as another type or size
             views.append(view)
         first, k = views[0], nodes[0].shape[-1]
-        end = first.storage_offset()
-        for v in views:
-            if v.storage_offset() != end:
+        end, storage = first.storage_offset(), first.untyped_storage().data_ptr()
+        for v in views:  # one run of one mapping, else no view spans them
+            if v.storage_offset() != end or v.untyped_storage().data_ptr() != storage:
                 return None
             end += v.numel()
         whole = first.as_strided((end - first.storage_offset(),), (1,))
