@@ -385,16 +385,17 @@ class Executor(Backend):
         """The executor's form of WEIGHT leaves ``nodes``: ``make()``, made again after a
         write to one of their buffers. The one place forms are made, so the one place they
         are charged: checked against the limit before ``make`` runs."""
-        shared = self._shared_form(nodes)
-        if shared is not None:
-            return shared  # made by the host once for every session: not this one's to charge
         key = tuple((*n.attrs, n.dtype, n.shape) for n in nodes)
         versions = tuple(self._buffers[n.attrs[0]].version for n in nodes)
         cached = self._weights.get(key)
         if cached is None or cached[0] != versions:
-            size = self.ledger.check_form(key, nodes)
-            cached = self._weights[key] = (versions, make())
-            self.ledger.add_form(key, size)
+            shared = self._shared_form(nodes)
+            if shared is not None:  # made by the host once for every session: not this one's to charge
+                cached = self._weights[key] = (versions, shared)
+            else:
+                size = self.ledger.check_form(key, nodes)
+                cached = self._weights[key] = (versions, make())
+                self.ledger.add_form(key, size)
         return cached[1]
 
     def _share(self, data: memoryview) -> object:

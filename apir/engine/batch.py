@@ -106,17 +106,18 @@ class Batch:
         # per chunk: its length, first position and slot; per token: the chunk's slot, and
         # the chunk's first position plus the token's index in it
         lens = np.fromiter((len(c.ids) for c in chunks), np.int32, len(chunks))
-        n = int(lens.sum())
+        ends = np.cumsum(lens)  # each chunk's end in the step
+        n = int(ends[-1])
         tokens = np.fromiter(itertools.chain.from_iterable(c.ids for c in chunks), np.int32, n)
         starts = np.fromiter((c.start for c in chunks), np.int32, len(chunks))
         seq = np.repeat(np.fromiter((c.slot for c in chunks), np.int32, len(chunks)), lens)
-        pos = (np.arange(n) + np.repeat(starts - (np.cumsum(lens) - lens), lens)).astype(np.int32)
+        pos = (np.arange(n) + np.repeat(starts - (ends - lens), lens)).astype(np.int32)
         if self.model._pad and n > 1:
             # as Model._step: repeat the last token, which writes the same row again. Every
             # length is padded (a decode step of 3 sequences runs as 4): few graphs to record
             size = 1 << (n - 1).bit_length()
             tokens, pos, seq = (np.concatenate([a, np.full(size - n, a[-1], np.int32)]) for a in (tokens, pos, seq))
-        end = np.cumsum(lens) - 1
+        end = ends - 1
         sampled = [i for i, c in enumerate(chunks) if c.draw is not None]
         b, graph = self._graph(len(sampled))
         last = np.zeros(b, np.int32)
