@@ -144,7 +144,8 @@ def _forms(name: str, gguf, slots) -> tuple[int, int]:
         yield 0, table
         for t, offset in zip(tensors, offsets):
             k = t.shape[-1] if t.shape else 1
-            rows, per_row = t.data.size // t.dtype.nbytes((1, k)), t.dtype.nbytes((1, k))
+            per_row = t.dtype.nbytes((1, k))
+            rows = t.data.size // per_row
             step = max(1, FORM_CHUNK // k)
             for r in range(0, rows, step):
                 n = min(step, rows - r)
