@@ -72,6 +72,9 @@ def serve_one(path: str) -> int:
         return pid
     code = 0
     try:  # the worker: never returns into pytest
+        # the parent's OpenMP threads are not in this child: one parallel fill (the
+        # worker's zeroed buffers) would wait for them forever
+        torch.set_num_threads(1)
         sock, _ = listener.accept()
         listener.close()
         conn = Connection.over(sock, "test")
@@ -114,3 +117,37 @@ def test_compile_modes_pick_the_lengths(compiling):
             np.testing.assert_array_equal(out, np.full((n, 4), 2, np.float32))
         assert [t.removeprefix("compiling ").split(" graph")[0] for t in told] == compiled, (mode, told)
         be.close()
+
+
+class WarmingStep(EagerStep):
+    """EagerStep that runs its step once when made, as CapturedStep's warm-up does: where
+    a compile failure surfaces."""
+
+    def __init__(self, run, inputs, dtypes, device, versions) -> None:
+        super().__init__(run, inputs, dtypes, device, versions)
+        self(inputs)
+
+
+def test_a_step_that_fails_to_compile_runs_eagerly_and_the_others_still_compile(compiling, monkeypatch):
+    monkeypatch.setattr(executor, "CapturedStep", WarmingStep)
+    be = CompilingBackend("cpu", config=ExecutorConfig(compile="all"))
+    tried: list[int] = []
+
+    def compiled(run, n_tokens, greedy):
+        tried.append(n_tokens)
+        if n_tokens == 16:
+            def broken(t):
+                raise TypeError("list indices must be integers or slices, not NoneType")
+            return broken
+        return run
+
+    be._compiled = compiled
+    g = GraphBuilder()
+    x = g.input("x", (T, 4), DType.F32)
+    gid = be.register_graph(g.build(g.add(x, x)))
+    for n in (16, 1, 16):
+        (out,) = be.compute(gid, {"x": np.ones((n, 4), np.float32)})
+        np.testing.assert_array_equal(out, np.full((n, 4), 2, np.float32))
+    assert tried == [16, 1]  # the decode step compiled after the prefill's failure
+    assert be._compile_failed == {(16, False)}
+    be.close()

@@ -101,6 +101,7 @@ class LocalBackend(Executor):
         if self.compile:
             use_compile_cache(config.compile_cache or DEFAULT_COMPILE_CACHE)
         self.compile_prefill = config.compile == "all"
+        self._compile_failed: set[tuple[int, bool]] = set()  # (step tokens, greedy) kinds run eagerly
         # a shared weights mapping is computed on in place on the CPU; a GPU copies it
         self._lends = self.torch_device.type == "cpu"
         # quantized weights packed in place for the GPU kernels (qpack), per buffer (by id):
@@ -449,15 +450,17 @@ class LocalBackend(Executor):
             # (the engine warms those up). Steps of 2..8 tokens (short prompts, unpadded)
             # are recorded eagerly: their one run costs far less than a compile per length.
             # A fixed-shape graph run twice (a torch frontend model's forward) is compiled too.
-            if self.compile and (n_tokens == 1 or prog.fixed
-                                 or self.compile_prefill and n_tokens > CAPTURE_MAX_DECODE):
+            if self.compile and key not in self._compile_failed and (
+                    n_tokens == 1 or prog.fixed or self.compile_prefill and n_tokens > CAPTURE_MAX_DECODE):
                 try:
                     compiled = self._compiled(run, n_tokens, greedy)
                     step = CapturedStep(compiled, inputs, dtypes, self.torch_device, versions)
                 except Exception as e:  # noqa: BLE001 - a compiler failure must not fail the step
-                    log.warning("torch.compile failed (%s); capturing eager kernels instead",
+                    # this step only: another (the one-sequence decode) may compile fine
+                    log.warning("torch.compile failed for a %d-token %s step (%s); capturing its "
+                                "eager kernels instead", n_tokens, "greedy" if greedy else "sampling",
                                 str(e).splitlines()[0] if str(e) else type(e).__name__)
-                    self.compile = False
+                    self._compile_failed.add(key)
             step = step or CapturedStep(run, inputs, dtypes, self.torch_device, versions)
             prog.captured[key] = step
         return step(inputs)

@@ -246,8 +246,17 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
 
 
 def sample(logits: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
-    """Op.SAMPLE without a host sync (capturable in a CUDA graph): every step of the
-    reference is a tensor op, and the kept sets are always prefixes of the sorted order."""
+    """Op.SAMPLE without a host sync (capturable in a CUDA graph). Several rows (a batched
+    step) stay out of torch.compile: Inductor (torch 2.11, CUDA) failed to generate code for
+    the softmax of 64 x 128,256 logits, and the rows' sort costs more than the fusion saves."""
+    if torch.compiler.is_compiling() and logits.numel() > logits.shape[-1]:
+        return _sample_rows(logits, params)
+    return _sample(logits, params)
+
+
+def _sample(logits: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
+    """Every step of the reference is a tensor op, and the kept sets are always prefixes
+    of the sorted order."""
     rows = logits.reshape(-1, logits.shape[-1]).float()
     # fields (1, 1), or (rows, 1) with a draw per row: tensors, no host sync
     a = SampleArgs.unpack(params.float().reshape(-1, 1, PARAMS_SIZE))
@@ -268,6 +277,9 @@ def sample(logits: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
     token = torch.gather(order, -1, pick).squeeze(-1)
     greedy = argmax(rows)
     return torch.where(a.temperature.reshape(-1) <= 0, greedy, token).int().reshape(logits.shape[:-1])
+
+
+_sample_rows = torch.compiler.disable(_sample)
 
 
 def sample_greedy(logits: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
