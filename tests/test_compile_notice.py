@@ -1,7 +1,7 @@
 """A compile the host must do is announced on the guest's stderr, once per compile, and
 short prompts (2..8 tokens) never compile. CI has no GPU, so the host's CUDA path is run
 on the CPU: a worker serves a real guest from a thread, its LocalBackend takes the
-compile path with torch.compile as the identity and the CUDA graph run eagerly."""
+compile path with the compiler as the identity and the CUDA graph run eagerly."""
 
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ class CompilingBackend(local.LocalBackend):
 def compiling(monkeypatch):
     monkeypatch.setattr(local_pkg, "LocalBackend", CompilingBackend)
     monkeypatch.setattr(executor, "CapturedStep", EagerStep)
-    monkeypatch.setattr(torch, "compile", lambda fn, **kw: fn)
+    monkeypatch.setattr(executor.inductor, "Compiled", lambda fn: fn)
     program = executor.compile_program  # the GPU's program: host-checked indices, device kernels
     monkeypatch.setattr(executor, "compile_program", lambda graph, _, dtype: program(graph, True, dtype))
 
@@ -149,5 +149,5 @@ def test_a_step_that_fails_to_compile_runs_eagerly_and_the_others_still_compile(
         (out,) = be.compute(gid, {"x": np.ones((n, 4), np.float32)})
         np.testing.assert_array_equal(out, np.full((n, 4), 2, np.float32))
     assert tried == [16, 1]  # the decode step compiled after the prefill's failure
-    assert be._compile_failed == {(16, False)}
+    assert be._uncompiled == {(16, False)}
     be.close()

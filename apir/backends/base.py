@@ -63,7 +63,7 @@ class ExecutorConfig:
     and bench resolve flags and environment once (``from_env``) and pass the result."""
 
     cuda_graphs: bool = True  # replay steps from captured CUDA graphs (CUDA devices only)
-    # torch.compile captured steps: "decode" steps (and fixed-shape graphs run twice: the
+    # compile (Inductor) captured steps: "decode" steps (and fixed-shape graphs run twice: the
     # torch frontend's), "all" prefill chunks too, or "off"
     compile: str = "decode"
     # keep dequantized f32/f16 copies of quantized and 16-bit weights beside their buffer

@@ -113,7 +113,7 @@ if triton is not None:
         tl.store(l_ptr + row, l_i, mask=g < G)
         tl.store(o_ptr + row[:, None] * DV + dv[None, :], acc, mask=(g < G)[:, None] & (dv < DV)[None, :])
 
-    # Opaque to torch.compile, as the quantized products are (see qmatmul): the launch is
+    # Opaque to a step's tracer, as the quantized products are (see qmatmul): the launch is
     # recorded into a step's CUDA graph like any other kernel.
     @torch.library.custom_op("apir::attend_visible", mutates_args=())
     def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, seq: torch.Tensor,

@@ -37,7 +37,7 @@ from ..base import (
     Pending,
 )
 from ..executor import Buffer, Executor, Registered, check_indices
-from . import kernels, qmatmul, qpack
+from . import inductor, kernels, qmatmul, qpack
 from .capture import CapturedStep
 from .dequant import dequantize
 from .program import FusedMatmul, Input, Leaf, Part, Program, Step, compile_program
@@ -101,7 +101,7 @@ class LocalBackend(Executor):
         if self.compile:
             use_compile_cache(config.compile_cache or DEFAULT_COMPILE_CACHE)
         self.compile_prefill = config.compile == "all"
-        self._compile_failed: set[tuple[int, bool]] = set()  # (step tokens, greedy) kinds run eagerly
+        self._uncompiled: set[tuple[int, bool]] = set()  # (step tokens, greedy): kinds that failed to compile
         # a shared weights mapping is computed on in place on the CPU; a GPU copies it
         self._lends = self.torch_device.type == "cpu"
         # quantized weights packed in place for the GPU kernels (qpack), per buffer (by id):
@@ -379,12 +379,17 @@ class LocalBackend(Executor):
                 else torch.from_numpy(a if a.flags.writeable else a.copy()).to(dev)
                 for name, a in inputs.items()
             }
-            if self.compile and n_tokens == 1:  # compile_cpu: the decode step, compiled once
-                step = prog.captured.get((1, greedy)) or self._compiled(self._execute, 1, greedy)
-                prog.captured[(1, greedy)] = step
-            else:
-                step = self._execute
-            outs = step(reg, tensors, self._constants(prog), greedy)
+            constants = self._constants(prog)
+            key = (1, greedy)
+            if self.compile and n_tokens == 1 and key not in self._uncompiled:  # compile_cpu: decode
+                step = prog.captured.get(key) or self._compiled(self._execute, 1, greedy)
+                try:
+                    outs = step(reg, tensors, constants, greedy)
+                    prog.captured[key] = step
+                    return outs
+                except Exception as e:  # noqa: BLE001 - a compiler failure must not fail the step
+                    self._compile_failed(key, e)
+            outs = self._execute(reg, tensors, constants, greedy)
         return outs
 
     def _host_outputs(self, reg: Registered, outputs: list[torch.Tensor]) -> list[np.ndarray]:
@@ -428,7 +433,17 @@ class LocalBackend(Executor):
             what = "decode" if n_tokens == 1 else f"{n_tokens}-token prefill"
             self.on_compile(f"compiling {what} graph ({'greedy' if greedy else 'sampling'} "
                             "step, first use in this session)")
-        return torch.compile(run, dynamic=False)
+        return inductor.Compiled(run)
+
+    def _compile_failed(self, key: tuple[int, bool], e: Exception) -> None:
+        """Compiling a step failed (no C++ compiler, an op Inductor cannot take): said once,
+        and steps of this kind run their kernels as they are (on CUDA still recorded) from
+        now on. Only this kind: another (the one-sequence decode) may compile fine."""
+        n_tokens, greedy = key
+        log.warning("compiling a %d-token %s step failed (%s); running its kernels as they are "
+                    "instead", n_tokens, "greedy" if greedy else "sampling",
+                    str(e).splitlines()[0] if str(e) else type(e).__name__)
+        self._uncompiled.add(key)
 
     def _replay(self, reg: Registered, inputs: dict[str, object], n_tokens: int,
                 greedy: bool) -> list[torch.Tensor]:
@@ -450,17 +465,13 @@ class LocalBackend(Executor):
             # (the engine warms those up). Steps of 2..8 tokens (short prompts, unpadded)
             # are recorded eagerly: their one run costs far less than a compile per length.
             # A fixed-shape graph run twice (a torch frontend model's forward) is compiled too.
-            if self.compile and key not in self._compile_failed and (
+            if self.compile and key not in self._uncompiled and (
                     n_tokens == 1 or prog.fixed or self.compile_prefill and n_tokens > CAPTURE_MAX_DECODE):
                 try:
                     compiled = self._compiled(run, n_tokens, greedy)
                     step = CapturedStep(compiled, inputs, dtypes, self.torch_device, versions)
                 except Exception as e:  # noqa: BLE001 - a compiler failure must not fail the step
-                    # this step only: another (the one-sequence decode) may compile fine
-                    log.warning("torch.compile failed for a %d-token %s step (%s); capturing its "
-                                "eager kernels instead", n_tokens, "greedy" if greedy else "sampling",
-                                str(e).splitlines()[0] if str(e) else type(e).__name__)
-                    self._compile_failed.add(key)
+                    self._compile_failed(key, e)
             step = step or CapturedStep(run, inputs, dtypes, self.torch_device, versions)
             prog.captured[key] = step
         return step(inputs)

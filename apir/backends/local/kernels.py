@@ -14,13 +14,14 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+import torch.utils._pytree as pytree
 
 from ...graph import Op, SampleArgs
 from ...graph.ops import Fn, Pool, Reduce
 from ...graph.sampling import PARAMS_SIZE
 from ..base import BackendError
 from ..executor import check_positions
-from . import decode_attention, gemv, qmatmul
+from . import decode_attention, gemv, inductor, qmatmul
 
 
 @dataclass(frozen=True)
@@ -29,25 +30,22 @@ class Blocks:
     the only copy, as GGUF blocks or, where ``qmatmul.packs`` the device, packed (qpack)."""
 
     data: torch.Tensor
-    qtype: int  # the DType's ggml id (a plain int, for torch.compile's tracing)
+    qtype: int  # the DType's ggml id (a plain int: fixed in a compiled step)
     shape: tuple[int, int]
 
 
-# Stacked products of more rows than a decode step's: the bounded-scratch path of
-# qmatmul, run eagerly (its argument checks read data pointers, which torch.compile cannot)
-_stacked = torch.compiler.disable(qmatmul.qmatmul_stacked)
+# a compiled step takes a weight's bytes as an input, its type and shape as fixed
+pytree.register_pytree_node(Blocks, lambda b: ([b.data], (b.qtype, b.shape)),
+                            lambda children, context: Blocks(children[0], *context))
 
 
 def qproduct(x: torch.Tensor, parts: tuple[Blocks, ...]) -> torch.Tensor:
     """x (..., K) @ concat(parts).T in f32: (..., sum N_i), each part read from its blocks."""
     k = parts[0].shape[1]
     x2 = x.reshape(-1, k)
-    # the decode kernels, as qmatmul_stacked calls them (buffer offsets are 32-byte aligned,
-    # so its argument checks hold by construction), traceable by torch.compile
-    y = qmatmul.decode_product(x2, [p.data for p in parts], [p.qtype for p in parts],
-                               [p.shape[0] for p in parts], k)
-    if y is None:
-        y = _stacked(x2, [(p.data, p.qtype, p.shape[0]) for p in parts], k)
+    # qmatmul_stacked without its argument checks (buffer offsets are 32-byte aligned, so
+    # they hold by construction; they read data pointers, which a traced step has not)
+    y = qmatmul.stacked_product(x2, [(p.data, p.qtype, p.shape[0]) for p in parts], k)
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
@@ -83,7 +81,7 @@ def get_rows(table: torch.Tensor | Blocks, ids: torch.Tensor) -> torch.Tensor:
     return table[ids.long()].float()
 
 
-# Attention of up to this many query rows, inside torch.compile, is written as products
+# Attention of up to this many query rows, in a step traced for Inductor, is written as products
 # and sums, which Inductor fuses into a few kernels; cuBLAS picked a 22 µs kernel (H200)
 # for the value product of a few rows against the strided cache.
 SMALL_ROWS = 8
@@ -168,14 +166,14 @@ def attend(q, k, v, mask: torch.Tensor, scale: float, softcap: float) -> torch.T
     S) allows. Grouped-query heads without copying k or v per query head: for each kv
     head one batched matmul of its group's queries, all positions at once:
         q (T, Hq, D) -> (Hkv, T*G, D);  k (S, Hkv, D) -> (Hkv, D, S);  scores (Hkv, T*G, S)
-    (decode steps under torch.compile: the same as products and sums, see SMALL_ROWS;
+    (decode steps traced for Inductor: the same as products and sums, see SMALL_ROWS;
     without a softcap, PyTorch's fused attention)."""
     n_tok, n_head, dim = q.shape
     n_head_kv = k.shape[1]
     group = n_head // n_head_kv
     qh = q.float().reshape(n_tok, n_head_kv, group, dim).permute(1, 0, 2, 3).reshape(n_head_kv, n_tok * group, dim)
     kh, vh = k.transpose(0, 1), v.transpose(0, 1)  # (Hkv, S, D), (Hkv, S, Dv), as cached (F16 or F32)
-    if torch.compiler.is_compiling() and n_tok <= SMALL_ROWS:
+    if inductor.tracing() and n_tok <= SMALL_ROWS:
         kh, vh = kh.float(), vh.float()  # fused into the kernels that read the cache
         scores = (qh[:, :, None, :] * kh[:, None, :, :]).sum(-1) * scale
         if softcap:

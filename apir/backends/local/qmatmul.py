@@ -195,7 +195,7 @@ if qkernels is not None:
 
     def _stacked_shape(x: torch.Tensor, ws: list[torch.Tensor], qtypes: list[int], ns: list[int],
                        k: int) -> torch.Tensor:
-        # what both decode ops return, for torch.compile's tracing: (M, sum N) f32
+        # what both decode ops return, for tracing a step to compile: (M, sum N) f32
         return x.new_empty((x.shape[0], sum(ns)), dtype=torch.float32)
 
     @torch.library.custom_op("apir::qgemv", mutates_args=())
@@ -251,7 +251,7 @@ def decode_product(x: torch.Tensor, ws: list[torch.Tensor], qtypes: list[int], n
                    k: int) -> torch.Tensor | None:
     """x (M, K) @ the stacked packed weights ws.T through a decode kernel, fused (M up to
     FUSED_ROWS) or batched (up to BATCH_ROWS), without the argument checks (traceable by
-    torch.compile); None where neither applies."""
+    a step's tracer); None where neither applies."""
     if not packs(x.device):
         return None
     if x.shape[0] <= FUSED_ROWS:
@@ -307,6 +307,12 @@ def qmatmul_stacked(x: torch.Tensor, parts: Sequence[tuple[torch.Tensor, int | D
         why = _check(x, w, qtype, n, k)
         if why is not None:
             raise ValueError(f"qmatmul: {why}")
+    return stacked_product(x, parts, k)
+
+
+def stacked_product(x: torch.Tensor, parts: Sequence[tuple[torch.Tensor, int, int]], k: int) -> torch.Tensor:
+    """``qmatmul_stacked`` for arguments known to pass its checks (int qtypes): torch ops
+    and apir's custom ops only, so a step that calls it can be traced and compiled."""
     y = decode_product(x, [w for w, _, _ in parts], [q for _, q, _ in parts], [n for _, _, n in parts], k)
     if y is not None:
         return y
