@@ -1,12 +1,12 @@
-"""Compiled programs outlive the session (``ExecutorConfig.compile_cache``): a second
-session with the same graph loads its compiled decode step from the cache directory
-instead of compiling it (Inductor's counters say which happened), a corrupt entry is
-compiled again, not trusted, and tokens are those of an eager run throughout.
+"""Compiled steps outlive the session (``ExecutorConfig.compile_cache``): a second session
+with the same graph loads its compiled decode step from the host's step store instead of
+tracing and compiling it (``inductor.STATS`` says which happened), a model whose graph
+differs in anything (here: only its RoPE base) never loads another's step, a corrupt entry
+is compiled again, not trusted, and tokens are those of an eager run throughout.
 
 On the CPU this needs ``compile_cpu`` (Inductor's C++ build, gcc); the CUDA path, where
-decode steps compile by default, has its own test (marked gpu). A "session" here is a backend in this process
-after ``torch._dynamo.reset()``, which drops every compiled frame: what is left is the
-directory, as for a new worker process (one process saves two torch imports)."""
+decode steps compile by default, has its own test (marked gpu). A "session" here is a
+backend in this process: what it finds is the directory, as a new worker process would."""
 
 from __future__ import annotations
 
@@ -26,16 +26,21 @@ PROMPT = "Once upon a time"
 
 
 def _session(tiny: str, config: ExecutorConfig, device: str = "cpu") -> tuple[list[int], dict[str, int]]:
-    """A fresh session's greedy tokens and what Inductor did for it (counter deltas)."""
-    from torch._dynamo.utils import counters
+    """A fresh session's greedy tokens and what its compiled steps did (counter deltas)."""
+    from apir.backends.local import LocalBackend, inductor
 
-    from apir.backends.local import LocalBackend
-
-    torch._dynamo.reset()
-    before = dict(counters["inductor"])
+    before = dict(inductor.STATS)
     with apir.load(tiny, backend=LocalBackend(device, config=config)) as model:
         ids = list(model.generate_ids(model.tokenize(PROMPT), SamplingParams(temperature=0, max_tokens=6)))
-    return ids, {k: counters["inductor"][k] - before.get(k, 0) for k in ("fxgraph_cache_hit", "fxgraph_cache_miss")}
+    return ids, {k: inductor.STATS[k] - before.get(k, 0) for k in ("compiled", "loaded", "saved")}
+
+
+def _eager(tiny: str) -> list[int]:
+    with apir.load(tiny, backend="local", device="cpu") as eager:
+        return list(eager.generate_ids(eager.tokenize(PROMPT), SamplingParams(temperature=0, max_tokens=6)))
+
+
+COMPILED, LOADED = {"compiled": 1, "loaded": 0, "saved": 1}, {"compiled": 0, "loaded": 1, "saved": 0}
 
 
 @pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++")), reason="Inductor on a CPU needs a C++ compiler")
@@ -43,32 +48,30 @@ def _session(tiny: str, config: ExecutorConfig, device: str = "cpu") -> tuple[li
 def test_a_second_session_loads_its_compiled_step_and_a_corrupt_one_is_rebuilt(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "unused"))  # restored after the test
     tiny = str(write_tiny_gguf(tmp_path / "tiny.gguf", TinyConfig(n_layer=1, context_length=64), seed=3))
-    with apir.load(tiny, backend="local", device="cpu") as eager:
-        expected = list(eager.generate_ids(eager.tokenize(PROMPT), SamplingParams(temperature=0, max_tokens=6)))
+    expected = _eager(tiny)
     cache = tmp_path / "compiled"
     config = ExecutorConfig(compile_cpu=True, compile_cache=str(cache))
 
-    ids, did = _session(tiny, config)
-    assert ids == expected
-    assert did == {"fxgraph_cache_hit": 0, "fxgraph_cache_miss": 1}  # compiled, once
+    assert _session(tiny, config) == (expected, COMPILED)
     (versioned,) = cache.iterdir()
     assert versioned.name.startswith(f"torch-{torch.__version__}-apir-")
     assert versioned.stat().st_mode & 0o077 == 0  # the host's own: no other user reads or plants files
+    (step,) = (versioned / "steps").iterdir()
 
-    ids, did = _session(tiny, config)
-    assert ids == expected
-    assert did == {"fxgraph_cache_hit": 1, "fxgraph_cache_miss": 0}  # loaded, not compiled
+    assert _session(tiny, config) == (expected, LOADED)  # neither traced nor compiled
 
-    entries = [p for p in versioned.rglob("*") if p.is_file() and {"fxgraph", "aotautograd"} & set(p.parts)]
-    assert entries
-    for p in entries:  # cut short, as a full disk or a torn copy would leave them
-        data = p.read_bytes()
-        p.write_bytes(data[: len(data) // 2])
-    ids, did = _session(tiny, config)
-    assert ids == expected
-    assert did == {"fxgraph_cache_hit": 0, "fxgraph_cache_miss": 1}  # compiled again, not loaded
+    # another model of the very same shapes, weights and vocabulary, whose graph differs
+    # in one attribute: its own step, compiled (loading the first one's would be wrong)
+    other = str(write_tiny_gguf(tmp_path / "other.gguf", TinyConfig(n_layer=1, context_length=64, rope_base=500.0),
+                                seed=3))
+    assert _session(other, config) == (_eager(other), COMPILED)
+    assert len(list((versioned / "steps").iterdir())) == 2
+
+    data = step.read_bytes()
+    step.write_bytes(data[: len(data) // 2])  # cut short, as a full disk or a torn copy would leave it
+    assert _session(tiny, config) == (expected, COMPILED)  # compiled again (and saved whole), not loaded
+    assert _session(tiny, config) == (expected, LOADED)
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(versioned)
-    assert Path(versioned).is_dir()
 
 
 @pytest.mark.gpu
@@ -77,7 +80,7 @@ def test_a_second_cuda_session_loads_its_compiled_decode_step(tmp_path, monkeypa
     tiny = str(write_tiny_gguf(tmp_path / "tiny.gguf", TinyConfig(context_length=512), "F16", seed=3))
     config = ExecutorConfig(compile_cache=str(tmp_path / "compiled"))  # CUDA: compile="decode"
     first, did = _session(tiny, config, "cuda")
-    assert did["fxgraph_cache_miss"] >= 1 and did["fxgraph_cache_hit"] == 0
+    assert did["compiled"] >= 1 and did["loaded"] == 0
     second, did = _session(tiny, config, "cuda")
-    assert did["fxgraph_cache_hit"] >= 1 and did["fxgraph_cache_miss"] == 0
+    assert did["loaded"] >= 1 and did["compiled"] == 0
     assert second == first

@@ -71,7 +71,7 @@ class Bind:
 def warm_up(device: str | None, executor: ExecutorConfig) -> None:
     """Pay now what a session's worker pays before its first request: the host backend's
     imports and, on a GPU, the device's context (~5 s on CUDA) and the compiler's imports
-    (dynamo and inductor: 2-4 s) when its decode step will be compiled. Called after the
+    (inductor's: 2-4 s) when its decode step will be compiled or loaded compiled. Called after the
     fork: CUDA does not survive one."""
     import torch
 
@@ -80,8 +80,13 @@ def warm_up(device: str | None, executor: ExecutorConfig) -> None:
     dev = pick_device(device)
     if dev.type != "cpu":
         torch.zeros(1, device=dev)  # creates the context
-    if dev.type == "cuda" and executor.cuda_graphs and executor.compile != "off":
+    if executor.compile != "off" and (dev.type == "cuda" and executor.cuda_graphs
+                                      or dev.type == "cpu" and executor.compile_cpu):
+        # what tracing a step, and loading one compiled before, import (1-2 s)
+        import torch._functorch._aot_autograd.aot_autograd_result  # noqa: F401
         import torch._inductor.compile_fx  # noqa: F401
+        import torch._inductor.standalone_compile  # noqa: F401
+        import torch.fx.experimental.proxy_tensor  # noqa: F401
 
 
 def wait_for_bind(pool: socket.socket) -> tuple[Bind, socket.socket] | None:

@@ -15,9 +15,12 @@ cached dequantized copies (faster on a CPU, several times the memory).
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import logging
 import math
 import os
+import platform
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -98,8 +101,9 @@ class LocalBackend(Executor):
         self.cuda_graphs = config.cuda_graphs and self.torch_device.type == "cuda"
         self.compile = config.compile != "off" and (self.cuda_graphs or config.compile_cpu and
                                                     self.torch_device.type == "cpu")
-        if self.compile:
-            use_compile_cache(config.compile_cache or DEFAULT_COMPILE_CACHE)
+        # compiled steps saved for later sessions (see inductor.StepStore)
+        self._steps = (inductor.StepStore(use_compile_cache(config.compile_cache or DEFAULT_COMPILE_CACHE)
+                                          / "steps") if self.compile else None)
         self.compile_prefill = config.compile == "all"
         self._uncompiled: set[tuple[int, bool]] = set()  # (step tokens, greedy): kinds that failed to compile
         # a shared weights mapping is computed on in place on the CPU; a GPU copies it
@@ -382,7 +386,7 @@ class LocalBackend(Executor):
             constants = self._constants(prog)
             key = (1, greedy)
             if self.compile and n_tokens == 1 and key not in self._uncompiled:  # compile_cpu: decode
-                step = prog.captured.get(key) or self._compiled(self._execute, 1, greedy)
+                step = prog.captured.get(key) or self._compiled(reg, 1, greedy)
                 try:
                     outs = step(reg, tensors, constants, greedy)
                     prog.captured[key] = step
@@ -424,16 +428,26 @@ class LocalBackend(Executor):
         done.record()
         return CopyingBack(done, copies)
 
-    def _compiled(self, run: Callable, n_tokens: int, greedy: bool) -> Callable:
-        """``run`` compiled (on its first call), the guest told first: found in the compile
-        cache it takes seconds, compiled anew minutes on a CPU, tens of seconds on a GPU."""
+    def _compiled(self, reg: Registered, n_tokens: int, greedy: bool) -> Callable:
+        """The walk (``_execute``) over ``reg``'s program compiled on its first call: loaded
+        from the step store when a session compiled it before, else compiled there and then,
+        the guest told first (minutes on a CPU, tens of seconds on a GPU)."""
         if n_tokens == 0:
-            self.on_compile("compiling a fixed-shape graph (its second run in this session)")
+            what = "compiling a fixed-shape graph (its second run in this session)"
         else:
-            what = "decode" if n_tokens == 1 else f"{n_tokens}-token prefill"
-            self.on_compile(f"compiling {what} graph ({'greedy' if greedy else 'sampling'} "
-                            "step, first use in this session)")
-        return inductor.Compiled(run)
+            what = (f"compiling {'decode' if n_tokens == 1 else f'{n_tokens}-token prefill'} graph "
+                    f"({'greedy' if greedy else 'sampling'} step, first use of this model on this host)")
+        return inductor.Compiled(self._execute, self._steps, self._step_description(reg, n_tokens, greedy),
+                                 lambda: self.on_compile(what))
+
+    def _step_description(self, reg: Registered, n_tokens: int, greedy: bool) -> str:
+        """What the walk traced for a step depends on beyond its arguments' shapes and
+        types (inductor.Compiled's digest): the graph, the step, this executor's settings
+        and device, and the code that walks and compiles it."""
+        dev = self.torch_device
+        hardware = torch.cuda.get_device_capability(dev) if dev.type == "cuda" else platform.machine()
+        return repr((reg.graph.nodes, reg.graph.outputs, n_tokens, greedy,
+                     self.dequant_cache, self._packs, dev.type, hardware, _code_version()))
 
     def _compile_failed(self, key: tuple[int, bool], e: Exception) -> None:
         """Compiling a step failed (no C++ compiler, an op Inductor cannot take): said once,
@@ -468,8 +482,9 @@ class LocalBackend(Executor):
             if self.compile and key not in self._uncompiled and (
                     n_tokens == 1 or prog.fixed or self.compile_prefill and n_tokens > CAPTURE_MAX_DECODE):
                 try:
-                    compiled = self._compiled(run, n_tokens, greedy)
-                    step = CapturedStep(compiled, inputs, dtypes, self.torch_device, versions)
+                    compiled = self._compiled(reg, n_tokens, greedy)
+                    step = CapturedStep(lambda t: compiled(reg, t, constants, greedy), inputs, dtypes,
+                                        self.torch_device, versions)
                 except Exception as e:  # noqa: BLE001 - a compiler failure must not fail the step
                     self._compile_failed(key, e)
             step = step or CapturedStep(run, inputs, dtypes, self.torch_device, versions)
@@ -480,7 +495,7 @@ class LocalBackend(Executor):
 DEFAULT_COMPILE_CACHE = "~/.cache/apir/compile"
 
 
-def use_compile_cache(directory: str) -> None:
+def use_compile_cache(directory: str) -> Path:
     """Keep Inductor's compiled programs (FX graphs, kernels, AOTAutograd) under
     ``directory``, in a subdirectory per torch and apir version, made private (0700): a
     later session or process with the same graph, shapes, dtypes and device loads them
@@ -490,6 +505,22 @@ def use_compile_cache(directory: str) -> None:
     path = Path(directory).expanduser() / f"torch-{torch.__version__}-apir-{__version__}"
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)
+    return path
+
+
+@functools.cache
+def _code_version() -> str:
+    """A digest of apir's own source and torch's and Triton's versions: a compiled step
+    saved by other code is never loaded."""
+    try:
+        import triton
+    except ImportError:
+        triton = None
+    h = hashlib.sha256(f"{torch.__version__} {getattr(triton, '__version__', None)}".encode())
+    root = Path(__file__).resolve().parents[2]  # the apir package
+    for f in sorted(root.rglob("*.py")):
+        h.update(f.relative_to(root).as_posix().encode() + f.read_bytes())
+    return h.hexdigest()
 
 
 def _wire(t: torch.Tensor, dtype: DType) -> torch.Tensor:

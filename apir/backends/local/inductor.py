@@ -1,13 +1,21 @@
-"""Compiling a step with Inductor, without Dynamo.
+"""Compiling a step with Inductor, without Dynamo, and keeping the result on disk.
 
 The executor's walk over a program (``LocalBackend._execute``) is plain Python over torch
 ops with no data-dependent control flow on the paths it compiles, so ``make_fx`` traces it
 on fake tensors into an FX graph of ATen ops, and Inductor compiles that graph. Dynamo
 would trace the same walk by interpreting its bytecode: seconds for a 30-layer model, in
-every session again, since nothing it does outlives the process. The FX graph is instead
-the key of Inductor's on-disk cache (its ops, shapes, dtypes and strides; the weights and
-caches are inputs, so their values are not part of it): a later session of the same
-model traces in a tenth of a second and loads the program compiled before.
+every session again, since nothing it does outlives the process.
+
+What survives the session is the compiled program itself (``standalone_compile``'s
+artifact: the generated wrapper and its kernels' binaries), saved in a ``StepStore`` under
+a digest of everything the trace depends on: the program's description (the registered
+graph, the step's kind, the executor's settings, the device, torch, Triton and apir's own
+source; given by the executor), plus, per argument of the call, a tensor's shape, strides,
+dtype, device and 16-byte alignment, or a plain value, and the arguments' structure
+(including each weight's block type and shape). A later session of the same model neither
+traces nor compiles: it loads the artifact. Only the host writes the store (a directory
+private to its user): a guest sends graphs, never code, and a graph of its own is compiled
+by the host like any other.
 
 While a walk is traced, ``tracing()`` is True: kernels that would pick a library call
 for eager work (fused attention) take the form Inductor fuses instead.
@@ -16,12 +24,20 @@ for eager work (fused attention) take the form Inductor fuses instead.
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import os
+import tempfile
+from collections import Counter
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import torch
 import torch.utils._pytree as pytree
 
 _tracing = False
+# what compiled steps did in this process: "compiled" (traced and compiled), "loaded" (from
+# the store), "saved" (into it); the host's counters, and the tests'
+STATS: Counter[str] = Counter()
 
 
 def tracing() -> bool:
@@ -39,14 +55,54 @@ def _traced() -> Iterator[None]:
         _tracing = False
 
 
+class StepStore:
+    """Compiled steps on disk, one file per digest (see the module's doc)."""
+
+    def __init__(self, directory: str | Path) -> None:
+        self.dir = Path(directory)
+        self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+
+    def path(self, digest: str) -> Path:
+        return self.dir / f"{digest}.step"
+
+    def load(self, digest: str) -> Callable | None:
+        """The artifact saved under ``digest``, or None (none, or unreadable: compiled again)."""
+        path = self.path(digest)
+        if not path.is_file():
+            return None
+        from torch._inductor import CompiledArtifact
+
+        try:
+            return CompiledArtifact.load(path=str(path), format="binary")
+        except Exception:  # noqa: BLE001 - a torn or stale file costs a compile, not the step
+            return None
+
+    def save(self, digest: str, artifact) -> None:
+        """Atomically: a concurrent session either finds the whole file or none."""
+        fd, tmp = tempfile.mkstemp(dir=self.dir, suffix=".part")
+        os.close(fd)
+        try:
+            artifact.save(path=tmp, format="binary")
+            os.replace(tmp, self.path(digest))
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+
+
 class Compiled:
     """``run`` compiled on its first call: the tensors among its arguments (nested in
     dicts, lists, tuples and registered pytree nodes) become the compiled program's inputs,
     everything else is fixed at that call. A later call must bind the same structure and
-    non-tensor values (one ``Compiled`` per program, step length and sampling kind)."""
+    non-tensor values (one ``Compiled`` per program, step length and sampling kind).
 
-    def __init__(self, run: Callable[..., list[torch.Tensor]]) -> None:
-        self.run = run
+    With a ``store``, ``description`` must name everything about ``run`` that its arguments
+    do not show (see the module's doc): the program is then loaded from the store when a
+    session compiled it before, and saved there when compiled. ``announce`` is called
+    before a real compile only."""
+
+    def __init__(self, run: Callable[..., list[torch.Tensor]], store: StepStore | None = None,
+                 description: str = "", announce: Callable[[], None] = lambda: None) -> None:
+        self.run, self.store, self.description, self.announce = run, store, description, announce
         self._program: Callable | None = None
         self._spec: pytree.TreeSpec | None = None
         self._fixed: list = []
@@ -55,16 +111,43 @@ class Compiled:
         leaves, spec = pytree.tree_flatten(args)
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
         if self._program is None:
-            self._compile(leaves, spec, tensors)
+            self._program = self._load_or_compile(leaves, spec, tensors)
+            self._spec, self._fixed = spec, [x for x in leaves if not isinstance(x, torch.Tensor)]
         elif spec != self._spec or not all(map(_same, (x for x in leaves if not isinstance(x, torch.Tensor)),
                                                 self._fixed)):
             raise ValueError("a compiled step was called with other arguments than it was compiled for")
         return list(self._program(*tensors))
 
-    def _compile(self, leaves: list, spec: pytree.TreeSpec, tensors: list[torch.Tensor]) -> None:
-        from torch._subclasses.fake_tensor import FakeTensorMode
+    def _load_or_compile(self, leaves: list, spec: pytree.TreeSpec, tensors: list[torch.Tensor]) -> Callable:
+        digest = self._digest(leaves, spec) if self.store is not None else None
+        if digest is not None:
+            program = self.store.load(digest)
+            if program is not None:
+                STATS["loaded"] += 1
+                return program
+        self.announce()
+        program = self._compile(leaves, spec, tensors)
+        STATS["compiled"] += 1
+        if digest is not None:
+            self.store.save(digest, program)
+            STATS["saved"] += 1
+        return program
+
+    def _digest(self, leaves: list, spec: pytree.TreeSpec) -> str:
+        h = hashlib.sha256(self.description.encode())
+        h.update(repr(spec).encode())  # the structure, with each Blocks' type and shape
+        for x in leaves:
+            if isinstance(x, torch.Tensor):
+                h.update(repr((tuple(x.shape), x.stride(), x.dtype, x.device.type, x.storage_offset(),
+                               x.data_ptr() % 16)).encode())
+            elif type(x) in (int, float, bool, str, type(None)):
+                h.update(repr(x).encode())
+            else:  # an object fixed in the trace: its content is in the description
+                h.update(type(x).__qualname__.encode())
+        return h.hexdigest()
+
+    def _compile(self, leaves: list, spec: pytree.TreeSpec, tensors: list[torch.Tensor]) -> Callable:
         from torch.fx.experimental.proxy_tensor import make_fx
-        from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
         where = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
 
@@ -76,11 +159,8 @@ class Compiled:
 
         with _traced():
             graph = make_fx(flat, tracing_mode="fake")(*tensors)
-        # Inductor's FX graph cache keys on guards, which need a shape environment: fake
-        # inputs of static shapes from a mode that has one (real ones would bypass the cache)
-        mode = FakeTensorMode(shape_env=ShapeEnv())
-        self._program = torch._inductor.compile(graph, [mode.from_tensor(t, static_shapes=True) for t in tensors])
-        self._spec, self._fixed = spec, [x for x in leaves if not isinstance(x, torch.Tensor)]
+        # static shapes, from the real inputs (Inductor's caches key on them)
+        return torch._inductor.standalone_compile(graph, tensors, dynamic_shapes="from_example_inputs")
 
 
 def _same(a: object, b: object) -> bool:

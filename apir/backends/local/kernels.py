@@ -245,9 +245,10 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
 
 def sample(logits: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
     """Op.SAMPLE without a host sync (capturable in a CUDA graph). Several rows (a batched
-    step) stay out of torch.compile: Inductor (torch 2.11, CUDA) failed to generate code for
-    the softmax of 64 x 128,256 logits, and the rows' sort costs more than the fusion saves."""
-    if torch.compiler.is_compiling() and logits.numel() > logits.shape[-1]:
+    step) stay out of a compiled step, as one opaque op: Inductor (torch 2.11, CUDA) failed
+    to generate code for the softmax of 64 x 128,256 logits, and the rows' sort costs more
+    than the fusion saves."""
+    if (torch.compiler.is_compiling() or inductor.tracing()) and logits.numel() > logits.shape[-1]:
         return _sample_rows(logits, params)
     return _sample(logits, params)
 
@@ -277,7 +278,14 @@ def _sample(logits: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
     return torch.where(a.temperature.reshape(-1) <= 0, greedy, token).int().reshape(logits.shape[:-1])
 
 
-_sample_rows = torch.compiler.disable(_sample)
+@torch.library.custom_op("apir::sample_rows", mutates_args=())
+def _sample_rows(logits: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
+    return _sample(logits, params)
+
+
+@_sample_rows.register_fake
+def _(logits: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
+    return logits.new_empty(logits.shape[:-1], dtype=torch.int32)
 
 
 def sample_greedy(logits: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
