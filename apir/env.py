@@ -120,7 +120,7 @@ BENCH_HISTORY = EnvVar(
 CUDA_GRAPHS = EnvVar("APIR_CUDA_GRAPHS", "1", "host: replay decode steps from captured CUDA graphs (0 = eager)")
 COMPILE = EnvVar(
     "APIR_COMPILE", "1",
-    "host: torch.compile decode steps (and fixed-shape graphs from their second run) before "
+    "host: compile decode steps with Inductor (and fixed-shape graphs from their second run) before "
     "capturing them (0 = capture eager kernels, "
     "all = prefill chunks too: ~1.5x faster prefill on an H200, a compile per chunk length "
     "and sampling mode, which apir serve does before it reports ready)",

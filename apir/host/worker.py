@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import logging
 import os
 import re
@@ -82,11 +83,12 @@ def warm_up(device: str | None, executor: ExecutorConfig) -> None:
         torch.zeros(1, device=dev)  # creates the context
     if executor.compile != "off" and (dev.type == "cuda" and executor.cuda_graphs
                                       or dev.type == "cpu" and executor.compile_cpu):
-        # what tracing a step, and loading one compiled before, import (1-2 s)
-        import torch._functorch._aot_autograd.aot_autograd_result  # noqa: F401
-        import torch._inductor.compile_fx  # noqa: F401
-        import torch._inductor.standalone_compile  # noqa: F401
-        import torch.fx.experimental.proxy_tensor  # noqa: F401
+        # what tracing a step, and loading one compiled before, import (1-2 s); a torch
+        # without one of them compiles nothing (the executor falls back), so none is required
+        for module in ("torch._inductor.compile_fx", "torch._inductor.standalone_compile",
+                       "torch._functorch._aot_autograd.aot_autograd_result", "torch.fx.experimental.proxy_tensor"):
+            with contextlib.suppress(ImportError):
+                importlib.import_module(module)
 
 
 def wait_for_bind(pool: socket.socket) -> tuple[Bind, socket.socket] | None:

@@ -298,7 +298,7 @@ class LocalBackend(Executor):
 
     def _compile(self, graph: Graph) -> Program:
         # a compiled step on a CPU takes the GPU's form too: index operands checked on the
-        # host before launch, fixed-shape attention, so nothing breaks Dynamo's graph
+        # host before launch, fixed-shape attention, so the walk traces as one graph
         prog = compile_program(graph, self.torch_device.type != "cpu" or self.compile, self._weight_dtype)
         if self.dequant_cache:
             self._constants(prog)  # dequantize now, not on the first compute

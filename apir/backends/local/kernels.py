@@ -248,7 +248,7 @@ def sample(logits: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
     step) stay out of a compiled step, as one opaque op: Inductor (torch 2.11, CUDA) failed
     to generate code for the softmax of 64 x 128,256 logits, and the rows' sort costs more
     than the fusion saves."""
-    if (torch.compiler.is_compiling() or inductor.tracing()) and logits.numel() > logits.shape[-1]:
+    if inductor.tracing() and logits.numel() > logits.shape[-1]:
         return _sample_rows(logits, params)
     return _sample(logits, params)
 
