@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import shutil
-from pathlib import Path
 
 import pytest
 from tiny_models import TinyConfig, write_tiny_gguf
