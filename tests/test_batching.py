@@ -108,14 +108,14 @@ def test_a_recording_host_gets_every_step_length_before_the_first_request(tiny):
         expected = ["".join(model.stream(ids, params)) for ids, params in jobs]
         model._pad = True  # as on a host with the "graph_cache" capability
         steps: list[tuple[int, int, int]] = []  # (graph, tokens, sampled rows)
-        compute = model.backend.compute
+        submit = model.backend.submit
 
         def recording(gid, inputs, feed=None):
-            if "last" in inputs:
-                steps.append((gid, len(inputs["tokens"]), len(inputs["last"])))
-            return compute(gid, inputs, feed)
+            if "last" in inputs:  # a fed step's tokens come from the step before (feed)
+                steps.append((gid, len(inputs["pos"]), len(inputs["last"])))
+            return submit(gid, inputs, feed)
 
-        model.backend.compute = recording
+        model.backend.submit = recording
         scheduler = Scheduler(model, slots=4, max_queue=8)
         try:
             lengths = [1 << i for i in range(PREFILL_CHUNK.bit_length()) if 1 << i <= PREFILL_CHUNK]
@@ -127,6 +127,56 @@ def test_a_recording_host_gets_every_step_length_before_the_first_request(tiny):
             assert all(t in lengths for _, t, _ in steps[warm:])  # only recorded lengths
         finally:
             scheduler.close()
+
+
+@pytest.mark.parametrize("backend", ["local", "remote-unix"])
+def test_decode_steps_chained_ahead_give_what_each_request_gives_alone(tiny, backend_options, backend):
+    """On a recording host (forced here), a step of decodes only is followed by the next
+    one before its tokens are read, fed them on the backend. Greedy requests with stop
+    strings and seeded sampled ones, more than the slots (so some end while a step runs
+    ahead of them and others join): each gives exactly what it gives alone, and most
+    decode steps were fed."""
+    with apir.load(tiny, **backend_options[backend]) as model:
+        jobs = []
+        for i in range(6):
+            ids = model.tokenize("hello " * (1 + 2 * i) + str(i))
+            if i % 2:
+                params = SamplingParams(temperature=0.9, top_k=0, seed=40 + i, max_tokens=12 + 3 * i)
+            else:
+                params = SamplingParams(temperature=0, max_tokens=10 + 3 * i)
+            if i == 2:  # a stop string from the middle of what it says alone
+                alone = model.generate(ids, temperature=0, max_tokens=params.max_tokens)
+                params = SamplingParams(temperature=0, max_tokens=params.max_tokens, stop=(alone[4:6],))
+            jobs.append((ids, params))
+        expected = [list(model.generate_ids(ids, params)) for ids, params in jobs]
+        texts_alone = ["".join(model.stream(ids, params)) for ids, params in jobs]
+        model._pad = True  # as on a host with the "graph_cache" capability
+        fed: list[bool] = []
+        submit = model.backend.submit
+
+        def recording(gid, inputs, feed=None):
+            if "last" in inputs:
+                fed.append(bool(feed))
+            return submit(gid, inputs, feed)
+
+        model.backend.submit = recording
+        scheduler = Scheduler(model, slots=4, max_queue=8)
+        warm = len(fed)
+        try:
+            assert run_all(scheduler, [jobs[i] for i in (0, 2, 4)]) == [texts_alone[i] for i in (0, 2, 4)]
+            out: list = [None] * len(jobs)
+            threads = [threading.Thread(target=lambda i=i: out.__setitem__(i, list(scheduler.generate(*jobs[i]))))
+                       for i in range(len(jobs))]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(WAIT)
+            assert out == expected
+            assert scheduler.busy == 0
+        finally:
+            scheduler.close()
+        assert not any(fed[:warm])
+        assert sum(fed[warm:]) > len(fed[warm:]) // 2  # most steps ran ahead
 
 
 def test_seeded_sampling_matches_the_single_path(tiny):

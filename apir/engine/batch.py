@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..backends import BufferPurpose
-from ..backends.base import ALIGNMENT
+from ..backends.base import ALIGNMENT, Pending
 from ..graph import DType, GraphBuilder, SampleArgs, T
 from ..graph.sampling import GREEDY, PARAMS_SIZE
 from ..models.slots import SlotCache
@@ -98,11 +98,27 @@ class Batch:
         sizes = [n // used + (i < n % used) for i in range(used)]
         return [Chunk(s, [0] * size, 0, draw) for s, size in enumerate(sizes)]
 
+    @property
+    def chains(self) -> bool:
+        """Whether a decode step can be queued before the one it follows is read (``submit``
+        with ``fed``): where every step samples ``slots`` rows (a recording host) and a step
+        of ``slots`` tokens is one of the recorded lengths (``slots`` a power of two)."""
+        return self.model._pad and self.slots & (self.slots - 1) == 0
+
     def step(self, chunks: Sequence[Chunk]) -> list[int]:
         """Run ``chunks`` (at most one per slot, at most ``slots`` of them) as one step; the
         token sampled for each chunk, in order (-1 where its ``draw`` is None)."""
+        return self.submit(chunks).result()
+
+    def submit(self, chunks: Sequence[Chunk], fed: bool = False) -> Step:
+        """``step``, queued: the tokens come from ``result()``. With ``fed`` (see ``chains``)
+        every chunk is one decode token whose id is not known yet: chunk i takes the token
+        that the previous step on this batch sampled for its chunk i, on the device (the
+        chunks in the same order as that step's, each one position further)."""
         if not chunks or len(chunks) > self.slots:
             raise ValueError(f"a step takes 1 to {self.slots} chunks, got {len(chunks)}")
+        if fed and not (self.chains and all(len(c.ids) == 1 and c.draw is not None for c in chunks)):
+            raise ValueError("a fed step takes one sampled token per chunk, on a batch that chains")
         # per chunk: its length, first position and slot; per token: the chunk's slot, and
         # the chunk's first position plus the token's index in it
         lens = np.fromiter((len(c.ids) for c in chunks), np.int32, len(chunks))
@@ -112,23 +128,43 @@ class Batch:
         starts = np.fromiter((c.start for c in chunks), np.int32, len(chunks))
         seq = np.repeat(np.fromiter((c.slot for c in chunks), np.int32, len(chunks)), lens)
         pos = (np.arange(n) + np.repeat(starts - (ends - lens), lens)).astype(np.int32)
-        if self.model._pad and n > 1:
+        if self.model._pad and n > 1 or fed:
             # as Model._step: repeat the last token, which writes the same row again. Every
-            # length is padded (a decode step of 3 sequences runs as 4): few graphs to record
-            size = 1 << (n - 1).bit_length()
+            # length is padded (a decode step of 3 sequences runs as 4): few graphs to record.
+            # A fed step runs ``slots`` tokens, one per row of the step it is fed from
+            size = self.slots if fed else 1 << (n - 1).bit_length()
             tokens, pos, seq = (np.concatenate([a, np.full(size - n, a[-1], np.int32)]) for a in (tokens, pos, seq))
         end = ends - 1
         sampled = [i for i, c in enumerate(chunks) if c.draw is not None]
         b, graph = self._graph(len(sampled))
-        last = np.zeros(b, np.int32)
-        last[: len(sampled)] = end[sampled]
         params = np.tile(GREEDY.pack(), (b, 1))
+        last = np.zeros(b, np.int32)
         if sampled:
+            # unused rows repeat the last sampled row, draw included, so they pick its very
+            # token: a step fed from this one then writes that token's row again, as padding
+            last[:] = end[sampled[-1]]
+            params[:] = chunks[sampled[-1]].draw.values()
+            last[: len(sampled)] = end[sampled]
             params[: len(sampled)] = [chunks[i].draw.values() for i in sampled]
         rows = seq * self.n_ctx + pos
-        (out,) = self.model.backend.compute(
-            graph, {"tokens": tokens, "pos": pos, "seq": seq, "rows": rows, "last": last, "params": params})
-        tokens_out = [-1] * len(chunks)
-        for row, i in enumerate(sampled):
+        inputs = {"pos": pos, "seq": seq, "rows": rows, "last": last, "params": params}
+        if fed:
+            pending = self.model.backend.submit(graph, inputs, feed={"tokens": 0})
+        else:
+            pending = self.model.backend.submit(graph, {"tokens": tokens, **inputs})
+        return Step(pending, len(chunks), sampled)
+
+
+class Step:
+    """A submitted batch step: ``result()`` gives the token sampled for each chunk, in
+    order (-1 where its ``draw`` was None), or raises the step's error."""
+
+    def __init__(self, pending: Pending, n_chunks: int, sampled: list[int]) -> None:
+        self._pending, self._n, self._sampled = pending, n_chunks, sampled
+
+    def result(self) -> list[int]:
+        (out,) = self._pending.result()
+        tokens_out = [-1] * self._n
+        for row, i in enumerate(self._sampled):
             tokens_out[i] = int(out[row])
         return tokens_out

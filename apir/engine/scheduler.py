@@ -25,7 +25,7 @@ import numpy as np
 
 from ..errors import ApirError
 from ..graph import SampleArgs
-from .batch import Batch, Chunk
+from .batch import Batch, Chunk, Step
 from .model import PREFILL_CHUNK, Model, SamplingParams, texts
 
 
@@ -83,6 +83,8 @@ class Scheduler:
         self._running: dict[int, Request] = {}
         self._cached: list[list[int]] = [[] for _ in range(slots)]  # per slot: tokens its KV holds
         self._used = [0] * slots  # when each slot last ran a sequence (least recent goes first)
+        # a decode step queued before the one it follows was read: (step, chunks, requests)
+        self._ahead: tuple[Step, list[Chunk], list[Request]] | None = None
         self._clock = 0
         self._wake = threading.Condition()
         self._closed = False
@@ -165,10 +167,10 @@ class Scheduler:
     def _serve(self) -> None:
         while True:
             with self._wake:
-                self._wake.wait_for(lambda: self._closed or self._waiting or self._running)
+                self._wake.wait_for(lambda: self._closed or self._waiting or self._running or self._ahead)
                 if self._closed:
                     break
-                work = self._take_work()
+                work = self._take_work() if self._ahead is None else None  # a queued step first
             if work is not None:
                 fn, future = work
                 if future.set_running_or_notify_cancel():
@@ -179,8 +181,11 @@ class Scheduler:
                 continue
             self._drop_cancelled()
             self._admit()
-            if self._running:
+            if self._running or self._ahead is not None:
                 self._step()
+        if self._ahead is not None:  # read, so the backend holds no reply for nobody
+            with contextlib.suppress(ApirError):
+                self._ahead[0].result()
         for request in [*self._running.values(), *(w for w in self._waiting if isinstance(w, Request))]:
             request.on_end("cancelled")
         for w in self._waiting:
@@ -234,28 +239,33 @@ class Scheduler:
             self._running[slot] = request
 
     def _step(self) -> None:
-        """One step: every decoding sequence's token, then prompt chunks while they fit."""
-        budget, chunks, requests = PREFILL_CHUNK, [], []
-        by_need = sorted(self._running.values(), key=lambda r: len(r.ids) - r.done)  # decodes first
-        for request in by_need:
-            n = min(len(request.ids) - request.done, budget)
-            if n <= 0:
-                break
-            end = request.done + n
-            draw = request.draw() if end == len(request.ids) else None
-            chunks.append(Chunk(request.slot, request.ids[request.done : end], request.done, draw))
-            requests.append(request)
-            budget -= n
+        """One step: every decoding sequence's token, then prompt chunks while they fit.
+        Where the batch chains, a step of decodes only is followed at once by the next,
+        queued before this one's tokens are read and fed them on the device: the host's
+        work on one step (reading it, the callbacks, planning) overlaps the device's on the
+        next, as the single-sequence path does. A sequence that ends meanwhile has its
+        step-ahead token dropped (its KV row is past what its slot is known to hold)."""
+        if self._ahead is not None:
+            (step, chunks, requests), self._ahead = self._ahead, None
+        else:
+            chunks, requests = self._plan()
+            step = self.batch.submit(chunks)
+        if self._chains(chunks, requests):
+            following = [Chunk(c.slot, (0,), c.start + 1, r.draw()) for c, r in zip(chunks, requests)]
+            self._ahead = (self.batch.submit(following, fed=True), following, requests)
         try:
-            tokens = self.batch.step(chunks)
+            tokens = step.result()
         except ApirError as e:  # a failed step fails its requests, not the scheduler
             for request in requests:
-                request.error = e
-                self._finish(request, "error")
+                if self._running.get(request.slot) is request:
+                    request.error = e
+                    self._finish(request, "error")
             return
         self.computed_tokens += sum(len(c.ids) for c in chunks)
         eot = self.model.tokenizer.eot_ids if self.model.tokenizer is not None else ()
         for request, chunk, token in zip(requests, chunks, tokens):
+            if self._running.get(request.slot) is not request:
+                continue  # it ended while this step was queued ahead
             request.done += len(chunk.ids)
             if chunk.draw is None:
                 continue
@@ -274,6 +284,30 @@ class Scheduler:
                 self._finish(request, "stop")
             elif request.generated >= request.params.max_tokens or len(request.ids) > self.model.n_ctx:
                 self._finish(request, "length")
+
+    def _plan(self) -> tuple[list[Chunk], list[Request]]:
+        """The next step's chunks: decodes first, then prompt chunks within PREFILL_CHUNK."""
+        budget, chunks, requests = PREFILL_CHUNK, [], []
+        by_need = sorted(self._running.values(), key=lambda r: len(r.ids) - r.done)  # decodes first
+        for request in by_need:
+            n = min(len(request.ids) - request.done, budget)
+            if n <= 0:
+                break
+            end = request.done + n
+            draw = request.draw() if end == len(request.ids) else None
+            chunks.append(Chunk(request.slot, request.ids[request.done : end], request.done, draw))
+            requests.append(request)
+            budget -= n
+        return chunks, requests
+
+    def _chains(self, chunks: list[Chunk], requests: list[Request]) -> bool:
+        """Whether the step after ``chunks`` is known now: every running sequence decodes
+        one token in it, each will need another and has room for it, and nothing waits to
+        join (a waiting request or call goes first)."""
+        return (self.batch.chains and not self._waiting and len(requests) == len(self._running)
+                and all(len(c.ids) == 1 and c.draw is not None and not r.cancelled
+                        and r.generated + 1 < r.params.max_tokens and c.start + 1 < self.model.n_ctx
+                        for c, r in zip(chunks, requests)))
 
 
 def _common(a: Sequence[int], b: Sequence[int]) -> int:
