@@ -6,6 +6,7 @@ compile path with the compiler as the identity and the CUDA graph run eagerly.""
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 
 import numpy as np
@@ -16,7 +17,7 @@ from tiny_models import TinyConfig, write_tiny_gguf
 import apir
 import apir.backends.local as local_pkg
 from apir.backends import local
-from apir.backends.base import NO_LIMITS, ExecutorConfig
+from apir.backends.base import DEFAULT_EXECUTOR, NO_LIMITS, ExecutorConfig
 from apir.backends.local import executor
 from apir.engine import SamplingParams
 from apir.graph import DType, GraphBuilder, T
@@ -74,7 +75,7 @@ def tiny(tmp_path_factory) -> str:
     return str(write_tiny_gguf(tmp_path_factory.mktemp("tiny") / "tiny.gguf", TinyConfig(context_length=256), seed=9))
 
 
-def serve_one(path: str) -> int:
+def serve_one(path: str, executor_config: ExecutorConfig = DEFAULT_EXECUTOR) -> int:
     """A host worker for one guest on ``path``, forked from this process (with its
     patches); returns its pid."""
     listener = socket.socket(socket.AF_UNIX)
@@ -93,7 +94,8 @@ def serve_one(path: str) -> int:
         listener.close()
         conn = Connection.over(sock, "test")
         hello = conn.channel.recv().message
-        run_worker(conn, hello, SessionConfig("cpu", NO_LIMITS, 1 << 26, 1, "test"), lambda *_: None)
+        run_worker(conn, hello, SessionConfig("cpu", NO_LIMITS, 1 << 26, 1, "test", executor=executor_config),
+                   lambda *_: None)
     except BaseException:  # noqa: BLE001
         code = 1
     finally:
@@ -165,3 +167,28 @@ def test_a_step_that_fails_to_compile_runs_eagerly_and_the_others_still_compile(
     assert tried == [16, 1]  # the decode step compiled after the prefill's failure
     assert be._uncompiled == {(16, False)}
     be.close()
+
+
+@pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++")), reason="Inductor on a CPU needs a C++ compiler")
+def test_a_later_session_on_the_host_loads_the_step_an_earlier_one_compiled(tmp_path, capsys):
+    """Two guest sessions of one model, each its own worker process (as the daemon forks
+    them), on a host that compiles its decode step (a CPU with compile_cpu): the first
+    is told of the compile, the second is not (its worker loads the step from the store),
+    and both compute eager's tokens."""
+    tiny = str(write_tiny_gguf(tmp_path / "one.gguf", TinyConfig(n_layer=1, context_length=64), seed=4))
+    params = SamplingParams(temperature=0, max_tokens=6)
+    with apir.load(tiny, backend="local", device="cpu") as ref:
+        ids = ref.tokenize("Once upon")
+        want = list(ref.generate_ids(ids, params))
+    config = ExecutorConfig(compile_cpu=True, compile_cache=str(tmp_path / "compiled"))
+    told = []
+    for i in range(2):
+        sock = str(tmp_path / f"s{i}.sock")
+        pid = serve_one(sock, config)
+        with apir.load(tiny, backend="remote", remote=f"unix://{sock}") as model:
+            assert list(model.generate_ids(ids, params)) == want
+        assert os.waitpid(pid, 0)[1] == 0
+        told.append([ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("host ")])
+    assert told == [[LINE], []]
+    (versioned,) = (tmp_path / "compiled").iterdir()
+    assert len(list((versioned / "steps").glob("*.step"))) == 1
