@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 from tiny_models import TinyConfig, write_tiny_gguf
@@ -83,3 +84,29 @@ def test_a_second_cuda_session_loads_its_compiled_decode_step(tmp_path, monkeypa
     second, did = _session(tiny, config, "cuda")
     assert did["loaded"] >= 1 and did["compiled"] == 0
     assert second == first
+
+
+class FakeArtifact:
+    """A compiled step's interface for saving: ``size`` bytes."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    def save(self, *, path: str, format: str) -> None:
+        Path(path).write_bytes(b"x" * self.size)
+
+
+def test_the_step_store_keeps_to_its_size_dropping_the_least_recently_used(tmp_path):
+    from apir.backends.local.inductor import StepStore
+
+    store = StepStore(tmp_path / "steps", max_bytes=2500)
+    for i, digest in enumerate("abc"):
+        store.save(digest, FakeArtifact(1000))
+        os.utime(store.path(digest), (1000 + i, 1000 + i))  # a, b, c saved in that order
+    assert sorted(p.stem for p in (tmp_path / "steps").iterdir()) == ["b", "c"]  # a went: 3000 > 2500
+    os.utime(store.path("b"), (2000, 2000))  # b used since (a load touches its file)
+    store.save("d", FakeArtifact(1000))
+    assert sorted(p.stem for p in (tmp_path / "steps").iterdir()) == ["b", "d"]
+    store.save("e", FakeArtifact(4000))  # alone over the size: kept, every other one goes
+    assert sorted(p.stem for p in (tmp_path / "steps").iterdir()) == ["e"]
+    assert not list((tmp_path / "steps").glob("*.part"))

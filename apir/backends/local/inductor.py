@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import os
 import tempfile
 from collections import Counter
@@ -34,7 +35,9 @@ from pathlib import Path
 import torch
 import torch.utils._pytree as pytree
 
+log = logging.getLogger("apir.local")
 _tracing = False
+STORE_MAX_BYTES = 4 << 30  # a tiny test model's step is ~0.4 MB; a real model's, more kernels
 # what compiled steps did in this process: "compiled" (traced and compiled), "loaded" (from
 # the store), "saved" (into it); the host's counters, and the tests'
 STATS: Counter[str] = Counter()
@@ -56,10 +59,11 @@ def _traced() -> Iterator[None]:
 
 
 class StepStore:
-    """Compiled steps on disk, one file per digest (see the module's doc)."""
+    """Compiled steps on disk, one file per digest (see the module's doc), at most
+    ``max_bytes`` of them: past that, the steps least recently saved or loaded go first."""
 
-    def __init__(self, directory: str | Path) -> None:
-        self.dir = Path(directory)
+    def __init__(self, directory: str | Path, max_bytes: int = STORE_MAX_BYTES) -> None:
+        self.dir, self.max_bytes = Path(directory), max_bytes
         self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
 
     def path(self, digest: str) -> Path:
@@ -73,12 +77,16 @@ class StepStore:
         from torch._inductor import CompiledArtifact
 
         try:
-            return CompiledArtifact.load(path=str(path), format="binary")
+            artifact = CompiledArtifact.load(path=str(path), format="binary")
         except Exception:  # noqa: BLE001 - a torn or stale file costs a compile, not the step
             return None
+        with contextlib.suppress(OSError):
+            os.utime(path)  # used: the last to be trimmed
+        return artifact
 
     def save(self, digest: str, artifact) -> None:
-        """Atomically: a concurrent session either finds the whole file or none."""
+        """Atomically: a concurrent session either finds the whole file or none. Then the
+        oldest other steps go while the store holds more than ``max_bytes``."""
         fd, tmp = tempfile.mkstemp(dir=self.dir, suffix=".part")
         os.close(fd)
         try:
@@ -87,6 +95,22 @@ class StepStore:
         finally:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
+        self._trim(keep=self.path(digest))
+
+    def _trim(self, keep: Path) -> None:
+        steps = []
+        for p in self.dir.glob("*.step"):
+            with contextlib.suppress(FileNotFoundError):  # another session may trim too
+                st = p.stat()
+                steps.append((st.st_mtime, st.st_size, p))
+        total = sum(size for _, size, _ in steps)
+        for _, size, p in sorted(steps):
+            if total <= self.max_bytes:
+                break
+            if p != keep:
+                with contextlib.suppress(FileNotFoundError):
+                    p.unlink()
+                total -= size
 
 
 class Compiled:
@@ -129,8 +153,11 @@ class Compiled:
         program = self._compile(leaves, spec, tensors)
         STATS["compiled"] += 1
         if digest is not None:
-            self.store.save(digest, program)
-            STATS["saved"] += 1
+            try:
+                self.store.save(digest, program)
+                STATS["saved"] += 1
+            except OSError as e:  # a full disk costs later sessions a compile, not this step
+                log.warning("could not keep a compiled step in %s: %s", self.store.dir, e)
         return program
 
     def _digest(self, leaves: list, spec: pytree.TreeSpec) -> str:
