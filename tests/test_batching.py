@@ -150,6 +150,8 @@ def test_decode_steps_chained_ahead_give_what_each_request_gives_alone(tiny, bac
             jobs.append((ids, params))
         expected = [list(model.generate_ids(ids, params)) for ids, params in jobs]
         texts_alone = ["".join(model.stream(ids, params)) for ids, params in jobs]
+        alone_penalized = SamplingParams(temperature=0, repeat_penalty=1.3, max_tokens=8)
+        expected_penalized = list(model.generate_ids(jobs[0][0], alone_penalized))
         model._pad = True  # as on a host with the "graph_cache" capability
         fed: list[bool] = []
         submit = model.backend.submit
@@ -169,9 +171,14 @@ def test_decode_steps_chained_ahead_give_what_each_request_gives_alone(tiny, bac
                        for i in range(len(jobs))]
             for t in threads:
                 t.start()
+            # work on the model's own cache (a penalized request, as the server runs one)
+            # between chained steps: the step queued ahead is read first, nothing is mixed up
+            time.sleep(0.05)
+            penalized = scheduler.call(lambda: list(model.generate_ids(jobs[0][0], alone_penalized)))
             for t in threads:
                 t.join(WAIT)
             assert out == expected
+            assert penalized.result(WAIT) == expected_penalized
             assert scheduler.busy == 0
         finally:
             scheduler.close()
