@@ -69,7 +69,7 @@ class Ledger:
         self.peak = 0  # the most ``buffers`` has been
         self.extra = 0  # cached weight forms + graph metadata + buffers' own overhead
         # cached weight forms' bytes, keyed as ``Executor._cached`` keys them: per leaf
-        # (handle, offset, dtype, shape)
+        # (handle, offset, dtype, shape, form kind)
         self.forms: dict[tuple, int] = {}
 
     def check(self, extra: int, what: str) -> None:
@@ -97,9 +97,10 @@ class Ledger:
         for key in [k for k in self.forms if any(leaf[0] == handle for leaf in k)]:
             self.extra -= self.forms.pop(key)
 
-    def check_form(self, key: tuple, nodes: Sequence[Node]) -> int:
-        """Before making the cached form ``key`` of ``nodes``: its bytes, if they fit."""
-        size = form_nbytes(nodes)
+    def check_form(self, key: tuple, nodes: Sequence[Node], nbytes: int | None = None) -> int:
+        """Before making the cached form ``key`` of ``nodes`` (``nbytes``, else at most
+        ``form_nbytes``): its bytes, if they fit."""
+        size = form_nbytes(nodes) if nbytes is None else nbytes
         self.check(size - self.forms.get(key, 0),
                    f"a dequantized or fused form of {len(nodes)} weight(s), {size} bytes,")
         return size

@@ -67,12 +67,17 @@ class ExecutorConfig:
     # torch frontend's), "all" prefill chunks too, or "off"
     compile: str = "decode"
     # keep dequantized f32/f16 copies of quantized and 16-bit weights beside their buffer
-    # bytes (up to 8x the weights' memory); off, every weight is held once, as uploaded, and
+    # bytes (up to 8x the weights' memory; on a CPU not of those that cpu_int4 takes); off,
+    # every weight is held once, as uploaded, and
     # products compute from its blocks. None: on for a CPU device, where the blocks' per-use
     # dequantizing decodes 5-14x slower (SmolLM2 Q4_1: 2.1 vs 25 t/s on 2 cores), off on a
     # GPU, where the fused kernels read the blocks (and a session's memory cap holds a model
     # only as stored: an 8B Q4 dequantized is ~18 GB)
     dequant_cache: bool | None = None
+    # on a CPU device, compute Q4_0, Q4_1 and Q4_K weights through torch's int4 product
+    # (bf16 activations): 0.625 bytes a weight, faster than the dequantized f32 copy
+    # (local.int4cpu); their other readers, if any, and the other types as above
+    cpu_int4: bool = True
     # compile decode steps on a CPU device too (no CUDA graph there); off by default:
     # Inductor's C++ build of a model's step takes minutes on a small CPU host
     compile_cpu: bool = False
@@ -86,14 +91,15 @@ class ExecutorConfig:
 
     @classmethod
     def from_env(cls) -> ExecutorConfig:
-        """APIR_CUDA_GRAPHS, APIR_COMPILE and APIR_DEQUANT_CACHE (environment, then the
-        user config file)."""
+        """APIR_CUDA_GRAPHS, APIR_COMPILE, APIR_DEQUANT_CACHE and APIR_CPU_INT4
+        (environment, then the user config file)."""
         from .. import env
 
         mode = env.COMPILE.get() or "1"
         cache = env.DEQUANT_CACHE.get()
         return cls(env.CUDA_GRAPHS.get() != "0", {"0": "off", "all": "all"}.get(mode, "decode"),
-                   None if cache is None else cache == "1", compile_cache=env.COMPILE_CACHE.get() or "")
+                   None if cache is None else cache == "1", compile_cache=env.COMPILE_CACHE.get() or "",
+                   cpu_int4=env.CPU_INT4.get() != "0")
 
 
 DEFAULT_EXECUTOR = ExecutorConfig()

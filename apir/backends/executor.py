@@ -381,19 +381,21 @@ class Executor(Backend):
         buf.storage = None
         self._weights = {k: v for k, v in self._weights.items() if all(m[0] in self._buffers for m in k)}
 
-    def _cached(self, nodes: Sequence[Node], make: Callable[[], object]):
+    def _cached(self, nodes: Sequence[Node], make: Callable[[], object], form: str = "",
+                nbytes: int | None = None):
         """The executor's form of WEIGHT leaves ``nodes``: ``make()``, made again after a
         write to one of their buffers. The one place forms are made, so the one place they
-        are charged: checked against the limit before ``make`` runs."""
-        key = tuple((*n.attrs, n.dtype, n.shape) for n in nodes)
+        are charged: checked against the limit before ``make`` runs. ``form`` names a kind
+        other than the dense one (which the host's shared forms are), ``nbytes`` its size."""
+        key = tuple((*n.attrs, n.dtype, n.shape, form) for n in nodes)
         versions = tuple(self._buffers[n.attrs[0]].version for n in nodes)
         cached = self._weights.get(key)
         if cached is None or cached[0] != versions:
-            shared = self._shared_form(nodes)
+            shared = None if form else self._shared_form(nodes)
             if shared is not None:  # made by the host once for every session: not this one's to charge
                 cached = self._weights[key] = (versions, shared)
             else:
-                size = self.ledger.check_form(key, nodes)
+                size = self.ledger.check_form(key, nodes, nbytes)
                 cached = self._weights[key] = (versions, make())
                 self.ledger.add_form(key, size)
         return cached[1]

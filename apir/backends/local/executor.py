@@ -40,7 +40,7 @@ from ..base import (
     Pending,
 )
 from ..executor import Buffer, Executor, Registered, check_indices
-from . import inductor, kernels, qmatmul, qpack
+from . import inductor, int4cpu, kernels, qmatmul, qpack
 from .capture import CapturedStep
 from .dequant import dequantize
 from .program import FusedMatmul, Input, Leaf, Part, Program, Step, compile_program
@@ -108,6 +108,7 @@ class LocalBackend(Executor):
         self._uncompiled: set[tuple[int, bool]] = set()  # (step tokens, greedy): kinds that failed to compile
         # a shared weights mapping is computed on in place on the CPU; a GPU copies it
         self._lends = self.torch_device.type == "cpu"
+        self.cpu_int4 = config.cpu_int4 and self.torch_device.type == "cpu"
         # quantized weights packed in place for the GPU kernels (qpack), per buffer (by id):
         # offset -> (qtype, rows, K, bytes); reads and writes of the buffer see GGUF bytes
         self._packs = qmatmul.packs(self.torch_device)
@@ -256,6 +257,10 @@ class LocalBackend(Executor):
             return self._raw(node).view(TORCH_DTYPES[node.dtype]).view(node.shape)  # live view
         if node.dtype in (DType.F32, DType.I32):
             return self._stored(node)
+        if not plain and self._int4(node):
+            return self._cached((node,), lambda: int4cpu.pack(self._raw(node), node.dtype, node.shape,
+                                                              self._stored(node)),
+                                "int4", int4cpu.nbytes(node.shape))
         if self.dequant_cache:
             return self._cached((node,), lambda: self._dequantized(node))
         if plain and (node.dtype.is_quantized or self.torch_device.type == "cpu"):
@@ -275,6 +280,8 @@ class LocalBackend(Executor):
         after another in a buffer in one plain dtype (q, k, v uploaded in order), else each
         as stored; with the dequant cache, dequantized and concatenated."""
         ws = step.weights
+        if all(self._int4(w) for w in ws):
+            return tuple(self._leaf(w, plain=False) for w in ws)
         if self.dequant_cache and any(w.dtype not in (DType.F32, DType.I32) for w in ws):
             return self._cached(ws, lambda: torch.cat([self._dequantized(n) for n in ws]))
         (handle, start), dtype = ws[0].attrs, ws[0].dtype
@@ -288,6 +295,10 @@ class LocalBackend(Executor):
                 span = self._buffers[handle].storage[start:end]
                 return span.view(TORCH_DTYPES[dtype]).view(sum(step.widths), ws[0].shape[1])
         return tuple(self._stored(w) for w in ws)
+
+    def _int4(self, node) -> bool:
+        """Whether a quantized weight is computed through torch's int4 CPU product."""
+        return self.cpu_int4 and not self._packs and int4cpu.usable(node.dtype, node.shape)
 
     def _dequantized(self, node) -> torch.Tensor:
         if self._packs and node.dtype.is_quantized:
@@ -447,7 +458,7 @@ class LocalBackend(Executor):
         dev = self.torch_device
         hardware = torch.cuda.get_device_capability(dev) if dev.type == "cuda" else platform.machine()
         return repr((reg.graph.nodes, reg.graph.outputs, n_tokens, greedy,
-                     self.dequant_cache, self._packs, dev.type, hardware, _code_version()))
+                     self.dequant_cache, self.cpu_int4, self._packs, dev.type, hardware, _code_version()))
 
     def _compile_failed(self, key: tuple[int, bool], e: Exception) -> None:
         """Compiling a step failed (no C++ compiler, an op Inductor cannot take): said once,

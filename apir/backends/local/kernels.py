@@ -21,7 +21,7 @@ from ...graph.ops import Fn, Pool, Reduce
 from ...graph.sampling import PARAMS_SIZE
 from ..base import BackendError
 from ..executor import check_positions
-from . import decode_attention, gemv, inductor, qmatmul
+from . import decode_attention, gemv, inductor, int4cpu, qmatmul
 
 
 @dataclass(frozen=True)
@@ -55,6 +55,8 @@ def matmul(x: torch.Tensor, w: torch.Tensor | Blocks) -> torch.Tensor:
     CPU widened to f32 for this product only."""
     if isinstance(w, Blocks):
         return qproduct(x, (w,))
+    if isinstance(w, int4cpu.Int4):
+        return int4cpu.product(x, w)
     if gemv.usable(x, w):
         return gemv.gemv(x, w)
     if w.device.type == "cpu" and w.dtype != torch.float32:
@@ -74,8 +76,10 @@ def fused_matmul(x: torch.Tensor, w: torch.Tensor | tuple, widths: tuple[int, ..
     return list(y.split(widths, dim=-1))  # f32 already
 
 
-def get_rows(table: torch.Tensor | Blocks, ids: torch.Tensor) -> torch.Tensor:
+def get_rows(table: torch.Tensor | Blocks | int4cpu.Int4, ids: torch.Tensor) -> torch.Tensor:
     """table[ids] in f32; from ``Blocks`` only the gathered rows' blocks are decoded."""
+    if isinstance(table, int4cpu.Int4):
+        table = table.blocks
     if isinstance(table, Blocks):
         return qmatmul.get_rows(table.data, table.qtype, *table.shape, ids)
     return table[ids.long()].float()
