@@ -75,9 +75,10 @@ class ExecutorConfig:
     # only as stored: an 8B Q4 dequantized is ~18 GB)
     dequant_cache: bool | None = None
     # on a CPU device, compute Q4_0, Q4_1 and Q4_K weights through torch's int4 product
-    # (bf16 activations): 0.625 bytes a weight, faster than the dequantized f32 copy
-    # (local.int4cpu); their other readers, if any, and the other types as above
-    cpu_int4: bool = True
+    # (bf16 activations): 0.625 bytes a weight and about twice the decode speed of the
+    # dequantized f32 copy (local.int4cpu); off by default until the ~3e-2 differences in
+    # logprobs it shows between a decode step and a whole-prompt pass are understood
+    cpu_int4: bool = False
     # compile decode steps on a CPU device too (no CUDA graph there); off by default:
     # Inductor's C++ build of a model's step takes minutes on a small CPU host
     compile_cpu: bool = False
@@ -99,7 +100,7 @@ class ExecutorConfig:
         cache = env.DEQUANT_CACHE.get()
         return cls(env.CUDA_GRAPHS.get() != "0", {"0": "off", "all": "all"}.get(mode, "decode"),
                    None if cache is None else cache == "1", compile_cache=env.COMPILE_CACHE.get() or "",
-                   cpu_int4=env.CPU_INT4.get() != "0")
+                   cpu_int4=env.CPU_INT4.get() == "1")
 
 
 DEFAULT_EXECUTOR = ExecutorConfig()
