@@ -537,4 +537,6 @@ def test_penalized_sampling_is_the_same_through_a_host(smol, remote_smol):
     for params in (penalized, pipelined):
         native, remote = (list(m.generate_tokens(ids, params)) for m in (smol, remote_smol))
         assert [t.id for t in native] == [t.id for t in remote] and 28 not in [t.id for t in native]
-        np.testing.assert_allclose([t.logprob for t in native], [t.logprob for t in remote], atol=1e-5)
+        # the host's worker may compute with fewer threads than this process (-t): f32 sums
+        # in another order, ~3e-4 apart in a logprob; the tokens are the same
+        np.testing.assert_allclose([t.logprob for t in native], [t.logprob for t in remote], atol=2e-3)
