@@ -50,7 +50,6 @@ def test_quantized_synthetic_weights_are_valid_and_small(spec: str, types: set[D
 @pytest.mark.skipif(not HAS_TORCH, reason="needs torch")
 def test_every_record_says_what_the_host_holds(capsys, tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv("APIR_DEQUANT_CACHE", "0")  # blocks, a GPU host's default, on this CPU too
-    monkeypatch.setenv("APIR_CPU_INT4", "0")
     code = main(["bench", "--synthetic", "llama-tiny:q4_0", "-p", "8", "-n", "4", "-r", "1",
                  "--backends", "native,remote-shm", "--device", "cpu", "-o", "json",
                  "--history", str(tmp_path / "history.jsonl")])

@@ -22,9 +22,8 @@ from apir.engine import SamplingParams  # noqa: E402
 from apir.graph import OPS, DType, GraphBuilder, Op, T  # noqa: E402
 
 IDS = [256, 72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100, 33]
-CACHED = ExecutorConfig(dequant_cache=True, cpu_int4=False)
-# the GPU default; a CPU device keeps f32 or int4 forms unless told
-BLOCKS = ExecutorConfig(dequant_cache=False, cpu_int4=False)
+CACHED = ExecutorConfig(dequant_cache=True)
+BLOCKS = ExecutorConfig(dequant_cache=False)  # the GPU default; a CPU device caches unless told
 GREEDY = SamplingParams(temperature=0, max_tokens=8)
 
 
@@ -61,7 +60,6 @@ def test_a_quantized_gguf_is_resident_once_and_computes_as_the_cache_does(quanti
 
 def test_the_host_reports_the_weights_once_and_remote_equals_local(quantized, tmp_path, monkeypatch):
     monkeypatch.setenv("APIR_DEQUANT_CACHE", "0")  # the host resolves it once, at its start
-    monkeypatch.setenv("APIR_CPU_INT4", "0")
     host = start_host(tmp_path)
     try:
         with apir.load(str(quantized), backend=LocalBackend("cpu", config=BLOCKS)) as local, \

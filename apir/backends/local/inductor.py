@@ -38,6 +38,7 @@ import torch.utils._pytree as pytree
 log = logging.getLogger("apir.local")
 _tracing = False
 STORE_MAX_BYTES = 4 << 30  # a tiny test model's step is ~0.4 MB; a real model's, more kernels
+PLAIN = (int, float, bool, str, type(None))  # argument values a step's digest and check compare
 # what compiled steps did in this process: "compiled" (traced and compiled), "loaded" (from
 # the store), "saved" (into it); the host's counters, and the tests'
 STATS: Counter[str] = Counter()
@@ -167,7 +168,7 @@ class Compiled:
             if isinstance(x, torch.Tensor):
                 h.update(repr((tuple(x.shape), x.stride(), x.dtype, x.device.type, x.storage_offset(),
                                x.data_ptr() % 16)).encode())
-            elif type(x) in (int, float, bool, str, type(None)):
+            elif type(x) in PLAIN:
                 h.update(repr(x).encode())
             else:  # an object fixed in the trace: its content is in the description
                 h.update(type(x).__qualname__.encode())
@@ -192,4 +193,4 @@ class Compiled:
 
 def _same(a: object, b: object) -> bool:
     """A fixed argument unchanged: the same object, or an equal plain value."""
-    return a is b or (type(a) in (int, float, bool, str, type(None)) and type(a) is type(b) and a == b)
+    return a is b or (type(a) in PLAIN and type(a) is type(b) and a == b)
