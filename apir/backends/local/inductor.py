@@ -27,6 +27,7 @@ import contextlib
 import hashlib
 import logging
 import os
+import sys
 import tempfile
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -42,6 +43,18 @@ PLAIN = (int, float, bool, str, type(None))  # argument values a step's digest a
 # what compiled steps did in this process: "compiled" (traced and compiled), "loaded" (from
 # the store), "saved" (into it); the host's counters, and the tests'
 STATS: Counter[str] = Counter()
+
+
+def _forget_compile_threads() -> None:
+    """In a forked child: drop the parent's Inductor compile-thread pool. Its threads are
+    not in the child, so a compile would wait forever on futures they never run (torch
+    resets its process pool at fork, not this one)."""
+    compile_async = sys.modules.get("torch._inductor.async_compile")
+    if compile_async is not None:
+        compile_async.AsyncCompile.pool.cache_clear()
+
+
+os.register_at_fork(after_in_child=_forget_compile_threads)
 
 
 def tracing() -> bool:
