@@ -20,11 +20,13 @@ needs_triton = pytest.mark.skipif(not INTERPRET, reason="needs triton and TRITON
 
 
 def test_splits_fill_the_gpu_only_where_the_queries_do_not():
-    assert da.splits(1, 8, 4096, sms=132) == (16, 256)  # one query: split the keys
-    assert da.splits(1, 8, 300, sms=132) == (2, 150)  # at least SPLIT_KEYS a split, rounded evenly
-    assert da.splits(16, 8, 4096, sms=132) == (5, 820)  # 128 programs: 5 splits make 4 an SM
+    assert da.splits(1, 8, 4096, sms=132) == (32, 128)  # one query: split the keys
+    assert da.splits(1, 8, 16384, sms=132) == (128, 128)  # 8 programs a multiprocessor
+    assert da.splits(1, 8, 300, sms=132) == (3, 100)  # at least SPLIT_KEYS a split, rounded evenly
+    assert da.splits(16, 8, 4096, sms=132) == (9, 456)  # 128 programs: 9 splits make 8 an SM
     assert da.splits(64, 8, 4096, sms=132) == (1, 4096)  # 512 programs fill it alone
     assert da.splits(2, 2, 40, sms=132) == (1, 40)
+    assert da.splits(1, 1, 1 << 20, sms=132)[0] == da.MAX_SPLITS
 
 
 def dense(q, k, v, pos, seq, scale, window, softcap):
@@ -33,6 +35,10 @@ def dense(q, k, v, pos, seq, scale, window, softcap):
     assert not q.is_cuda
     return kernels.attention_seq(q, k, v, pos, seq, scale, window, softcap)
 
+
+# an f16 cache is multiplied in f16 on the tensor cores (q and the probabilities rounded to
+# f16, as fused attention kernels do); an f32 one in f32
+TOLERANCE = {torch.float32: dict(rtol=1e-4, atol=1e-5), torch.float16: dict(rtol=2e-3, atol=2e-3)}
 
 CASES = [
     (3, 40, 0, 0.0, torch.float32),  # several slots, one split
@@ -48,7 +54,7 @@ def test_matches_the_masked_dense_form(slots, keys, window, softcap, dtype):
     q, k, v, pos, seq = case(slots, keys, dtype)
     got = da._attend(q, k, v, pos, seq, 0.25, window, softcap)
     want = dense(q, k.float(), v.float(), pos, seq, 0.25, window, softcap)
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(got, want, **TOLERANCE[dtype])
 
 
 @pytest.mark.gpu
@@ -61,7 +67,7 @@ def test_cuda_slotted_attention_reads_the_visible_keys_only(slots, keys, window,
     assert da.usable(*cuda[:3])
     got = kernels.attention_seq(*cuda, 0.25, window, softcap).cpu()
     torch.testing.assert_close(got, dense(q, k.float(), v.float(), pos, seq, 0.25, window, softcap),
-                               rtol=1e-4, atol=1e-5)
+                               **TOLERANCE[dtype])
 
 
 @pytest.mark.gpu
@@ -76,7 +82,7 @@ def test_cuda_decode_over_a_long_cache_reads_the_filled_part():
     k[701:], v[701:] = float("nan"), float("nan")
     got = kernels.attention(q.cuda(), k.cuda(), v.cuda(), pos.cuda(), 0.25, 0, 0.0).cpu()
     want = kernels.attention(q, k[:701].float(), v[:701].float(), pos, 0.25, 0, 0.0)
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(got, want, **TOLERANCE[torch.float16])
 
 
 def case(slots: int, keys: int, dtype: torch.dtype):
@@ -122,11 +128,17 @@ def test_kernel_compiles_for_sm90(group, dim, cache):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    gp, _, _, block, warps = da.tiles(group, dim, dim)
+    gp, dp, _, block, warps = da.tiles(group, dim, dim)
     sig = {"q_ptr": "*fp32", "k_ptr": f"*{cache}", "v_ptr": f"*{cache}", "pos_ptr": "*i32", "seq_ptr": "*i32",
            "m_ptr": "*fp32", "l_ptr": "*fp32", "o_ptr": "*fp32", "KEYS": "i32", "HQ": "i32", "K_SLOT": "i32",
            "K_ROW": "i32", "V_SLOT": "i32", "V_ROW": "i32", "scale": "fp32", "softcap": "fp32", "window": "i32"}
-    consts = dict(G=group, GP=gp, D=dim, DP=dim, DV=dim, DVP=dim, BLOCK=block, SOFTCAP=True, WINDOW=True)
+    consts = dict(G=group, GP=gp, D=dim, DP=dp, DV=dim, DVP=dp, BLOCK=block, SOFTCAP=True, WINDOW=True,
+                  F32=cache == "fp32")
     src = ASTSource(fn=da._attend_kernel, signature=sig | {c: "constexpr" for c in consts}, constexprs=consts)
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    assert kernel.asm["cubin"][:4] == b"\x7fELF"
+    consts = dict(DV=dim, SP=128, DB=32)
+    sig = {"m_ptr": "*fp32", "l_ptr": "*fp32", "o_ptr": "*fp32", "out_ptr": "*fp32", "SPLITS": "i32"}
+    src = ASTSource(fn=da._combine_kernel, signature=sig | {c: "constexpr" for c in consts}, constexprs=consts)
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
     assert kernel.asm["cubin"][:4] == b"\x7fELF"

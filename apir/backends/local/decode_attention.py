@@ -11,8 +11,8 @@ every row: a decode step of 64 streams with 257-token slots scores each query ag
 16k keys, and a one-stream step on a 64-slot cache ran at 0.21x of the single-sequence
 path on an H200 (apir bench serve, 2026-12-01). Here a program (query t, kv head h, key
 split s) walks only keys s*KEYS.. of slot seq[t] that are <= pos[t], keeping a running
-maximum, denominator and weighted sum for its G query heads (online softmax); the splits'
-partials are then combined. Shapes and launch grid depend on T and the cache only, so a
+maximum, denominator and weighted sum for its G query heads (online softmax); a second
+kernel combines the splits' partials. Shapes and launch grid depend on T and the cache only, so a
 step is recorded in a CUDA graph once; the loop bounds are read on the device.
 
 Triton comes with CUDA builds of PyTorch; without it ``usable`` is False.
@@ -30,7 +30,9 @@ try:
 except ImportError:
     triton = None
 
-SPLIT_KEYS = 256  # keys a split walks at least, where the queries alone would not fill the GPU
+SPLIT_KEYS = 128  # keys a split walks at least, where the queries alone would not fill the GPU
+WAVES = 8  # programs a multiprocessor that the splits aim for: loads in flight, not arithmetic, bound it
+MAX_SPLITS = 256
 
 
 def usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -42,23 +44,24 @@ def usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
 
 
 def splits(n_queries: int, heads_kv: int, n_keys: int, sms: int) -> tuple[int, int]:
-    """(splits, KEYS a split): enough programs for 4 a multiprocessor, each split at least
-    SPLIT_KEYS keys; one split where the queries fill the GPU alone (a prefill chunk)."""
+    """(splits, KEYS a split): enough programs for WAVES a multiprocessor, each split at
+    least SPLIT_KEYS keys; one split where the queries fill the GPU alone (a prefill chunk).
+    On an H200 one decode query's 8 kv heads over 4,096 keys took 77 µs a layer in 16 splits
+    of 16-key steps, a latency-bound walk (bench/probes/decode_attention.py)."""
     programs = n_queries * heads_kv
     if programs >= 2 * sms:
         return 1, n_keys
-    want = min(-(-n_keys // SPLIT_KEYS), -(-4 * sms // programs))
+    want = min(-(-n_keys // SPLIT_KEYS), -(-WAVES * sms // programs), MAX_SPLITS)
     keys = -(-n_keys // max(want, 1))
     return -(-n_keys // keys), keys
 
 
 def tiles(group: int, dim: int, dim_v: int) -> tuple[int, int, int, int, int]:
-    """(GP, DP, DVP: the group and head widths as powers of two, BLOCK keys a loop step,
-    num_warps): a program's (GP, BLOCK, D) products within 8,192 values for 4 warps, more
-    warps where the least BLOCK of 16 exceeds them."""
-    gp, dp, dvp = (1 << (x - 1).bit_length() for x in (group, dim, dim_v))
-    block = max(16, min(64, 8192 // (gp * max(dp, dvp))))
-    return gp, dp, dvp, block, 4 if gp * block * max(dp, dvp) <= 8192 else 8
+    """(GP: the group's heads, DP, DVP: the head widths, each a power of two of at least 16
+    (a tensor-core tile's side), BLOCK keys a loop step, num_warps)."""
+    gp, dp, dvp = (max(16, 1 << (x - 1).bit_length()) for x in (group, dim, dim_v))
+    block = 64 if max(dp, dvp) <= 128 else 32
+    return gp, dp, dvp, block, 4 if max(dp, dvp) <= 128 else 8
 
 
 if triton is not None:
@@ -68,9 +71,12 @@ if triton is not None:
                        K_SLOT, K_ROW, V_SLOT, V_ROW, scale, softcap, window,
                        G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
                        DV: tl.constexpr, DVP: tl.constexpr, BLOCK: tl.constexpr,
-                       SOFTCAP: tl.constexpr, WINDOW: tl.constexpr):
+                       SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, F32: tl.constexpr):
         # program (t, h, s): query t's heads h*G.. over keys s*KEYS.. of its slot; writes its
-        # running max m, denominator l (T, HQ, splits) and weighted sum o (T, HQ, splits, DV)
+        # running max m, denominator l (T, HQ, splits) and weighted sum o (T, HQ, splits, DV).
+        # Both products run on the tensor cores: q (GP, DP) @ k.T (DP, BLOCK), then the
+        # probabilities (GP, BLOCK) @ v (BLOCK, DVP), in the cache's type (an f16 cache: q and
+        # the probabilities rounded to f16, as fused attention kernels do), accumulated in f32
         t = tl.program_id(0)
         h = tl.program_id(1)
         sp = tl.program_id(2)
@@ -81,7 +87,8 @@ if triton is not None:
         dv = tl.arange(0, DVP)
         heads = t * HQ + h * G + g
         q = tl.load(q_ptr + heads[:, None] * D + d[None, :], mask=(g < G)[:, None] & (d < D)[None, :],
-                    other=0.0).to(tl.float32)
+                    other=0.0)
+        q = q.to(k_ptr.dtype.element_ty)
         first = sp * KEYS
         end = tl.minimum(first + KEYS, p + 1)  # keys first..end-1: none past the query's position
         if WINDOW:
@@ -95,8 +102,12 @@ if triton is not None:
             j = j0 + tl.arange(0, BLOCK)
             ok = j < end
             kb = tl.load(k_rows + j.to(tl.int64)[:, None] * K_ROW + d[None, :],
-                         mask=ok[:, None] & (d < D)[None, :], other=0.0).to(tl.float32)
-            sc = tl.sum(q[:, None, :] * kb[None, :, :], axis=2) * scale  # (GP, BLOCK)
+                         mask=ok[:, None] & (d < D)[None, :], other=0.0)
+            if F32:
+                sc = tl.dot(q, tl.trans(kb), input_precision="ieee")
+            else:
+                sc = tl.dot(q, tl.trans(kb))
+            sc = sc * scale  # (GP, BLOCK)
             if SOFTCAP:  # softcap * tanh(sc / softcap), tanh(x) = 1 - 2 / (e^2x + 1)
                 sc = softcap * (1.0 - 2.0 / (tl.exp(2.0 * sc / softcap) + 1.0))
             sc = tl.where(ok[None, :], sc, float("-inf"))
@@ -105,16 +116,35 @@ if triton is not None:
             pr = tl.exp(sc - m_new[:, None])
             l_i = l_i * alpha + tl.sum(pr, axis=1)
             vb = tl.load(v_rows + j.to(tl.int64)[:, None] * V_ROW + dv[None, :],
-                         mask=ok[:, None] & (dv < DV)[None, :], other=0.0).to(tl.float32)
-            acc = acc * alpha[:, None] + tl.sum(pr[:, :, None] * vb[None, :, :], axis=1)
+                         mask=ok[:, None] & (dv < DV)[None, :], other=0.0)
+            if F32:
+                acc = tl.dot(pr, vb, acc * alpha[:, None], input_precision="ieee")
+            else:
+                acc = tl.dot(pr.to(vb.dtype), vb, acc * alpha[:, None])
             m_i = m_new
         row = heads * tl.num_programs(2) + sp
         tl.store(m_ptr + row, m_i, mask=g < G)
         tl.store(l_ptr + row, l_i, mask=g < G)
         tl.store(o_ptr + row[:, None] * DV + dv[None, :], acc, mask=(g < G)[:, None] & (dv < DV)[None, :])
 
-    # Opaque to a step's tracer, as the quantized products are (see qmatmul): the launch is
-    # recorded into a step's CUDA graph like any other kernel.
+    @triton.jit
+    def _combine_kernel(m_ptr, l_ptr, o_ptr, out_ptr, SPLITS, DV: tl.constexpr, SP: tl.constexpr,
+                        DB: tl.constexpr):
+        # program (row, i): features i*DB.. of query head row's output, from its SPLITS
+        # partials. Splits that saw no key have m = -inf, l = 0 and weigh exp(-inf) = 0
+        row = tl.program_id(0).to(tl.int64)
+        s = tl.arange(0, SP)
+        dv = tl.program_id(1) * DB + tl.arange(0, DB)
+        m = tl.load(m_ptr + row * SPLITS + s, mask=s < SPLITS, other=float("-inf"))
+        l = tl.load(l_ptr + row * SPLITS + s, mask=s < SPLITS, other=0.0)
+        o = tl.load(o_ptr + (row * SPLITS + s)[:, None] * DV + dv[None, :],
+                    mask=(s < SPLITS)[:, None] & (dv < DV)[None, :], other=0.0)
+        w = tl.exp(m - tl.max(m, axis=0))
+        out = tl.sum(o * w[:, None], axis=0) / tl.sum(l * w, axis=0)
+        tl.store(out_ptr + row * DV + dv, out, mask=dv < DV)
+
+    # Opaque to a step's tracer, as the quantized products are (see qmatmul): the launches
+    # are recorded into a step's CUDA graph like any other kernel.
     @torch.library.custom_op("apir::attend_visible", mutates_args=())
     def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, seq: torch.Tensor,
                 scale: float, window: int, softcap: float) -> torch.Tensor:
@@ -130,11 +160,12 @@ if triton is not None:
             q.contiguous(), k, v, pos, seq, m, l, o, keys, n_head, k.stride(0), k.stride(1),
             v.stride(0), v.stride(1), scale, softcap or 1.0, window,
             G=group, GP=gp, D=dim, DP=dp, DV=dim_v, DVP=dvp, BLOCK=block, SOFTCAP=bool(softcap),
-            WINDOW=bool(window), num_warps=warps)
-        if n_split == 1:
-            return o[:, :, 0] / l
-        weight = torch.exp(m - m.amax(dim=-1, keepdim=True))  # splits without keys: exp(-inf) = 0
-        return (o * weight[..., None]).sum(dim=2) / (l * weight).sum(dim=-1, keepdim=True)
+            WINDOW=bool(window), F32=k.dtype == torch.float32, num_warps=warps)
+        out = torch.empty((n_tok, n_head, dim_v), device=q.device, dtype=torch.float32)
+        sp = 1 << (n_split - 1).bit_length()
+        db = max(16, min(dvp, 4096 // sp))  # a program's (SP, DB) partials within 4,096 values
+        _combine_kernel[(n_tok * n_head, triton.cdiv(dim_v, db))](m, l, o, out, n_split, DV=dim_v, SP=sp, DB=db)
+        return out
 
     @_attend.register_fake
     def _(q, k, v, pos, seq, scale, window, softcap):
