@@ -133,3 +133,20 @@ def test_fixed_shape_torch_graph_is_recorded_from_its_second_run():
                 assert bool(reg.program.captured) == (run >= 1)
     finally:
         backend.close()
+
+
+def test_a_warm_worker_has_paid_the_first_launches(caplog):
+    """warm_device, as a warm host worker runs it: every tiny call succeeds (no warning),
+    and what a session's first kernel would compute (Triton's own hash, Inductor's hash of
+    torch) is already cached in this process."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from triton.runtime.cache import triton_key
+
+    from apir.backends.local.warm import warm_device
+
+    with caplog.at_level("WARNING", logger="apir.local"):
+        warm_device(torch.device("cuda"), compiles=True)
+    assert not caplog.records
+    assert triton_key.cache_info().currsize == 1

@@ -71,9 +71,9 @@ class Bind:
 
 def warm_up(device: str | None, executor: ExecutorConfig) -> None:
     """Pay now what a session's worker pays before its first request: the host backend's
-    imports and, on a GPU, the device's context (~5 s on CUDA) and the compiler's imports
-    (inductor's: 2-4 s) when its decode step will be compiled or loaded compiled. Called after the
-    fork: CUDA does not survive one."""
+    imports and, on a GPU, the device's context (~5 s on CUDA), the compiler's imports
+    (inductor's: 2-4 s) when its decode step will be compiled or loaded compiled, and the
+    first launch of each kind of kernel. Called after the fork: CUDA does not survive one."""
     import torch
 
     from ..backends.local.executor import pick_device
@@ -81,14 +81,19 @@ def warm_up(device: str | None, executor: ExecutorConfig) -> None:
     dev = pick_device(device)
     if dev.type != "cpu":
         torch.zeros(1, device=dev)  # creates the context
-    if executor.compile != "off" and (dev.type == "cuda" and executor.cuda_graphs
-                                      or dev.type == "cpu" and executor.compile_cpu):
+    compiles = executor.compile != "off" and (dev.type == "cuda" and executor.cuda_graphs
+                                              or dev.type == "cpu" and executor.compile_cpu)
+    if compiles:
         # what tracing a step, and loading one compiled before, import (1-2 s); a torch
         # without one of them compiles nothing (the executor falls back), so none is required
         for module in ("torch._inductor.compile_fx", "torch._inductor.standalone_compile",
                        "torch._functorch._aot_autograd.aot_autograd_result", "torch.fx.experimental.proxy_tensor"):
             with contextlib.suppress(ImportError):
                 importlib.import_module(module)
+    if dev.type == "cuda":  # the kernels' first launches (~1 s: see warm_device)
+        from ..backends.local.warm import warm_device
+
+        warm_device(dev, compiles)
 
 
 def wait_for_bind(pool: socket.socket) -> tuple[Bind, socket.socket] | None:
