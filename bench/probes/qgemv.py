@@ -120,8 +120,9 @@ def main(types, rows, sweep):
             if sweep:
                 best = None
                 g = qpack.geometry(int(qtype), n, k)
-                for cfg in [(bn, nc, wp) for bn in (2, 4, 8, 16) for nc in (2, 4, 8)
-                            for wp in (4, 8) if g.chunks % nc == 0 and 512 <= bn * nc * g.cw <= 4096]:
+                # up to 8,192 words a program: several rows a thread share their x loads
+                for cfg in [(bn, nc, wp) for bn in (2, 4, 8, 16, 32, 64) for nc in (1, 2, 4, 8)
+                            for wp in (4, 8) if g.chunks % nc == 0 and 512 <= bn * nc * g.cw <= 8192]:
                     t = time_us(fused(qtype, n, k, cfg), x, ws, reps=10)
                     if best is None or t < best[0]:
                         best = (t, cfg)
