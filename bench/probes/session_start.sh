@@ -8,6 +8,11 @@ set -uo pipefail
 dev=${1:-cuda}
 shift || true
 tmp=$(mktemp -d)
+# Python's own bytecode caches, as a pip-installed torch has them: a host that sets
+# PYTHONDONTWRITEBYTECODE (the CI GPU host does) would compile torch's sources to bytecode
+# in every process (~10 s). The host's start fills this cache; every later process reads it.
+unset PYTHONDONTWRITEBYTECODE
+export PYTHONPYCACHEPREFIX=${PYTHONPYCACHEPREFIX:-$tmp/pycache}
 python3 - "$tmp/m.gguf" <<'PY'
 import sys
 sys.path.insert(0, "tests")
