@@ -8,13 +8,14 @@ The graph, over the symbolic token count T, the fixed slot count S and sampled r
   params (B, PARAMS_SIZE) F32       per sampled sequence, its packed SampleArgs
   -> (B,) I32                       one token per entry of ``last``; unused entries point
                                     at row 0 with greedy params, and their token is dropped
-On a host that records a graph per step length ("graph_cache": a GPU) B is S, one graph:
-each new (B, T) pair would cost a recording in the middle of a request (a 16-stream round
-met dozens: 0.8x one stream's rate on an H200, 2026-12-01), while projecting S rows to the
-vocabulary instead of the used ones costs little where the weight's bytes, not the rows,
-bound the product; ``warm_up`` records every padded T before the first request. Elsewhere
-(a CPU) one graph per B in 1, 2, 4... up to S (the sequences a step samples, rounded up),
-so the projection runs only for rows that are used.
+B is the sequences a step samples rounded up to a power of two (at most S), so the
+projection to the vocabulary runs only for rows that are used; on a host that records a
+graph per step length ("graph_cache": a GPU) only for a decode step (one sampled token a
+sequence: T = B, both padded alike), and S for any other step. Each new (B, T) pair costs
+a recording, and ``warm_up`` makes every one a scheduler's steps can meet (T = B in 1, 2,
+4... S; B = S with T in 1, 2, 4... PREFILL_CHUNK) before the first request: with B = S
+for every step, a decode step of one stream ran S rows (0.19x of the single-sequence path
+on an H200 with 64 slots, 2026-12-02).
 Only token ids come back; each sequence keeps its own sampling knobs and seed.
 """
 
@@ -61,11 +62,14 @@ class Batch:
                                model.kv.dtype, tuple(layers))
         self._graphs: dict[int, int] = {}  # sampled rows B -> the graph, registered on first use
 
-    def _graph(self, n_sampled: int) -> tuple[int, int]:
+    def _graph(self, n_sampled: int, decode: bool) -> tuple[int, int]:
         """(B, graph) for a step sampling ``n_sampled`` sequences: B the next power of two
         (at most ``slots``), so a lone stream projects one row to the vocabulary, not S;
-        ``slots`` where steps are recorded per length (see the module docstring)."""
-        b = self.slots if self.model._pad else min(self.slots, 1 << max(n_sampled - 1, 0).bit_length())
+        ``slots`` where steps are recorded per length, unless the step is a ``decode`` one
+        (see the module docstring)."""
+        b = min(self.slots, 1 << max(n_sampled - 1, 0).bit_length())
+        if self.model._pad and not decode:
+            b = self.slots
         if b not in self._graphs:
             model, g = self.model, GraphBuilder()
             tokens, pos, seq, rows = (g.input(n, (T,), DType.I32) for n in ("tokens", "pos", "seq", "rows"))
@@ -78,31 +82,36 @@ class Batch:
 
     def warm_up(self) -> None:
         """On a host that records (or compiles) a graph per step length, run a step of
-        every length a scheduler's step can have, 1, 2, 4... up to PREFILL_CHUNK tokens,
-        greedy and sampled, so it does that now rather than inside a request (see
-        ``Model.warm_up``). The rows written are overwritten before anything reads them (no
-        slot's cache is recorded as holding them)."""
+        every (B, T) a scheduler's step can have (see the module docstring), greedy and
+        sampled, so it does that now rather than inside a request (see ``Model.warm_up``).
+        The rows written are overwritten before anything reads them (no slot's cache is
+        recorded as holding them)."""
         if not self.model._pad:
             return  # nothing is recorded per length: every step runs as it comes
         sampled = SampleArgs(1.0, 40, 0.95, 0.05, 0.5)
-        n = 1
-        while n <= min(PREFILL_CHUNK, self.slots * self.n_ctx):
-            for draw in (GREEDY, sampled):
+        for draw in (GREEDY, sampled):
+            b = 1
+            while b < 2 * self.slots:  # decode steps: a token in each of B slots
+                self.step([Chunk(s, [0], 0, draw) for s in range(min(b, self.slots))])
+                b *= 2
+            n = 1 if draw is GREEDY else 2
+            while n <= min(PREFILL_CHUNK, self.slots * self.n_ctx):  # any other step: B = S
                 self.step(self._spread(n, draw))
-            n *= 2
+                n *= 2
 
     def _spread(self, n: int, draw: SampleArgs) -> list[Chunk]:
-        """Chunks of ``n`` tokens in all, at most one a slot: a token each in ``n`` slots
-        (a decode step's shape), or else as few slots as the cache length allows."""
-        used = n if n <= self.slots else -(-n // self.n_ctx)
+        """Chunks of ``n`` tokens in all that are not a decode step: as few slots as the
+        cache length allows, each chunk sampled (a lone token is a prompt's chunk that
+        samples nothing)."""
+        used = -(-n // self.n_ctx)
         sizes = [n // used + (i < n % used) for i in range(used)]
-        return [Chunk(s, [0] * size, 0, draw) for s, size in enumerate(sizes)]
+        return [Chunk(s, [0] * size, 0, draw if n > 1 else None) for s, size in enumerate(sizes)]
 
     @property
     def chains(self) -> bool:
         """Whether a decode step can be queued before the one it follows is read (``submit``
-        with ``fed``): where every step samples ``slots`` rows (a recording host) and a step
-        of ``slots`` tokens is one of the recorded lengths (``slots`` a power of two)."""
+        with ``fed``): on a recording host, where a decode step's B tokens are one of the
+        recorded lengths (``slots`` a power of two)."""
         return self.model._pad and self.slots & (self.slots - 1) == 0
 
     def step(self, chunks: Sequence[Chunk]) -> list[int]:
@@ -128,15 +137,17 @@ class Batch:
         starts = np.fromiter((c.start for c in chunks), np.int32, len(chunks))
         seq = np.repeat(np.fromiter((c.slot for c in chunks), np.int32, len(chunks)), lens)
         pos = (np.arange(n) + np.repeat(starts - (ends - lens), lens)).astype(np.int32)
+        sampled = [i for i, c in enumerate(chunks) if c.draw is not None]
+        decode = len(sampled) == n  # one sampled token a chunk
+        b, graph = self._graph(len(sampled), decode)
         if self.model._pad and n > 1 or fed:
             # as Model._step: repeat the last token, which writes the same row again. Every
             # length is padded (a decode step of 3 sequences runs as 4): few graphs to record.
-            # A fed step runs ``slots`` tokens, one per row of the step it is fed from
-            size = self.slots if fed else 1 << (n - 1).bit_length()
+            # A decode step runs B tokens, one per sampled row: a step fed from it, the same
+            # chunks one position on, takes those rows' tokens as its own
+            size = b if decode else 1 << (n - 1).bit_length()
             tokens, pos, seq = (np.concatenate([a, np.full(size - n, a[-1], np.int32)]) for a in (tokens, pos, seq))
         end = ends - 1
-        sampled = [i for i, c in enumerate(chunks) if c.draw is not None]
-        b, graph = self._graph(len(sampled))
         params = np.tile(GREEDY.pack(), (b, 1))
         last = np.zeros(b, np.int32)
         if sampled:
