@@ -47,7 +47,8 @@ def main() -> None:
             da.tiles = tiles
             got = da.attend_visible(q, *caches[0], pos, seq, D ** -0.5, 0, 0.0)
             err = (got - want).abs().max().item()
-            us = time_us(lambda x, kv: da.attend_visible(x, *kv, pos, seq, D ** -0.5, 0, 0.0), q, caches)
+            us = time_us(lambda x, kv, pos=pos, seq=seq: da.attend_visible(x, *kv, pos, seq, D ** -0.5, 0, 0.0),
+                         q, caches)
             mark = "*" if (split, waves, block) == (*chosen[:2], None) else ""
             print(f"| {depth} | {split}{mark} | {waves} | {block or 'auto'} | {warps or 'auto'} | {us:.1f} | "
                   f"{visible / us / 1e3:.0f} |" + (f" max error {err:.1e}" if err > 1e-3 else ""), flush=True)
