@@ -71,6 +71,31 @@ def test_every_architecture_steps_several_sequences(tmp_path, arch):
         assert outs == alone
 
 
+def test_a_recording_host_runs_a_decode_step_of_its_sequences_not_of_every_slot(tiny):
+    """On a recording host (forced here) a decode step of n sequences runs and samples B =
+    n rounded up to a power of two (at most the slots: 6 here, not a power of two) rows; a
+    step with a prompt chunk samples every slot's. The tokens are each sequence's own."""
+    with apir.load(tiny, backend="local", device="cpu") as model:
+        model._pad = True
+        shapes: list[tuple[int, int]] = []  # (tokens, sampled rows) of each step
+        submit = model.backend.submit
+
+        def recording(gid, inputs, feed=None):
+            shapes.append((len(inputs["pos"]), len(inputs["last"])))
+            return submit(gid, inputs, feed)
+
+        model.backend.submit = recording
+        batch = Batch(model, slots=6)
+        alone = [batch.step([Chunk(s, [3 + s], 0, GREEDY)])[0] for s in range(6)]
+        for n, b in ((1, 1), (3, 4), (5, 6), (6, 6)):
+            shapes.clear()
+            assert batch.step([Chunk(s, [3 + s], 0, GREEDY) for s in range(n)]) == alone[:n]
+            assert shapes == [(b, b)]
+        shapes.clear()
+        batch.step([Chunk(0, [1, 2, 3], 0, GREEDY), Chunk(1, [4], 0, GREEDY)])
+        assert shapes == [(4, 6)]
+
+
 @pytest.mark.parametrize("backend", ["local", "remote-unix"])
 def test_concurrent_greedy_requests_match_each_alone(tiny, backend_options, backend):
     """8 requests of different prompt lengths, max_tokens and stop strings over 4 slots
