@@ -48,8 +48,13 @@ def test_quantized_synthetic_weights_are_valid_and_small(spec: str, types: set[D
 
 
 @pytest.mark.skipif(not HAS_TORCH, reason="needs torch")
-def test_every_record_says_what_the_host_holds(capsys, tmp_path: Path, monkeypatch) -> None:
-    monkeypatch.setenv("APIR_DEQUANT_CACHE", "0")  # blocks, a GPU host's default, on this CPU too
+@pytest.mark.parametrize("int4", ["0", "1"])
+def test_every_record_says_what_the_host_holds(capsys, tmp_path: Path, monkeypatch, int4: str) -> None:
+    """Blocks only (a GPU host's default, on this CPU too), or with the int4 forms a CPU
+    makes of Q4_0 weights at their first step: the remote session's published bytes
+    include those too (they were left out until its next non-step request)."""
+    monkeypatch.setenv("APIR_DEQUANT_CACHE", "0")
+    monkeypatch.setenv("APIR_CPU_INT4", int4)
     code = main(["bench", "--synthetic", "llama-tiny:q4_0", "-p", "8", "-n", "4", "-r", "1",
                  "--backends", "native,remote-shm", "--device", "cpu", "-o", "json",
                  "--history", str(tmp_path / "history.jsonl")])
@@ -59,7 +64,7 @@ def test_every_record_says_what_the_host_holds(capsys, tmp_path: Path, monkeypat
     memory = {r["backend"]: r["gpu_memory"] for r in records}
     assert set(memory) == {"native", "remote-shm"}
     native, remote = memory["native"], memory["remote-shm"]
-    # the same guest allocates the same buffers on both; weights held once, nothing derived
+    # the same guest allocates the same buffers on both, the executors derive the same forms
     assert native == remote
     size = records[0]["model_size"]
     assert size < native["allocated"] <= native["peak"] < 3 * size

@@ -22,8 +22,8 @@ from apir.engine import SamplingParams  # noqa: E402
 from apir.graph import OPS, DType, GraphBuilder, Op, T  # noqa: E402
 
 IDS = [256, 72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100, 33]
-CACHED = ExecutorConfig(dequant_cache=True)
-BLOCKS = ExecutorConfig(dequant_cache=False)  # the GPU default; a CPU device caches unless told
+CACHED = ExecutorConfig(dequant_cache=True, cpu_int4=False)  # every weight's f32 copy beside it
+BLOCKS = ExecutorConfig(dequant_cache=False, cpu_int4=False)  # the GPU default: blocks only
 GREEDY = SamplingParams(temperature=0, max_tokens=8)
 
 
@@ -59,7 +59,8 @@ def test_a_quantized_gguf_is_resident_once_and_computes_as_the_cache_does(quanti
 
 
 def test_the_host_reports_the_weights_once_and_remote_equals_local(quantized, tmp_path, monkeypatch):
-    monkeypatch.setenv("APIR_DEQUANT_CACHE", "0")  # the host resolves it once, at its start
+    monkeypatch.setenv("APIR_DEQUANT_CACHE", "0")  # the host resolves them once, at its start
+    monkeypatch.setenv("APIR_CPU_INT4", "0")
     host = start_host(tmp_path)
     try:
         with apir.load(str(quantized), backend=LocalBackend("cpu", config=BLOCKS)) as local, \
@@ -71,6 +72,38 @@ def test_the_host_reports_the_weights_once_and_remote_equals_local(quantized, tm
             sessions = host.until(lambda st: st.sessions and st.sessions[0].allocated == want,
                                   "the session's bytes published").sessions
             assert sessions[0].allocated - other <= 1.03 * tensor_bytes(quantized)
+    finally:
+        host.stop()
+
+
+def test_a_cpu_host_holds_q4_weights_as_int4_by_default_and_reports_them(quantized, tmp_path):
+    """The CPU default (cpu_int4): a Q4_0 matrix is held as its blocks plus torch's int4 form
+    (0.625 bytes a weight), charged as a form; the host's published bytes include it from
+    the first step on, and remote computes what local computes."""
+    from apir.backends.base import DEFAULT_EXECUTOR
+    from apir.backends.local import int4cpu
+
+    assert DEFAULT_EXECUTOR.cpu_int4
+    host = start_host(tmp_path)
+    try:
+        with apir.load(str(quantized), backend="local", device="cpu") as local, \
+                apir.load(str(quantized), backend="remote", remote=host.unix) as remote:
+            assert remote.logits(IDS).tobytes() == local.logits(IDS).tobytes()
+            forms = local.backend.ledger.forms
+            if "Q4_0" in quantized.name:
+                int4 = [t for t in gguf.GGUFReader(str(quantized)).tensors
+                        if t.tensor_type == gguf.GGMLQuantizationType.Q4_0
+                        and int4cpu.usable(DType.Q4_0, tuple(int(d) for d in reversed(t.shape)))]
+                # the form's kind is the last field of its key; the rest (261 rows, not a
+                # multiple of 16: the vocabulary's tables) are f32 copies, as before
+                kinds = [key[0][-1] for key in forms]
+                assert int4 and kinds.count("int4") == len(int4)
+                assert sum(n for key, n in forms.items() if key[0][-1] == "int4") == sum(
+                    int4cpu.nbytes(tuple(int(d) for d in reversed(t.shape))) for t in int4)
+            want = local.backend.memory()[0]  # buffers and forms
+            assert want > local.backend.allocated_bytes()
+            host.until(lambda st: st.sessions and st.sessions[0].allocated == want,
+                       "the session's bytes, forms included, published after its steps")
     finally:
         host.stop()
 

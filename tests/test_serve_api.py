@@ -19,6 +19,8 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("starlette")
 pytest.importorskip("llguidance")
 
+from apir.backends.base import ExecutorConfig  # noqa: E402
+from apir.backends.local import LocalBackend  # noqa: E402
 from apir.engine import SamplingParams, load  # noqa: E402
 from apir.models.errors import ModelNotFoundError  # noqa: E402
 from apir.models.resolve import resolve_model  # noqa: E402
@@ -194,7 +196,19 @@ def _log_softmax(x: np.ndarray) -> np.ndarray:
     return x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))
 
 
-def test_logprobs_are_the_log_softmax_of_the_logits(smol):
+def test_logprobs_are_the_log_softmax_of_the_logits():
+    # every product in f32: by default a CPU computes SmolLM2's Q4_1 weights with bf16
+    # activations, and a decode step's logprobs then differ from a whole-prompt pass's by
+    # up to ~3e-2 (ExecutorConfig.cpu_int4)
+    try:
+        resolve_model(MODEL)
+    except ModelNotFoundError as e:
+        pytest.skip(str(e))
+    with load(MODEL, backend=LocalBackend("cpu", config=ExecutorConfig(cpu_int4=False)), n_ctx=512) as smol:
+        _check_logprobs(smol)
+
+
+def _check_logprobs(smol) -> None:
     ids = smol.tokenize("The capital of France is")
     tokens = list(smol.generate_tokens(ids, SamplingParams(temperature=0, max_tokens=4, logprobs=3)))
     want = _log_softmax(smol.logits(ids + [t.id for t in tokens[:-1]]))[len(ids) - 1:]

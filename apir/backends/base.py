@@ -76,9 +76,11 @@ class ExecutorConfig:
     dequant_cache: bool | None = None
     # on a CPU device, compute Q4_0, Q4_1 and Q4_K weights through torch's int4 product
     # (bf16 activations): 0.625 bytes a weight and about twice the decode speed of the
-    # dequantized f32 copy (local.int4cpu); off by default until the ~3e-2 differences in
-    # logprobs it shows between a decode step and a whole-prompt pass are understood
-    cpu_int4: bool = False
+    # dequantized f32 copy (local.int4cpu). Logits to bf16 precision: a decode step's
+    # logprobs and a whole-prompt pass's differ by up to ~3e-2 on SmolLM2, which rounding x
+    # and the products to bf16 reproduces (f32 products of bf16-rounded x: 2.3e-2; with the
+    # output rounded too: 3.5e-2); llama.cpp's CPU path rounds activations to 8 bits
+    cpu_int4: bool = True
     # compile decode steps on a CPU device too (no CUDA graph there); off by default:
     # Inductor's C++ build of a model's step takes minutes on a small CPU host
     compile_cpu: bool = False
@@ -100,7 +102,7 @@ class ExecutorConfig:
         cache = env.DEQUANT_CACHE.get()
         return cls(env.CUDA_GRAPHS.get() != "0", {"0": "off", "all": "all"}.get(mode, "decode"),
                    None if cache is None else cache == "1", compile_cache=env.COMPILE_CACHE.get() or "",
-                   cpu_int4=env.CPU_INT4.get() == "1")
+                   cpu_int4=env.CPU_INT4.get() != "0")
 
 
 DEFAULT_EXECUTOR = ExecutorConfig()

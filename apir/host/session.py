@@ -192,6 +192,7 @@ class Session:
                     in_flight.append(self.dispatch(msg, rid))
                 except Exception as e:  # noqa: BLE001 - every failure becomes an Error reply
                     in_flight.append(InFlight(rid, _DONE, partial(error_for, e)))
+                self._publish()  # a first step may have made a weight's derived form
                 continue
             while in_flight:  # everything else runs after the queued steps, in order
                 if not self._reply(in_flight.popleft()):
