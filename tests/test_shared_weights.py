@@ -60,17 +60,24 @@ def _allocated(host, model) -> int:
     return next(s.allocated for s in host.status().sessions if s.session == model.backend.session)
 
 
-def _forms_size(tiny) -> int:
+def _dequantized(tiny, int4: bool = False) -> list:
+    """The weights a CPU session keeps dequantized (16-bit and quantized), but with
+    ``int4`` those it computes in int4."""
+    from apir.backends.local import int4cpu
+
+    return [t for t in GGUFFile(tiny).tensors.values() if t.dtype not in (DType.F32, DType.I32)
+            and not (int4 and int4cpu.usable(t.dtype, t.shape))]
+
+
+def _forms_size(tiny, int4: bool = False) -> int:
     """The bytes of the dequantized forms' mapping the daemon makes for ``tiny``."""
-    tensors = GGUFFile(tiny).tensors.values()
-    slots, _ = weight_slots(tensors)
-    return forms.plan([(slots[t.name].offset, int(t.dtype), math.prod(t.shape)) for t in tensors
-                       if t.dtype not in (DType.F32, DType.I32)])[2]
+    slots, _ = weight_slots(GGUFFile(tiny).tensors.values())
+    return forms.plan([(slots[t.name].offset, int(t.dtype), math.prod(t.shape)) for t in _dequantized(tiny, int4)])[2]
 
 
 def _dequantized_elements(tiny) -> int:
     """The elements of the weights a CPU session keeps dequantized (16-bit and quantized)."""
-    return sum(math.prod(t.shape) for t in GGUFFile(tiny).tensors.values() if t.dtype not in (DType.F32, DType.I32))
+    return sum(math.prod(t.shape) for t in _dequantized(tiny))
 
 
 def test_sessions_share_one_copy_uploaded_by_nobody(host, tiny, layout, expected, tmp_path):
@@ -194,10 +201,12 @@ def test_an_adopted_buffer_is_read_only_and_charged_only_when_copied(lends):
         assert b.allocated_bytes() == 0
 
 
-@pytest.mark.parametrize("weight_type", ["Q8_0", "Q4_0", "F16"])
-def test_the_hosts_forms_are_the_values_a_session_makes(tmp_path, weight_type):
+@pytest.mark.parametrize(("weight_type", "int4"), [("Q8_0", False), ("Q4_0", False), ("F16", False),
+                                                   ("Q4_0", True)])
+def test_the_hosts_forms_are_the_values_a_session_makes(tmp_path, weight_type, int4):
     """The daemon's dequantized forms of a published model are bit for bit what a CPU
-    session's executor makes of each weight, and the table maps each weight to its own."""
+    session's executor makes of each weight, and the table maps each weight to its own;
+    with int4 (a CPU host's default) none of a weight the sessions compute in int4."""
     import mmap
 
     import torch
@@ -206,15 +215,20 @@ def test_the_hosts_forms_are_the_values_a_session_makes(tmp_path, weight_type):
     from apir.host.published import load_copy
 
     path = write_tiny_gguf(tmp_path / "m.gguf", TinyConfig(context_length=64), seed=3, weight_type=weight_type)
-    copy = load_copy(PublishedModel.parse(str(path)), forms=True)
+    copy = load_copy(PublishedModel.parse(str(path)), forms=True, int4=int4)
     try:
-        assert copy.forms_size == _forms_size(path)
+        assert copy.forms_size == _forms_size(path, int4)
         data = memoryview(mmap.mmap(copy.forms_fd, copy.forms_size, mmap.MAP_SHARED, mmap.PROT_READ))
         table = forms.read(data)
-        tensors = GGUFFile(path).tensors.values()
-        slots, _ = weight_slots(tensors)
-        dequantized = [t for t in tensors if t.dtype not in (DType.F32, DType.I32)]
-        assert {t.dtype.name for t in dequantized} >= {weight_type}
+        slots, _ = weight_slots(GGUFFile(path).tensors.values())
+        dequantized = _dequantized(path, int4)
+        if int4:  # the Q4_0 matrices are left to the sessions; the rest keep their f32 forms
+            from apir.backends.local import int4cpu
+
+            assert 0 < len(dequantized) < len(_dequantized(path))
+            assert not any(int4cpu.usable(t.dtype, t.shape) for t in dequantized)
+        else:
+            assert {t.dtype.name for t in dequantized} >= {weight_type}
         assert sorted(table) == sorted(slots[t.name].offset for t in dequantized)
         for t in dequantized:
             kind, at, n = table[slots[t.name].offset]

@@ -179,7 +179,7 @@ class Daemon:
         # sessions on a CPU keep dequantized forms of weights (unless told not to): for a
         # published model the daemon makes them once, for all of them
         forms = bool(config.models) and config.executor.dequant_cache is not False and not gpu_host(config.device)
-        self.shelf = Shelf(config.models, config.keep_alive, forms)
+        self.shelf = Shelf(config.models, config.keep_alive, forms, config.executor.cpu_int4)
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> None:

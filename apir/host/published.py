@@ -90,9 +90,11 @@ class SharedCopy:
     idle_since: float = 0.0  # when its last user ended
 
 
-def load_copy(model: PublishedModel, forms: bool = False) -> SharedCopy:
+def load_copy(model: PublishedModel, forms: bool = False, int4: bool = False) -> SharedCopy:
     """Read ``model``'s GGUF into a sealed memfd, laid out as a guest's engine uploads it;
-    with ``forms``, its weights' dequantized f32 forms into a second one (see above)."""
+    with ``forms``, its weights' dequantized f32 forms into a second one (see above), but
+    with ``int4`` (``ExecutorConfig.cpu_int4``) none of the weights the sessions compute
+    through torch's int4 product instead: they make, and are charged, that form themselves."""
     from ..models.gguf_file import GGUFFile
     from ..models.layout import layout_digest, weight_slots
 
@@ -101,7 +103,7 @@ def load_copy(model: PublishedModel, forms: bool = False) -> SharedCopy:
     fd = _sealed(f"apir-model-{model.name}", size, (
         (slots[t.name].offset, memoryview(t.data).cast("B")) for t in gguf.tensors.values()))
     try:
-        forms_fd, forms_size = _forms(model.name, gguf, slots) if forms else (-1, 0)
+        forms_fd, forms_size = _forms(model.name, gguf, slots, int4) if forms else (-1, 0)
     except BaseException:
         os.close(fd)
         raise
@@ -125,18 +127,21 @@ def _sealed(name: str, size: int, pieces) -> int:
     return fd
 
 
-def _forms(name: str, gguf, slots) -> tuple[int, int]:
-    """The f32 forms of ``gguf``'s 16-bit and quantized weights as a sealed memfd (fd,
-    size; ``apir.backends.forms``), dequantized by the executor's own CPU decoder, so a
-    session reads the very values it would have made itself."""
+def _forms(name: str, gguf, slots, int4: bool) -> tuple[int, int]:
+    """The f32 forms of ``gguf``'s 16-bit and quantized weights (but, with ``int4``, those
+    a session computes in int4) as a sealed memfd (fd, size; ``apir.backends.forms``),
+    dequantized by the executor's own CPU decoder, so a session reads the very values it
+    would have made itself."""
     import numpy as np
     import torch
 
     from ..backends import forms
+    from ..backends.local import int4cpu
     from ..backends.local.dequant import dequantize
     from ..graph import DType
 
-    tensors = [t for t in gguf.tensors.values() if t.dtype not in (DType.F32, DType.I32)]
+    tensors = [t for t in gguf.tensors.values() if t.dtype not in (DType.F32, DType.I32)
+               and not (int4 and int4cpu.usable(t.dtype, tuple(t.shape)))]
     table, offsets, size = forms.plan([(slots[t.name].offset, int(t.dtype), int(np.prod(t.shape)))
                                        for t in tensors])
 
@@ -159,11 +164,13 @@ def _forms(name: str, gguf, slots) -> tuple[int, int]:
 class Shelf:
     """The daemon's published models and their resident copies."""
 
-    def __init__(self, models: tuple[PublishedModel, ...], keep_alive: float, forms: bool = False) -> None:
+    def __init__(self, models: tuple[PublishedModel, ...], keep_alive: float, forms: bool = False,
+                 int4: bool = False) -> None:
         """``forms``: the sessions keep dequantized forms of weights (a CPU host's default),
-        so the daemon makes them once, with each copy."""
+        so the daemon makes them once, with each copy; ``int4``: not of those the sessions
+        compute in int4 (``load_copy``)."""
         self.models = {p.name: p for p in models}
-        self.forms = forms
+        self.forms, self.int4 = forms, int4
         # a guest's engine asks by its file's name: NAME=PATH answers to PATH's file name too
         self.aliases = {**{p.path.stem: p.name for p in models}, **{n: n for n in self.models}}
         self.keep_alive = keep_alive  # negative: loaded at start, kept for the daemon's life
@@ -195,7 +202,7 @@ class Shelf:
 
     def _load(self, name: str) -> SharedCopy:
         t0 = time.monotonic()
-        copy = self.copies[name] = load_copy(self.models[name], self.forms)
+        copy = self.copies[name] = load_copy(self.models[name], self.forms, self.int4)
         self.loads += 1
         log.info("published model %s loaded: %.1f MiB%s in %.1fs", name, copy.size / 2**20,
                  f" and {copy.forms_size / 2**20:.1f} MiB of dequantized forms" if copy.forms_size else "",
