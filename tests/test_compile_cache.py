@@ -74,6 +74,33 @@ def test_a_second_session_loads_its_compiled_step_and_a_corrupt_one_is_rebuilt(t
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(versioned)
 
 
+@pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++")), reason="Inductor on a CPU needs a C++ compiler")
+def test_a_batched_decode_step_is_compiled_and_gives_the_eager_tokens(tmp_path, monkeypatch):
+    """A batched graph's decode step (one sampled token for each of its B sequences) is a
+    decode step: compiled once per B, as a one-sequence decode is (on a GPU, where every
+    step of a batch is recorded, this is what fuses its elementwise kernels); a step with a
+    prompt chunk is not. Tokens are the eager ones."""
+    from apir.backends.local import LocalBackend, inductor
+    from apir.engine.batch import Batch, Chunk
+    from apir.graph.sampling import GREEDY
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "unused"))
+    tiny = str(write_tiny_gguf(tmp_path / "tiny.gguf", TinyConfig(n_layer=1, context_length=64), seed=3))
+
+    def tokens(config: ExecutorConfig) -> list[list[int]]:
+        with apir.load(tiny, backend=LocalBackend("cpu", config=config)) as model:
+            batch = Batch(model, slots=2)
+            out = [batch.step([Chunk(0, [5, 6, 7], 0, GREEDY), Chunk(1, [9], 0, GREEDY)])]  # a prompt step
+            for i in range(3):  # decode steps of both sequences
+                out.append(batch.step([Chunk(s, [out[-1][s]], 3 - 2 * s + i, GREEDY) for s in range(2)]))
+            return out
+
+    expected = tokens(ExecutorConfig())
+    before = inductor.STATS["compiled"]
+    assert tokens(ExecutorConfig(compile_cpu=True, compile_cache=str(tmp_path / "compiled"))) == expected
+    assert inductor.STATS["compiled"] - before == 1  # the 2-sequence decode step, once
+
+
 @pytest.mark.gpu
 def test_a_second_cuda_session_loads_its_compiled_decode_step(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "unused"))

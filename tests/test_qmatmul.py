@@ -87,9 +87,10 @@ def test_cpu_path_tiles_rows_within_the_scratch(monkeypatch):
 
 
 def stacked_case(m: int):
-    """x and three weights of different types (a Q4_K_M q/k/v) with K=512, and the
-    reference product with them stacked along N."""
-    parts = [(Q.Q4_K, 7), (Q.Q6_K, 3), (Q.Q8_0, 5)]
+    """x and weights of three types with K=512 (a Q4_K_M q/k/v, then more), and the
+    reference product with them stacked along N. The decode kernels launch once a run of
+    one type, at most three weights: Q4_K x 2, Q6_K, Q8_0 x 3, Q8_0."""
+    parts = [(Q.Q4_K, 7), (Q.Q4_K, 9), (Q.Q6_K, 3), (Q.Q8_0, 37), (Q.Q8_0, 4), (Q.Q8_0, 6), (Q.Q8_0, 2)]
     raws = [random_weight(t, n, 512, seed=n) for t, n in parts]
     x = np.random.default_rng(9).standard_normal((m, 512)).astype(np.float32)
     refs = [reference(x, raw, t, n, 512) for raw, (t, n) in zip(raws, parts)]
@@ -164,7 +165,7 @@ def test_packed_slots_hold_chunk_runs_of_elements():
 @pytest.mark.parametrize("qtype", list(SCALES), ids=lambda t: t.name)
 def test_fused_kernel_matches_gguf(qtype):
     def product(x, raw, n, k):
-        return qm._launch_gemv(torch.from_numpy(x), packed(raw, qtype, n, k), int(qtype), n, k)
+        return qm._launch_gemv(torch.from_numpy(x), [packed(raw, qtype, n, k)], int(qtype), [n], k)
     check_products(qtype, product, rel=1e-5)
 
 
@@ -176,7 +177,7 @@ def test_fused_kernel_with_many_chunks_a_step_matches_gguf(qtype, k):
     assert qm.tiles(int(qtype), 3, k, True)[1] * qpack.geometry(int(qtype), 3, k).cw == 128
     raw = random_weight(qtype, 3, k, seed=5)
     x = np.random.default_rng(6).standard_normal((2, k)).astype(np.float32)
-    y = qm._launch_gemv(torch.from_numpy(x), packed(raw, qtype, 3, k), int(qtype), 3, k)
+    y = qm._launch_gemv(torch.from_numpy(x), [packed(raw, qtype, 3, k)], int(qtype), [3], k)
     check(y, x, raw, qtype, 3, k, rel=1e-5)
 
 
@@ -190,9 +191,9 @@ def test_batched_kernel_matches_gguf(qtype):
         raw = random_weight(qtype, n, k, seed=i)
         assert qm.batched(m, [(int(qtype), n)], k)
         x = np.random.default_rng(i).standard_normal((m, k)).astype(np.float32)
-        y = torch.full((m, n), float("nan"))
-        qm._launch_mm(torch.from_numpy(x), packed(raw, qtype, n, k), int(qtype), n, k, y)
-        check(y, x, raw, qtype, n, k, rel=2e-3)
+        y = qm._launch_mm(torch.from_numpy(x), [packed(raw, qtype, n, k)], int(qtype), [n], k)
+        assert y.shape[0] == qm.k_splits(int(qtype), m, n, k, sms=132)[0]
+        check(y.sum(0), x, raw, qtype, n, k, rel=2e-3)
 
 
 def test_batched_kernel_splits_k_until_the_gpu_is_full():
@@ -214,12 +215,16 @@ def test_batched_kernel_needs_a_k_slice_of_16():
 
 
 @needs_triton
-@pytest.mark.parametrize(("kernel", "m", "rel"), [("_qgemv", 2, 1e-5), ("_qmm", 11, 2e-3)])
-def test_decode_kernels_write_stacked_weights_into_one_result(kernel, m, rel):
-    # the fused kernel (f32) and the batched one (x and W rounded to f16)
+@pytest.mark.parametrize(("m", "rel"), [(2, 1e-5), (11, 2e-3)])
+def test_decode_kernels_write_stacked_weights_into_one_result(m, rel, monkeypatch):
+    # the fused kernel (f32) and the batched one (x and W rounded to f16), one launch a run
+    # of weights of one type
+    assert qm.runs([12, 12, 14, 8, 8, 8, 8]) == [(0, 2), (2, 3), (3, 6), (6, 7)]
+    monkeypatch.setattr(qm, "packs", lambda device: True)
+
     def product(x, parts):
         ws, qtypes, ns = zip(*[(packed(r, t, n, 512), int(t), n) for r, t, n in parts])
-        return getattr(qm, kernel)(torch.from_numpy(x), list(ws), list(qtypes), list(ns), 512)
+        return qm.decode_product(torch.from_numpy(x), list(ws), list(qtypes), list(ns), 512)
     check_stacked(product, m, rel=rel)
 
 

@@ -9,8 +9,9 @@ effective read rate: the weight's bytes in its own format (GGUF blocks, or f16) 
 
 --rows M (M > 1) times the batched kernel too (a batched decode step's M rows).
 
---sweep also times the fused kernel over a grid of (BN, NC, warps) and prints the best
-next to the one apir.backends.local.qmatmul.tiles picks.
+--sweep also times the fused kernel over a grid of (BN, NC, warps), and with --rows the
+batched one over (BN, row-step words, warps, stages), and prints the best next to the
+ones apir.backends.local.qmatmul picks.
 """
 
 import sys
@@ -27,8 +28,7 @@ from apir.backends.local.qmatmul import (
     _launch_dequant,
     _launch_gemv,
     _launch_mm,
-    _meta,
-    _planes,
+    _stack,
     batch_tiles,
     tiles,
 )
@@ -54,14 +54,14 @@ def random_raw(qtype, n, k):
 
 def fused(qtype, n, k, cfg=None):
     if cfg is None:
-        return lambda x, raw: _launch_gemv(x, raw, int(qtype), n, k)
+        return lambda x, raw: _launch_gemv(x, [raw], int(qtype), [n], k)
     bn, nc, warps = cfg
 
     def run(x, w):
         y = torch.empty((x.shape[0], n), device="cuda", dtype=torch.float32)
+        planes, args = _stack([w], int(qtype), [n], k, bn)
         qkernels._qgemv_kernel[(x.shape[0], triton.cdiv(n, bn))](
-            x, *_planes(w, int(qtype), n, k), y, n, k, n, **_meta(int(qtype), k), BN=bn, NC=nc,
-            num_warps=warps)
+            x, *planes, y, K=k, LDY=n, **args, BN=bn, NC=nc, num_warps=warps)
         return y
     return run
 
@@ -76,11 +76,27 @@ def gemv16(n, k):
     return run
 
 
-def batched(qtype, n, k):
-    # the batched decode kernel (qmatmul's path for FUSED_ROWS < M <= BATCH_ROWS)
+def batched(qtype, n, k, cfg=None):
+    # the batched decode kernel (qmatmul's path for FUSED_ROWS < M <= BATCH_ROWS), its
+    # splits summed; cfg (BN, row-step words, warps, stages) for the sweep
+    if cfg is None:
+        return lambda x, w: _launch_mm(x, [w], int(qtype), [n], k).sum(0)
+    bn, words, warps, stages = cfg
+    g = qpack.geometry(int(qtype), n, k)
+    nc = words // g.cw
+
     def run(x, w):
-        y = torch.empty((x.shape[0], n), device="cuda", dtype=torch.float32)
-        return _launch_mm(x, w, int(qtype), n, k, y)
+        bm = 16 if x.shape[0] <= 16 else 32 if x.shape[0] <= 32 else 64
+        tiles_n = triton.cdiv(n, bn)
+        want = max(1, min(g.chunks // nc // 2, -(-4 * 132 // (tiles_n * triton.cdiv(x.shape[0], bm)))))
+        per = -(-(g.chunks // nc) // want) * nc
+        splits = -(-g.chunks // per)
+        out = torch.empty((splits, x.shape[0], n), device="cuda", dtype=torch.float32)
+        planes, args = _stack([w], int(qtype), [n], k, bn)
+        qkernels._qmm_kernel[(triton.cdiv(x.shape[0], bm), tiles_n, splits)](
+            x, *planes, out, M=x.shape[0], K=k, LDY=n, SPLIT_CHUNKS=per, SPLIT_STRIDE=x.shape[0] * n,
+            **args, BM=bm, BN=bn, NC=nc, num_warps=warps, num_stages=stages)
+        return out.sum(0)
     return run
 
 
@@ -129,6 +145,24 @@ def main(types, rows, sweep):
                 res[f"best{best[1]}"] = best[0]
             if rows > 1 and batch_tiles(int(qtype), n, k):
                 res["batched"] = time_us(batched(qtype, n, k), x, ws)
+                if want is not None:
+                    got = batched(qtype, n, k)(x, ws[0])
+                    err = ((got.double() - want).abs().max() / want.abs().max()).item()
+                    assert err < 1e-2, (qtype.name, n, k, err)
+                if sweep:
+                    best = None
+                    g = qpack.geometry(int(qtype), n, k)
+                    for cfg in [(bn, words, wp, st) for bn in (32, 64, 128) for words in (32, 64, 128)
+                                for wp in (4, 8) for st in (1, 2, 3)
+                                if words % g.cw == 0 and g.chunks % (words // g.cw) == 0 and words >= 16]:
+                        try:
+                            t = time_us(batched(qtype, n, k, cfg), x, ws, reps=10)
+                        except Exception as e:  # noqa: BLE001 - out of resources: skip the config
+                            print(f"    {cfg}: {type(e).__name__}", flush=True)
+                            continue
+                        if best is None or t < best[0]:
+                            best = (t, cfg)
+                    res[f"batched-best{best[1]}"] = best[0]
             res["triton-dq+mm"] = time_us(triton_dq_mm(qtype, n, k), x, ws[:2])
             if want is not None and "--no-torch" not in sys.argv:
                 res["torch-dq+mm"] = time_us(torch_dq_mm(qtype, n, k), x, raws[:2])

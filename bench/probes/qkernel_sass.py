@@ -37,47 +37,51 @@ def _signature(qtype: int, kind: str) -> dict[str, str]:
     scales = {2: "fp16", 3: "fp16", 6: "fp16", 7: "fp16", 8: "fp16"}.get(qtype)
     ps = [f"*{scales}"] * 3 if scales else {10: ["*u8", "*fp16", "*fp16"], 11: ["*u8", "*fp16", "*u8"],
                                              12: ["*u8"] * 3, 13: ["*u8"] * 3, 14: ["*i8", "*fp16", "*i8"]}[qtype]
-    planes = {"low_ptr": "*i32", "high_ptr": high, "p0": ps[0], "p1": ps[1], "p2": ps[2]}
+    types = ["*i32", high, *ps]  # low, high, then the three scale planes
     if kind == "dequant":
-        sig = planes | {"out_ptr": "*fp16", "R0": "i32", "R1": "i32", "K": "i32"}
-    else:
+        sig = dict(zip(("low_ptr", "high_ptr", "p0", "p1", "p2"), types))
+        sig |= {"out_ptr": "*fp16", "R0": "i32", "R1": "i32", "K": "i32"}
+    else:  # the planes of three stacked weights (qkernels._part)
+        planes = {f"{plane}{i}": t for i in range(3) for plane, t in zip("LHABC", types)}
         sig = {"x_ptr": "*fp32", **planes, "y_ptr": "*fp32", **({"M": "i32"} if kind == "batched" else {}),
-               "N": "i32", "K": "i32", "LDY": "i32",
+               "N0": "i32", "N1": "i32", "N2": "i32", "T0": "i32", "T1": "i32", "K": "i32", "LDY": "i32",
                **({"SPLIT_CHUNKS": "i32", "SPLIT_STRIDE": "i32"} if kind == "batched" else {})}
-    consts = ("QT", "LB", "HB", "OFF", "MIN", "CW", "ASM", *(("BM",) if kind == "batched" else ()), "BN", "NC")
+    consts = ("QT", "LB", "HB", "OFF", "MIN", "CW", "ASM", *(("P",) if kind != "dequant" else ()),
+              *(("BM",) if kind == "batched" else ()), "BN", "NC")
     return sig | {name: "constexpr" for name in consts}
 
 
-def compile_kernel(qtype: int, n: int, k: int, kind: str = "fused"):
-    """The kernel of ``kind`` for a packed (n, k) weight, compiled for sm_90 with the tiles
-    the host would launch it with, as Triton specializes at run time (aligned pointers, K
-    and LDY multiples of 16). Returns (compiled kernel, BN, NC, num_warps)."""
+def compile_kernel(qtype: int, n: int, k: int, kind: str = "fused", parts: int = 1):
+    """The kernel of ``kind`` for a packed (n, k) weight (``parts`` of them stacked, the
+    decode kernels), compiled for sm_90 with the tiles the host would launch it with, as
+    Triton specializes at run time (aligned pointers, K and LDY multiples of 16). Returns
+    (compiled kernel, BN, NC, num_warps)."""
     lb, hb, off, mins = qkernels.TYPES[qtype]
     consts = dict(QT=qtype, LB=lb, HB=hb, OFF=off, MIN=mins, CW=qpack.chunk_words(qtype, k), ASM=True)
     if kind == "batched":
         bm, bn, nc, warps = qmatmul.batch_tiles(qtype, n, k)
         consts |= dict(BM=bm)
-        fn, options, ints = qkernels._qmm_kernel, {"num_stages": 1}, (9, 10)
+        fn, options, ints = qkernels._qmm_kernel, {"num_stages": 1}, (23, 24)  # K, LDY
     elif kind == "fused":
         bn, nc, warps = qmatmul.tiles(qtype, n, k, fused=True)
-        fn, options, ints = qkernels._qgemv_kernel, {"num_stages": 3}, (8, 9)
+        fn, options, ints = qkernels._qgemv_kernel, {"num_stages": 3}, (22, 23)
     else:
         bn, nc, warps = qmatmul.tiles(qtype, n, k, fused=False)
         fn, options, ints = qkernels._dequant_kernel, {"enable_fp_fusion": False}, (8,)
-    consts |= dict(BN=bn, NC=nc)
-    pointers = range(6 if kind == "dequant" else 7)
+    consts |= dict(BN=bn, NC=nc) | ({} if kind == "dequant" else dict(P=parts))
+    pointers = range(6 if kind == "dequant" else 17)
     attrs = {(i,): [["tt.divisibility", 16]] for i in (*pointers, *ints)}
     src = ASTSource(fn=fn, signature=_signature(qtype, kind), constexprs=consts, attrs=attrs)
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, **options})
     return kernel, bn, nc, warps
 
 
-def loop_sass(qtype: int, n: int, k: int, batched: bool = False) -> tuple[list[str], int]:
+def loop_sass(qtype: int, n: int, k: int, batched: bool = False, parts: int = 1) -> tuple[list[str], int]:
     """The SASS lines of the kernel's main loop for a (n, k) weight, and the values a
     thread takes per iteration."""
     lb = qkernels.TYPES[qtype][0]
     cw = qpack.chunk_words(qtype, k)
-    kernel, bn, nc, warps = compile_kernel(qtype, n, k, "batched" if batched else "fused")
+    kernel, bn, nc, warps = compile_kernel(qtype, n, k, "batched" if batched else "fused", parts)
     with tempfile.TemporaryDirectory() as tmp:
         cubin = Path(tmp) / "k.cubin"
         cubin.write_bytes(kernel.asm["cubin"])
@@ -100,11 +104,12 @@ def main() -> None:
     ap.add_argument("types", nargs="*", default=[t.name for t in qkernels_types()])
     ap.add_argument("--k", type=int, default=4096)
     ap.add_argument("--batched", action="store_true", help="the batched kernel (16 rows of x)")
+    ap.add_argument("--parts", type=int, default=1, help="weights stacked in one launch (1-3)")
     ap.add_argument("--show", action="store_true", help="print the loop")
     args = ap.parse_args()
     for name in args.types:
         qtype = int(Q[name])
-        loop, values = loop_sass(qtype, 4096, args.k, args.batched)
+        loop, values = loop_sass(qtype, 4096, args.k, args.batched, args.parts)
         ops = collections.Counter(re.match(r"\s*/\*[0-9a-f]+\*/\s*(?:@!?U?P\w+\s+)?([A-Z0-9_]+)", line).group(1)
                                   for line in loop)
         loads = collections.Counter(m.group(0) for line in loop

@@ -395,9 +395,9 @@ class LocalBackend(Executor):
                 for name, a in inputs.items()
             }
             constants = self._constants(prog)
-            key = (1, greedy)
-            if self.compile and n_tokens == 1 and key not in self._uncompiled:  # compile_cpu: decode
-                step = prog.captured.get(key) or self._compiled(reg, 1, greedy)
+            key = (n_tokens, greedy)
+            if self.compile and self._decode(prog, n_tokens) and key not in self._uncompiled:  # compile_cpu
+                step = prog.captured.get(key) or self._compiled(reg, n_tokens, greedy)
                 try:
                     outs = step(reg, tensors, constants, greedy)
                     prog.captured[key] = step
@@ -446,10 +446,18 @@ class LocalBackend(Executor):
         if n_tokens == 0:
             what = "compiling a fixed-shape graph (its second run in this session)"
         else:
-            what = (f"compiling {'decode' if n_tokens == 1 else f'{n_tokens}-token prefill'} graph "
-                    f"({'greedy' if greedy else 'sampling'} step, first use of this model on this host)")
+            kind = ("decode" if n_tokens == 1 else f"{n_tokens}-sequence decode"
+                    if self._decode(reg.program, n_tokens) else f"{n_tokens}-token prefill")
+            what = (f"compiling {kind} graph ({'greedy' if greedy else 'sampling'} step, "
+                    "first use of this model on this host)")
         return inductor.Compiled(self._execute, self._steps, self._step_description(reg, n_tokens, greedy),
                                  lambda: self.on_compile(what))
+
+    @staticmethod
+    def _decode(prog: Program, n_tokens: int) -> bool:
+        """Whether a step of ``n_tokens`` is a decode step: one token, or one sampled token
+        for each of ``n_tokens`` sequences (a batched graph's decode step)."""
+        return n_tokens == 1 or n_tokens == prog.sampled_rows
 
     def _step_description(self, reg: Registered, n_tokens: int, greedy: bool) -> str:
         """What the walk traced for a step depends on beyond its arguments' shapes and
@@ -485,13 +493,16 @@ class LocalBackend(Executor):
 
             step = None
             # Inductor fuses the elementwise chains (norms, RoPE, gates) into a few kernels
-            # per layer; the CUDA graph then removes the launch overhead. Compiled: the
-            # one-token decode step, and with compile="all" the padded prefill chunks
-            # (the engine warms those up). Steps of 2..8 tokens (short prompts, unpadded)
-            # are recorded eagerly: their one run costs far less than a compile per length.
-            # A fixed-shape graph run twice (a torch frontend model's forward) is compiled too.
+            # per layer; the CUDA graph then removes the launch overhead. Compiled: decode
+            # steps (one token, or one sampled token for each of B sequences: a batched
+            # decode, where the eager kernels took half of a 16-row step of a 1B on an
+            # H200), and with compile="all" the padded prefill chunks (the engine warms
+            # those up). Steps of 2..8 tokens (short prompts, unpadded) are recorded
+            # eagerly: their one run costs far less than a compile per length. A
+            # fixed-shape graph run twice (a torch frontend model's forward) is compiled too.
             if self.compile and key not in self._uncompiled and (
-                    n_tokens == 1 or prog.fixed or self.compile_prefill and n_tokens > CAPTURE_MAX_DECODE):
+                    self._decode(prog, n_tokens) or prog.fixed
+                    or self.compile_prefill and n_tokens > CAPTURE_MAX_DECODE):
                 try:
                     compiled = self._compiled(reg, n_tokens, greedy)
                     step = CapturedStep(lambda t: compiled(reg, t, constants, greedy), inputs, dtypes,

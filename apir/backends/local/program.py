@@ -78,6 +78,9 @@ class Program:
     # no input has the token axis: every run has the same shapes (a torch frontend graph,
     # registered per shape), so a graph run again is worth compiling and recording once
     fixed: bool = False
+    # the rows of the graph's one SAMPLE node where that count is fixed, else 0: a step of
+    # that many tokens samples every one of them, a decode step of that many sequences
+    sampled_rows: int = 0
     runs: int = 0  # computes so far (counted for fixed graphs)
 
 
@@ -145,9 +148,12 @@ def compile_program(graph: Graph, accelerated: bool, weight_dtype) -> Program:
     )
     if len(sample_params) != sum(n.op is Op.SAMPLE for n in nodes):
         sample_params = ()  # a computed params tensor: the host cannot know it is greedy
+    samples = [n for n in nodes if n.op is Op.SAMPLE]
+    sampled_rows = samples[0].shape[0] if len(samples) == 1 and isinstance(samples[0].shape[0], int) else 0
     return Program(
         steps, graph.outputs, tuple((*key, what) for key, what in checks.items()), accelerated,
         tuple(sorted({n.attrs[0] for n in nodes if n.op is Op.WEIGHT})),
         sample_params,
         fixed=not any(T in n.shape for n in nodes if n.op is Op.INPUT),
+        sampled_rows=sampled_rows,
     )

@@ -3,6 +3,7 @@ moved into planes; the layout is described there).
 
     _qgemv_kernel    y (M, N) f32 = x (M, K) f32 @ W.T   for the few rows of a decode step
     _qmm_kernel      y (M, N) f32 = x (M, K) @ W.T        for a batched decode step's rows
+                     (both: W up to three weights of one type stacked along N, one launch)
     _dequant_kernel  out (R, K) f16/f32 = rows of W        for prefill and row lookups
 
 All three take a tile of (BN rows, NC chunks, CW words) of the low plane, loaded as one
@@ -181,14 +182,50 @@ def _accumulate(acc, lw, hw, x_row, r, c, w, p0, p1, p2, K, QT: tl.constexpr, LB
 
 
 @triton.jit
-def _qgemv_kernel(x_ptr, low_ptr, high_ptr, p0, p1, p2, y_ptr, N, K, LDY, QT: tl.constexpr,
-                  LB: tl.constexpr, HB: tl.constexpr, OFF: tl.constexpr, MIN: tl.constexpr,
-                  CW: tl.constexpr, ASM: tl.constexpr, BN: tl.constexpr, NC: tl.constexpr):
-    # program (m, i): y[m, i*BN : (i+1)*BN] (y's rows LDY apart). The M programs of one row
-    # tile run side by side, so the tile's bytes come from DRAM once and from L2 after
+def _part(t, T0, T1, N0, N1, N2, P: tl.constexpr):
+    """Row tile ``t`` of a launch over P stacked weights (T0 row tiles of the first, T1 of
+    the second, then the third's; N0, N1, N2 rows): (its weight, its tile in that weight,
+    that weight's rows, its first column of y)."""
+    part = t * 0
+    if P > 1:
+        part += (t >= T0).to(tl.int32)
+    if P > 2:
+        part += (t >= T0 + T1).to(tl.int32)
+    first = tl.where(part == 0, 0, tl.where(part == 1, T0, T0 + T1))
+    n = tl.where(part == 0, N0, tl.where(part == 1, N1, N2))
+    col = tl.where(part == 0, 0, tl.where(part == 1, N0, N0 + N1))
+    return part, t - first, n, col
+
+
+@triton.jit
+def _pick(part, a0, a1, a2, P: tl.constexpr):
+    # plane a<part> of the P stacked weights (one type: the same pointer types)
+    a = a0
+    if P > 1:
+        if part == 1:
+            a = a1
+    if P > 2:
+        if part == 2:
+            a = a2
+    return a
+
+
+@triton.jit
+def _qgemv_kernel(x_ptr, L0, H0, A0, B0, C0, L1, H1, A1, B1, C1, L2, H2, A2, B2, C2, y_ptr,
+                  N0, N1, N2, T0, T1, K, LDY, QT: tl.constexpr, LB: tl.constexpr,
+                  HB: tl.constexpr, OFF: tl.constexpr, MIN: tl.constexpr, CW: tl.constexpr,
+                  ASM: tl.constexpr, P: tl.constexpr, BN: tl.constexpr, NC: tl.constexpr):
+    # program (m, t): row tile t of the P stacked weights (L, H, A, B, C: each one's low,
+    # high and scale planes; see _part) times row m of x, into y[m, its columns] (y's rows
+    # LDY apart). The M programs of one row tile run side by side, so the tile's bytes come
+    # from DRAM once and from L2 after. One launch for q, k and v: an 8B's k and v have
+    # 1,024 rows, 128 programs alone, under one wave of the GPU's multiprocessors
     m = tl.program_id(0)
+    part, tile, N, col = _part(tl.program_id(1), T0, T1, N0, N1, N2, P)
+    low_ptr, high_ptr = _pick(part, L0, L1, L2, P), _pick(part, H0, H1, H2, P)
+    p0, p1, p2 = _pick(part, A0, A1, A2, P), _pick(part, B0, B1, B2, P), _pick(part, C0, C1, C2, P)
     # rows past the end re-read the last one (in bounds, no masks on the weight stream)
-    r = tl.minimum(tl.program_id(1) * BN + tl.arange(0, BN), N - 1)[:, None, None]
+    r = tl.minimum(tile * BN + tl.arange(0, BN), N - 1)[:, None, None]
     w = tl.arange(0, CW)[None, None, :]
     WPR = K * LB // 32  # low words per row
     chunks = WPR // CW
@@ -201,26 +238,30 @@ def _qgemv_kernel(x_ptr, low_ptr, high_ptr, p0, p1, p2, y_ptr, N, K, LDY, QT: tl
         c = c0 + step
         lw, hw = _tile(low_ptr, high_ptr, r, c, w, WPR, LB, HB, CW)
         acc = _accumulate(acc, lw, hw, x_row, r, c, w, p0, p1, p2, K, QT, LB, HB, OFF, MIN, CW, ASM)
-    rows = tl.program_id(1) * BN + tl.arange(0, BN)
-    tl.store(y_ptr + m * LDY + rows, tl.sum(tl.sum(acc, axis=2), axis=1), mask=rows < N)
+    rows = tile * BN + tl.arange(0, BN)
+    tl.store(y_ptr + m * LDY + col + rows, tl.sum(tl.sum(acc, axis=2), axis=1), mask=rows < N)
 
 
 @triton.jit
-def _qmm_kernel(x_ptr, low_ptr, high_ptr, p0, p1, p2, y_ptr, M, N, K, LDY, SPLIT_CHUNKS, SPLIT_STRIDE,
+def _qmm_kernel(x_ptr, L0, H0, A0, B0, C0, L1, H1, A1, B1, C1, L2, H2, A2, B2, C2, y_ptr,
+                M, N0, N1, N2, T0, T1, K, LDY, SPLIT_CHUNKS, SPLIT_STRIDE,
                 QT: tl.constexpr, LB: tl.constexpr, HB: tl.constexpr, OFF: tl.constexpr,
-                MIN: tl.constexpr, CW: tl.constexpr, ASM: tl.constexpr, BM: tl.constexpr,
-                BN: tl.constexpr, NC: tl.constexpr):
-    # program (i, j, h): y[i*BM : (i+1)*BM, j*BN : (j+1)*BN] for a few rows of x (a batched
-    # decode step), over chunks h*SPLIT_CHUNKS.. of K, written SPLIT_STRIDE * h further on
+                MIN: tl.constexpr, CW: tl.constexpr, ASM: tl.constexpr, P: tl.constexpr,
+                BM: tl.constexpr, BN: tl.constexpr, NC: tl.constexpr):
+    # program (i, t, h): rows i*BM.. of x times row tile t of the P stacked weights (as
+    # _qgemv_kernel), over chunks h*SPLIT_CHUNKS.. of K, written SPLIT_STRIDE * h further on
     # (the caller sums the splits). Each weight tile is dequantized once, to f16, and
     # multiplied with every row on the tensor cores; slot s of a tile is a K-slice of the
     # product whose x values are the elements c * S * CW + s * CW + w. x is rounded to f16,
     # as the prefill path does
     S: tl.constexpr = 32 // LB
+    part, tile, N, col = _part(tl.program_id(1), T0, T1, N0, N1, N2, P)
+    low_ptr, high_ptr = _pick(part, L0, L1, L2, P), _pick(part, H0, H1, H2, P)
+    p0, p1, p2 = _pick(part, A0, A1, A2, P), _pick(part, B0, B1, B2, P), _pick(part, C0, C1, C2, P)
     m = tl.program_id(0) * BM + tl.arange(0, BM)
     keep = (m < M)[:, None, None]
     xm = x_ptr + tl.minimum(m, M - 1).to(tl.int64)[:, None, None] * K
-    r = tl.minimum(tl.program_id(1) * BN + tl.arange(0, BN), N - 1)[:, None, None]
+    r = tl.minimum(tile * BN + tl.arange(0, BN), N - 1)[:, None, None]
     w = tl.arange(0, CW)[None, None, :]
     WPR = K * LB // 32
     chunks = WPR // CW
@@ -237,8 +278,8 @@ def _qmm_kernel(x_ptr, low_ptr, high_ptr, p0, p1, p2, y_ptr, M, N, K, LDY, SPLIT
             wt = tl.reshape(v.to(tl.float16), (BN, NC * CW))
             x = tl.load(xm + (c * (S * CW) + s * CW) + w, mask=keep, other=0.0)  # masked: no hint
             acc = tl.dot(tl.reshape(x.to(tl.float16), (BM, NC * CW)), tl.trans(wt), acc)
-    rows = tl.program_id(1) * BN + tl.arange(0, BN)
-    y = y_ptr + tl.program_id(2).to(tl.int64) * SPLIT_STRIDE
+    rows = tile * BN + tl.arange(0, BN)
+    y = y_ptr + tl.program_id(2).to(tl.int64) * SPLIT_STRIDE + col
     tl.store(y + m[:, None] * LDY + rows[None, :], acc, mask=(m < M)[:, None] & (rows < N)[None, :])
 
 

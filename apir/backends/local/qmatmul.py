@@ -42,6 +42,8 @@ except ImportError:  # CPU-only PyTorch
 FUSED_ROWS = 8
 # ... and with at most this many by the batched kernel (a batched decode step's rows)
 BATCH_ROWS = 64
+# weights of one type one decode launch takes (stacked along N: q, k, v)
+MAX_PARTS = 3
 # dequantized rows of one tile of the prefill path, in bytes
 SCRATCH_BYTES = 64 << 20
 
@@ -105,6 +107,18 @@ def multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
 
+def runs(qtypes: Sequence[int]) -> list[tuple[int, int]]:
+    """The [a, b) runs of consecutive weights of one type, at most MAX_PARTS long, that a
+    stacked product launches one decode kernel for (q, k, v of one type: one launch)."""
+    out: list[tuple[int, int]] = []
+    for i, qtype in enumerate(qtypes):
+        if out and qtypes[out[-1][0]] == qtype and i - out[-1][0] < MAX_PARTS:
+            out[-1] = (out[-1][0], i + 1)
+        else:
+            out.append((i, i + 1))
+    return out
+
+
 def batched(m: int, parts: Sequence[tuple[int, int]], k: int) -> bool:
     """Whether x of ``m`` rows times weights [(qtype, N)] takes the batched kernel."""
     return FUSED_ROWS < m <= BATCH_ROWS and all(batch_tiles(q, n, k) for q, n in parts)
@@ -142,31 +156,43 @@ if qkernels is not None:
         return dict(QT=qtype, LB=lb, HB=hb, OFF=off, MIN=mins, CW=qpack.chunk_words(qtype, k),
                     ASM=qkernels.ASM)
 
-    def _launch_gemv(x: torch.Tensor, w: torch.Tensor, qtype: int, n: int, k: int,
+    def _stack(ws: Sequence[torch.Tensor], qtype: int, ns: Sequence[int], k: int, bn: int) -> tuple[list, dict]:
+        # a launch's arguments for up to MAX_PARTS weights of one type stacked along N: every
+        # weight's planes (the first's again for absent ones), then their rows and row tiles
+        planes = [p for w, n in zip(ws, ns) for p in _planes(w, qtype, n, k)]
+        planes += planes[:5] * (MAX_PARTS - len(ws))
+        counts = [triton.cdiv(n, bn) for n in ns] + [0] * (MAX_PARTS - len(ns))
+        rows = list(ns) + [0] * (MAX_PARTS - len(ns))
+        return planes, dict(N0=rows[0], N1=rows[1], N2=rows[2], T0=counts[0], T1=counts[1], P=len(ws),
+                            **_meta(qtype, k))
+
+    def _launch_gemv(x: torch.Tensor, ws: Sequence[torch.Tensor], qtype: int, ns: Sequence[int], k: int,
                      y: torch.Tensor | None = None) -> torch.Tensor:
-        # x (M, K) f32 contiguous -> y (M, N) f32, written into ``y`` (rows unit-strided)
+        # x (M, K) f32 contiguous -> y (M, sum ns) f32, written into ``y`` (rows unit-strided)
         if y is None:
-            y = torch.empty((x.shape[0], n), device=x.device, dtype=torch.float32)
-        bn, nc, warps = tiles(qtype, n, k, fused=True)
-        qkernels._qgemv_kernel[(x.shape[0], triton.cdiv(n, bn))](
-            x, *_planes(w, qtype, n, k), y, n, k, y.stride(0), **_meta(qtype, k),
-            BN=bn, NC=nc, num_warps=warps)
+            y = torch.empty((x.shape[0], sum(ns)), device=x.device, dtype=torch.float32)
+        bn, nc, warps = tiles(qtype, ns[0], k, fused=True)
+        planes, args = _stack(ws, qtype, ns, k, bn)
+        tiles_n = sum(triton.cdiv(n, bn) for n in ns)
+        qkernels._qgemv_kernel[(x.shape[0], tiles_n)](
+            x, *planes, y, K=k, LDY=y.stride(0), **args, BN=bn, NC=nc, num_warps=warps)
         return y
 
-    def _launch_mm(x: torch.Tensor, w: torch.Tensor, qtype: int, n: int, k: int,
-                   y: torch.Tensor) -> torch.Tensor:
-        # x (M, K) f32 contiguous -> y (M, N) f32 (rows unit-strided); split along K, the
-        # parts go to a (splits, M, N) scratch, then are summed into y
-        m = x.shape[0]
-        bm, bn, nc, warps = batch_tiles(qtype, n, k)
+    def _launch_mm(x: torch.Tensor, ws: Sequence[torch.Tensor], qtype: int, ns: Sequence[int],
+                   k: int) -> torch.Tensor:
+        # x (M, K) f32 contiguous -> (splits, M, sum ns) f32: the product split along K in
+        # ``k_splits`` parts, which the caller sums (in a compiled step, into the kernel that
+        # reads the result)
+        m, n = x.shape[0], sum(ns)
+        bm, bn, nc, warps = batch_tiles(qtype, ns[0], k)
         splits, per = k_splits(qtype, m, n, k, multiprocessors(x.device))
-        out = y if splits == 1 else torch.empty((splits, m, n), device=x.device, dtype=torch.float32)
-        qkernels._qmm_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn), splits)](
-            x, *_planes(w, qtype, n, k), out, m, n, k, out.stride(-2), per, m * n, **_meta(qtype, k),
-            BM=bm, BN=bn, NC=nc, num_warps=warps, num_stages=1)
-        if splits > 1:
-            torch.sum(out, dim=0, out=y)
-        return y
+        out = torch.empty((splits, m, n), device=x.device, dtype=torch.float32)
+        planes, args = _stack(ws, qtype, ns, k, bn)
+        tiles_n = sum(triton.cdiv(n, bn) for n in ns)
+        qkernels._qmm_kernel[(triton.cdiv(m, bm), tiles_n, splits)](
+            x, *planes, out, M=m, K=k, LDY=out.stride(-2), SPLIT_CHUNKS=per, SPLIT_STRIDE=m * n,
+            **args, BM=bm, BN=bn, NC=nc, num_warps=warps, num_stages=1)
+        return out
 
     def _launch_dequant(w: torch.Tensor, qtype: int, n: int, k: int, dtype: torch.dtype,
                         r0: int = 0, r1: int | None = None) -> torch.Tensor:
@@ -183,33 +209,30 @@ if qkernels is not None:
     # Opaque custom ops, not triton_ops, for the reason gemv.py gives (Inductor compiles a
     # triton_op's kernel per call site while tracing); the launches are recorded into a
     # step's CUDA graph like any other.
-    def _stacked_launches(launch, x: torch.Tensor, ws: list[torch.Tensor], qtypes: list[int],
-                          ns: list[int], k: int) -> torch.Tensor:
-        # the weights stacked along N: one launch each, into its columns of one result
-        y = torch.empty((x.shape[0], sum(ns)), device=x.device, dtype=torch.float32)
-        off = 0
-        for w, qtype, n in zip(ws, qtypes, ns):
-            launch(x, w, qtype, n, k, y[:, off : off + n])
-            off += n
-        return y
-
-    def _stacked_shape(x: torch.Tensor, ws: list[torch.Tensor], qtypes: list[int], ns: list[int],
-                       k: int) -> torch.Tensor:
-        # what both decode ops return, for tracing a step to compile: (M, sum N) f32
-        return x.new_empty((x.shape[0], sum(ns)), dtype=torch.float32)
-
     @torch.library.custom_op("apir::qgemv", mutates_args=())
     def _qgemv(x: torch.Tensor, ws: list[torch.Tensor], qtypes: list[int], ns: list[int],
                k: int) -> torch.Tensor:
-        return _stacked_launches(_launch_gemv, x, ws, qtypes, ns, k)
+        # the weights stacked along N: one launch a run of one type, into its columns of y
+        y = torch.empty((x.shape[0], sum(ns)), device=x.device, dtype=torch.float32)
+        off = 0
+        for a, b in runs(qtypes):
+            width = sum(ns[a:b])
+            _launch_gemv(x, ws[a:b], qtypes[a], ns[a:b], k, y[:, off : off + width])
+            off += width
+        return y
+
+    @_qgemv.register_fake
+    def _(x: torch.Tensor, ws: list[torch.Tensor], qtypes: list[int], ns: list[int], k: int) -> torch.Tensor:
+        return x.new_empty((x.shape[0], sum(ns)), dtype=torch.float32)
 
     @torch.library.custom_op("apir::qmm", mutates_args=())
-    def _qmm(x: torch.Tensor, ws: list[torch.Tensor], qtypes: list[int], ns: list[int],
-             k: int) -> torch.Tensor:
-        return _stacked_launches(_launch_mm, x, ws, qtypes, ns, k)
+    def _qmm(x: torch.Tensor, ws: list[torch.Tensor], qtype: int, ns: list[int], k: int) -> torch.Tensor:
+        return _launch_mm(x, ws, qtype, ns, k)
 
-    _qgemv.register_fake(_stacked_shape)
-    _qmm.register_fake(_stacked_shape)
+    @_qmm.register_fake
+    def _(x: torch.Tensor, ws: list[torch.Tensor], qtype: int, ns: list[int], k: int) -> torch.Tensor:
+        splits = k_splits(qtype, x.shape[0], sum(ns), k, multiprocessors(x.device))[0]
+        return x.new_empty((splits, x.shape[0], sum(ns)), dtype=torch.float32)
 
     @torch.library.custom_op("apir::qdequant", mutates_args=())
     def _qdequant(w: torch.Tensor, qtype: int, n: int, k: int, r0: int, r1: int) -> torch.Tensor:
@@ -257,7 +280,9 @@ def decode_product(x: torch.Tensor, ws: list[torch.Tensor], qtypes: list[int], n
     if x.shape[0] <= FUSED_ROWS:
         return _qgemv(x.float().contiguous(), ws, qtypes, ns, k)
     if batched(x.shape[0], list(zip(qtypes, ns)), k):
-        return _qmm(x.float().contiguous(), ws, qtypes, ns, k)
+        xs = x.float().contiguous()
+        ys = [_qmm(xs, ws[a:b], qtypes[a], ns[a:b], k).sum(0) for a, b in runs(qtypes)]
+        return ys[0] if len(ys) == 1 else torch.cat(ys, dim=1)
     return None
 
 
