@@ -197,11 +197,11 @@ def test_batched_kernel_matches_gguf(qtype):
 
 
 def test_batched_kernel_splits_k_until_the_gpu_is_full():
-    # an 8B's down projection at 16 rows: 64 programs unsplit, 4 a multiprocessor wanted
-    # (9 parts), 56 chunks in parts of whole 2-chunk row steps: 7 parts of 8
-    assert qm.k_splits(int(Q.Q4_0), 16, 4096, 14336, sms=132) == (7, 8)
-    assert qm.k_splits(int(Q.Q4_0), 16, 14336, 4096, sms=132) == (3, 6)
-    assert qm.k_splits(int(Q.Q4_0), 64, 14336, 4096, sms=132) == (1, 16)  # 4 row tiles: enough programs
+    # an 8B's down projection at 16 rows: 32 programs unsplit, 4 a multiprocessor wanted
+    # (17 parts), 56 chunks in parts of at least 2 row steps of 2 chunks: 14 parts of 4
+    assert qm.k_splits(int(Q.Q4_0), 16, 4096, 14336, sms=132) == (14, 4)
+    assert qm.k_splits(int(Q.Q4_0), 16, 14336, 4096, sms=132) == (4, 4)
+    assert qm.k_splits(int(Q.Q4_0), 64, 14336, 4096, sms=132) == (2, 8)  # 4 row tiles
     assert qm.k_splits(int(Q.Q4_0), 12, 20, 4096, sms=132) == (4, 4)  # at least 2 row steps a part
     assert qm.k_splits(int(Q.Q4_0), 12, 20, 512, sms=132) == (1, 2)
 
@@ -210,7 +210,7 @@ def test_batched_kernel_needs_a_k_slice_of_16():
     # Q4_0 with K = 96: chunks of 4 words (32 values), 3 of them a row: no slice of 16 words
     assert qm.batch_tiles(int(Q.Q4_0), 4, 96) is None
     assert not qm.batched(9, [(int(Q.Q4_0), 4)], 96)
-    assert qm.batch_tiles(int(Q.Q4_0), 4, 4096) == (16, 64, 2, 4)
+    assert qm.batch_tiles(int(Q.Q4_0), 4, 4096) == (16, 128, 2, 8)
     assert not qm.batched(qm.FUSED_ROWS, [(int(Q.Q4_0), 4)], 4096)  # the fused kernel's rows
 
 

@@ -5,7 +5,8 @@ into an f16 scratch then a matmul. Each call reads a different
 weight copy (as a decode step's layers do), inside one CUDA graph. Prints µs per call and the
 effective read rate: the weight's bytes in its own format (GGUF blocks, or f16) per second.
 
-    python3 bench/probes/qgemv.py [Q4_0 Q8_0 ...] [--rows M] [--sweep] [--big] [--no-torch]
+    python3 bench/probes/qgemv.py [Q4_0 Q8_0 ...] [--rows M] [--sweep] [--big | --shapes NxK,..]
+                                  [--configs BNxWORDSxWARPSxSTAGES,..] [--no-torch]
 
 --rows M (M > 1) times the batched kernel too (a batched decode step's M rows).
 
@@ -38,6 +39,13 @@ from apir.graph.dtypes import DType
 SHAPES = [(4096, 4096), (14336, 4096), (4096, 14336), (128256, 4096), (49152, 576)]
 if "--big" in sys.argv:  # the 8B decode's largest products only
     SHAPES = [(14336, 4096), (4096, 14336)]
+if "--shapes" in sys.argv:  # NxK,NxK...
+    SHAPES = [tuple(map(int, s.split("x"))) for s in sys.argv[sys.argv.index("--shapes") + 1].split(",")]
+# the batched kernel's (BN, row-step words, warps, stages) the sweep tries: --configs A,B..
+# with each as BNxWORDSxWARPSxSTAGES, or a grid
+CONFIGS = ([tuple(map(int, c.split("x"))) for c in sys.argv[sys.argv.index("--configs") + 1].split(",")]
+           if "--configs" in sys.argv else
+           [(bn, words, wp, st) for bn in (32, 64, 128) for words in (32, 64, 128) for wp in (4, 8) for st in (1, 2, 3)])
 TYPES = [Q.Q4_0, Q.Q8_0, Q.Q4_K, Q.Q6_K, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q5_K, Q.Q2_K, Q.Q3_K]
 # byte offsets of each type's f16 scales (kept finite so the products can be compared)
 SCALES = {Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q5_0: (0,), Q.Q5_1: (0, 2), Q.Q8_0: (0,),
@@ -133,7 +141,7 @@ def main(types, rows, sweep):
                 err = ((got.double() - want).abs().max() / want.abs().max()).item()
                 assert err < 1e-4, (qtype.name, n, k, err)
             res = {f"fused{tiles(int(qtype), n, k, True)}": time_us(fused(qtype, n, k), x, ws)}
-            if sweep:
+            if sweep and "--configs" not in sys.argv:
                 best = None
                 g = qpack.geometry(int(qtype), n, k)
                 # up to 8,192 words a program: several rows a thread share their x loads
@@ -149,17 +157,17 @@ def main(types, rows, sweep):
                     got = batched(qtype, n, k)(x, ws[0])
                     err = ((got.double() - want).abs().max() / want.abs().max()).item()
                     assert err < 1e-2, (qtype.name, n, k, err)
-                if sweep:
+                if sweep or "--configs" in sys.argv:
                     best = None
                     g = qpack.geometry(int(qtype), n, k)
-                    for cfg in [(bn, words, wp, st) for bn in (32, 64, 128) for words in (32, 64, 128)
-                                for wp in (4, 8) for st in (1, 2, 3)
-                                if words % g.cw == 0 and g.chunks % (words // g.cw) == 0 and words >= 16]:
+                    for cfg in [c for c in CONFIGS if c[1] % g.cw == 0 and g.chunks % (c[1] // g.cw) == 0]:
                         try:
                             t = time_us(batched(qtype, n, k, cfg), x, ws, reps=10)
                         except Exception as e:  # noqa: BLE001 - out of resources: skip the config
                             print(f"    {cfg}: {type(e).__name__}", flush=True)
                             continue
+                        if "--configs" in sys.argv:
+                            res[f"batched{cfg}"] = t
                         if best is None or t < best[0]:
                             best = (t, cfg)
                     res[f"batched-best{best[1]}"] = best[0]

@@ -76,22 +76,25 @@ def tiles(qtype: int, n: int, k: int, fused: bool) -> tuple[int, int, int]:
 def batch_tiles(qtype: int, n: int, k: int) -> tuple[int, int, int, int] | None:
     """(BM rows of x, BN rows of W, NC chunks, num_warps) of the batched kernel, or None
     where a step's K-slice would be under the 16 a tensor-core product needs. 64 words a
-    row step (a 16 x 64-row tile): the sm_90 build's largest without register spills,
-    ~6.2 instructions a weight value for up to 16 rows of x (bench/probes/qkernel_sass.py
-    counts the fused kernel's; this one was counted the same way)."""
+    row step: the sm_90 build's largest without register spills, ~6.2 instructions a
+    weight value (Q4_0; bench/probes/qkernel_sass.py --batched). 128 rows of W a program,
+    in 8 warps: each x tile serves twice the rows of 64 (an 8B's 14336 x 4096 product at
+    16 rows: 40 against 51 us on an H200, bench/probes/qgemv.py --rows 16 --sweep), and
+    8 warps keep 4's registers a thread (4 spilled)."""
     g = qpack.geometry(qtype, n, k)
     nc = 1
     while g.chunks % (2 * nc) == 0 and 2 * nc * g.cw <= 64:
         nc *= 2
-    return (16, 64, nc, 4) if nc * g.cw >= 16 else None
+    return (16, 128, nc, 8) if nc * g.cw >= 16 else None
 
 
 def k_splits(qtype: int, m: int, n: int, k: int, sms: int) -> tuple[int, int]:
     """(parts, chunks a part) the batched kernel splits K into for x of ``m`` rows: enough
     programs for 4 a multiprocessor (``sms`` of them), each part at least 2 row steps and
-    whole row steps. Without a split an 8B's 4096 x 14336 product at 16 rows is 64 programs
-    of 4 warps on an H200's 132 multiprocessors: 0.24 TB/s (bench/probes/qgemv.py --rows
-    16). The parts are summed in a fixed order: a shape always gives the same result."""
+    whole row steps. Without a split an 8B's 4096 x 14336 product at 16 rows was 64 programs
+    of 4 warps (64-row tiles) on an H200's 132 multiprocessors: 0.24 TB/s
+    (bench/probes/qgemv.py --rows 16). The parts are summed in a fixed order: a shape
+    always gives the same result."""
     bm, bn, nc, _ = batch_tiles(qtype, n, k)
     programs = -(-m // bm) * -(-n // bn)
     chunks = qpack.geometry(qtype, n, k).chunks
