@@ -198,11 +198,11 @@ def test_batched_kernel_matches_gguf(qtype):
 
 def test_batched_kernel_splits_k_until_the_gpu_is_full():
     # an 8B's down projection at 16 rows: 32 programs unsplit, 4 a multiprocessor wanted
-    # (17 parts), 56 chunks in parts of at least 2 row steps of 2 chunks: 14 parts of 4
+    # (17 parts), 56 chunks of one row step each: 14 parts of 4
     assert qm.k_splits(int(Q.Q4_0), 16, 4096, 14336, sms=132) == (14, 4)
     assert qm.k_splits(int(Q.Q4_0), 16, 14336, 4096, sms=132) == (4, 4)
     assert qm.k_splits(int(Q.Q4_0), 64, 14336, 4096, sms=132) == (2, 8)  # 4 row tiles
-    assert qm.k_splits(int(Q.Q4_0), 12, 20, 4096, sms=132) == (4, 4)  # at least 2 row steps a part
+    assert qm.k_splits(int(Q.Q4_0), 12, 20, 4096, sms=132) == (8, 2)  # at least 2 row steps a part
     assert qm.k_splits(int(Q.Q4_0), 12, 20, 512, sms=132) == (1, 2)
 
 
@@ -210,7 +210,7 @@ def test_batched_kernel_needs_a_k_slice_of_16():
     # Q4_0 with K = 96: chunks of 4 words (32 values), 3 of them a row: no slice of 16 words
     assert qm.batch_tiles(int(Q.Q4_0), 4, 96) is None
     assert not qm.batched(9, [(int(Q.Q4_0), 4)], 96)
-    assert qm.batch_tiles(int(Q.Q4_0), 4, 4096) == (16, 128, 2, 8)
+    assert qm.batch_tiles(int(Q.Q4_0), 4, 4096) == (16, 128, 1, 4)
     assert not qm.batched(qm.FUSED_ROWS, [(int(Q.Q4_0), 4)], 4096)  # the fused kernel's rows
 
 
@@ -269,10 +269,10 @@ def test_a_model_computes_from_packed_weights_as_from_the_cache(qtype, monkeypat
                                                                        head_dim=32), qtype))
     ids = [256, 72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100, 33]  # 14: batched rows
     greedy = SamplingParams(temperature=0, max_tokens=4)
-    with apir.load(path, backend=LocalBackend("cpu", config=ExecutorConfig(dequant_cache=True))) as ref:
+    with apir.load(path, backend=LocalBackend("cpu", config=ExecutorConfig(dequant_cache=True, cpu_int4=False))) as ref:
         want_logits, want = ref.logits(ids), list(ref.generate_ids(ids, greedy))
     monkeypatch.setattr(qm, "packs", lambda device: True)
-    with apir.load(path, backend=LocalBackend("cpu", config=ExecutorConfig(dequant_cache=False))) as model:
+    with apir.load(path, backend=LocalBackend("cpu", config=ExecutorConfig(dequant_cache=False, cpu_int4=False))) as model:
         assert model.backend._packs
         np.testing.assert_allclose(model.logits(ids), want_logits, rtol=2e-2, atol=2e-2)
         assert list(model.generate_ids(ids, greedy)) == want

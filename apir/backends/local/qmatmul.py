@@ -75,17 +75,17 @@ def tiles(qtype: int, n: int, k: int, fused: bool) -> tuple[int, int, int]:
 
 def batch_tiles(qtype: int, n: int, k: int) -> tuple[int, int, int, int] | None:
     """(BM rows of x, BN rows of W, NC chunks, num_warps) of the batched kernel, or None
-    where a step's K-slice would be under the 16 a tensor-core product needs. 64 words a
-    row step: the sm_90 build's largest without register spills, ~6.2 instructions a
-    weight value (Q4_0; bench/probes/qkernel_sass.py --batched). 128 rows of W a program,
-    in 8 warps: each x tile serves twice the rows of 64 (an 8B's 14336 x 4096 product at
-    16 rows: 40 against 51 us on an H200, bench/probes/qgemv.py --rows 16 --sweep), and
-    8 warps keep 4's registers a thread (4 spilled)."""
+    where a step's K-slice would be under the 16 a tensor-core product needs. A 128 x
+    32-word tile in 4 warps: the fastest or within 13% of it for Q4_0, Q4_K and Q6_K on an
+    8B's and a 1B's products at 16 rows (`bench/probes/qgemv.py --rows 16 --configs`, H200,
+    2026-12-02: 42.8-45.5 us for 14336 x 4096 where 64 x 64 took 44.7-51.0 and Q6_K 72
+    against 75; 128 x 64 was faster for Q4_0 alone, and spilled registers and lost 1.6x
+    for Q6_K); each x tile serves 128 rows of W, and the tile's registers are 64 x 64's."""
     g = qpack.geometry(qtype, n, k)
     nc = 1
-    while g.chunks % (2 * nc) == 0 and 2 * nc * g.cw <= 64:
+    while g.chunks % (2 * nc) == 0 and 2 * nc * g.cw <= 32:
         nc *= 2
-    return (16, 128, nc, 8) if nc * g.cw >= 16 else None
+    return (16, 128, nc, 4) if nc * g.cw >= 16 else None
 
 
 def k_splits(qtype: int, m: int, n: int, k: int, sms: int) -> tuple[int, int]:
