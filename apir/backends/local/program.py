@@ -148,8 +148,8 @@ def compile_program(graph: Graph, accelerated: bool, weight_dtype) -> Program:
     )
     if len(sample_params) != sum(n.op is Op.SAMPLE for n in nodes):
         sample_params = ()  # a computed params tensor: the host cannot know it is greedy
-    samples = [n for n in nodes if n.op is Op.SAMPLE]
-    sampled_rows = samples[0].shape[0] if len(samples) == 1 and isinstance(samples[0].shape[0], int) else 0
+    shapes = [n.shape for n in nodes if n.op is Op.SAMPLE]  # () for one draw, (B,) for B rows
+    sampled_rows = shapes[0][0] if len(shapes) == 1 and len(shapes[0]) == 1 and isinstance(shapes[0][0], int) else 0
     return Program(
         steps, graph.outputs, tuple((*key, what) for key, what in checks.items()), accelerated,
         tuple(sorted({n.attrs[0] for n in nodes if n.op is Op.WEIGHT})),
