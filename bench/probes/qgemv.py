@@ -67,7 +67,7 @@ def fused(qtype, n, k, cfg=None):
 
     def run(x, w):
         y = torch.empty((x.shape[0], n), device="cuda", dtype=torch.float32)
-        planes, args = _stack([w], int(qtype), [n], k, bn)
+        planes, args, _ = _stack([w], int(qtype), [n], k, bn)
         qkernels._qgemv_kernel[(x.shape[0], triton.cdiv(n, bn))](
             x, *planes, y, K=k, LDY=n, **args, BN=bn, NC=nc, num_warps=warps)
         return y
@@ -100,7 +100,7 @@ def batched(qtype, n, k, cfg=None):
         per = -(-(g.chunks // nc) // want) * nc
         splits = -(-g.chunks // per)
         out = torch.empty((splits, x.shape[0], n), device="cuda", dtype=torch.float32)
-        planes, args = _stack([w], int(qtype), [n], k, bn)
+        planes, args, _ = _stack([w], int(qtype), [n], k, bn)
         qkernels._qmm_kernel[(triton.cdiv(x.shape[0], bm), tiles_n, splits)](
             x, *planes, out, M=x.shape[0], K=k, LDY=n, SPLIT_CHUNKS=per, SPLIT_STRIDE=x.shape[0] * n,
             **args, BM=bm, BN=bn, NC=nc, num_warps=warps, num_stages=stages)

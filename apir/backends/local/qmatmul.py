@@ -11,7 +11,9 @@ Two paths, chosen by the rows of x and the device:
   in registers (``qkernels._qgemv_kernel``). No memory beyond the (M, N) result.
 - M <= BATCH_ROWS on CUDA (a batched decode step): a Triton kernel dequantizes each weight
   tile once, to f16, and multiplies it with every row on the tensor cores
-  (``qkernels._qmm_kernel``). No memory beyond the result either.
+  (``qkernels._qmm_kernel``), in parts along K that the caller sums. No memory beyond
+  those parts.
+  Both decode kernels take up to MAX_PARTS stacked weights of one type in one launch.
 - otherwise (prefill, or a CPU host): W is dequantized a tile of rows at a time into a
   scratch of at most SCRATCH_BYTES (f16 by a Triton kernel on CUDA, f32 by the torch
   decoders of ``dequant`` on a CPU) and multiplied densely; the scratch is freed after.
@@ -163,15 +165,17 @@ if qkernels is not None:
         return dict(QT=qtype, LB=lb, HB=hb, OFF=off, MIN=mins, CW=qpack.chunk_words(qtype, k),
                     ASM=qkernels.ASM)
 
-    def _stack(ws: Sequence[torch.Tensor], qtype: int, ns: Sequence[int], k: int, bn: int) -> tuple[list, dict]:
+    def _stack(ws: Sequence[torch.Tensor], qtype: int, ns: Sequence[int], k: int,
+               bn: int) -> tuple[list, dict, int]:
         # a launch's arguments for up to MAX_PARTS weights of one type stacked along N: every
-        # weight's planes (the first's again for absent ones), then their rows and row tiles
+        # weight's planes (the first's again for absent ones), their rows and row tiles; and
+        # the launch's row tiles in all
         planes = [p for w, n in zip(ws, ns) for p in _planes(w, qtype, n, k)]
         planes += planes[:5] * (MAX_PARTS - len(ws))
         counts = [triton.cdiv(n, bn) for n in ns] + [0] * (MAX_PARTS - len(ns))
         rows = list(ns) + [0] * (MAX_PARTS - len(ns))
         return planes, dict(N0=rows[0], N1=rows[1], N2=rows[2], T0=counts[0], T1=counts[1], P=len(ws),
-                            **_meta(qtype, k))
+                            **_meta(qtype, k)), sum(counts)
 
     def _launch_gemv(x: torch.Tensor, ws: Sequence[torch.Tensor], qtype: int, ns: Sequence[int], k: int,
                      y: torch.Tensor | None = None) -> torch.Tensor:
@@ -179,8 +183,7 @@ if qkernels is not None:
         if y is None:
             y = torch.empty((x.shape[0], sum(ns)), device=x.device, dtype=torch.float32)
         bn, nc, warps = tiles(qtype, ns[0], k, fused=True)
-        planes, args = _stack(ws, qtype, ns, k, bn)
-        tiles_n = sum(triton.cdiv(n, bn) for n in ns)
+        planes, args, tiles_n = _stack(ws, qtype, ns, k, bn)
         qkernels._qgemv_kernel[(x.shape[0], tiles_n)](
             x, *planes, y, K=k, LDY=y.stride(0), **args, BN=bn, NC=nc, num_warps=warps)
         return y
@@ -194,8 +197,7 @@ if qkernels is not None:
         bm, bn, nc, warps = batch_tiles(qtype, ns[0], k)
         splits, per = k_splits(qtype, m, n, k, multiprocessors(x.device))
         out = torch.empty((splits, m, n), device=x.device, dtype=torch.float32)
-        planes, args = _stack(ws, qtype, ns, k, bn)
-        tiles_n = sum(triton.cdiv(n, bn) for n in ns)
+        planes, args, tiles_n = _stack(ws, qtype, ns, k, bn)
         qkernels._qmm_kernel[(triton.cdiv(m, bm), tiles_n, splits)](
             x, *planes, out, M=m, K=k, LDY=out.stride(-2), SPLIT_CHUNKS=per, SPLIT_STRIDE=m * n,
             **args, BM=bm, BN=bn, NC=nc, num_warps=warps, num_stages=1)
