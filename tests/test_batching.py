@@ -350,7 +350,8 @@ def test_bench_serve_reports_every_round():
     rows = [line.split("|")[1:-1] for line in table.splitlines()[2:4]]
     assert [(r[0].strip(), int(r[1])) for r in rows] == [("native", 1), ("native", 3)]
     assert all(float(r[2].replace(",", "")) > 0 and float(r[3].replace(",", "")) > 0 for r in rows)
-    assert "solo (single-sequence path, tg5): native" in table and len(logged) == 3
+    assert "solo (single-sequence path, tg5): native" in table and len(logged) == 4
+    assert logged[0].startswith("native: 3 slots ready in ")
 
 
 def test_bench_serve_shared_prefix_finds_the_prefix_cached():

@@ -111,8 +111,12 @@ def run(source: Source, backends: Sequence[str], options: BackendOptions, concur
     with contextlib.ExitStack() as stack:
         for b in backends:
             model = Model(f, stack.enter_context(open_backend(b, options)), n_ctx=n_ctx)
+            t0 = time.perf_counter()
             scheduler = Scheduler(model, max(concurrency), max_queue=0)
             stack.callback(scheduler.close)
+            # a GPU host records, and compiles the decode steps of, every step length the
+            # slots can meet before the first request: minutes the first time it serves a model
+            log(f"{b}: {max(concurrency)} slots ready in {time.perf_counter() - t0:,.1f} s")
 
             def prompts(n: int) -> list[list[int]]:
                 return rng.integers(0, model.vocab_size, (n, n_prompt)).tolist()  # noqa: B023
