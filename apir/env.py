@@ -133,9 +133,9 @@ COMPILE_CACHE = EnvVar(
 )
 DEQUANT_CACHE = EnvVar(
     "APIR_DEQUANT_CACHE", None,
-    "host: 1 = keep dequantized copies of quantized and F16 weights (faster, several times "
-    "the memory); 0 = every weight held once, as in the GGUF (default: 1 on a CPU device, "
-    "0 on a GPU)",
+    "host: 1 = keep dequantized f32/f16 copies of quantized and F16 weights (several times "
+    "the memory); 0 (default) = a GPU computes from the GGUF blocks, a CPU from compact forms "
+    "(int4 for Q4 types, int8 values with f32 scales for the other quantized types)",
 )
 CPU_INT4 = EnvVar(
     "APIR_CPU_INT4", "1",

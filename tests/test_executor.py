@@ -311,13 +311,13 @@ def test_the_executor_runs_as_its_config_says_not_as_the_environment_does(tmp_pa
     assert ExecutorConfig.from_env() == ExecutorConfig(cuda_graphs=False, compile="all")
     monkeypatch.setenv("APIR_COMPILE", "0")
     assert ExecutorConfig.from_env().compile == "off"
-    assert ExecutorConfig.from_env().dequant_cache is None  # unset: by device
-    monkeypatch.setenv("APIR_DEQUANT_CACHE", "0")
-    assert ExecutorConfig.from_env().dequant_cache is False
+    assert ExecutorConfig.from_env().dequant_cache is False  # unset: off, on every device
+    monkeypatch.setenv("APIR_DEQUANT_CACHE", "1")
+    assert ExecutorConfig.from_env().dequant_cache is True
     with LocalBackend("cpu") as b:
-        assert b.dequant_cache  # a CPU device's default, whatever the environment says
-    with LocalBackend("cpu", config=ExecutorConfig(dequant_cache=False)) as b:
-        assert not b.dequant_cache
+        assert not b.dequant_cache  # the default, whatever the environment says
+    with LocalBackend("cpu", config=ExecutorConfig(dequant_cache=True)) as b:
+        assert b.dequant_cache
     with LocalBackend("cpu") as b:
         assert (b.compile_prefill, b.cuda_graphs) == (False, False)  # cpu: never captured
     with LocalBackend("cpu", config=ExecutorConfig(compile="all")) as b:

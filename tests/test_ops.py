@@ -205,14 +205,14 @@ def test_alias_facts_match_the_kernels(kernels: dict) -> None:
     assert {Op.CONTIGUOUS, Op.RESHAPE} <= {op for op in aliasing if OPS[op].alias is Alias.MAYBE}
 
 
-@pytest.mark.parametrize("name", [*BACKENDS, "local-blocks"])
+@pytest.mark.parametrize("name", [*BACKENDS, "local-cache"])
 def test_rewritten_weights_are_read_again(name: str) -> None:
-    """The executors cache weights dequantized (local with its dequant cache, a CPU
-    device's default, and then two products' weights concatenated; without it, the GPU
-    default, it reads the buffer's bytes); a write to their buffer makes the next compute
-    read them again."""
-    blocks = ExecutorConfig(dequant_cache=False)
-    be = create_backend("local", device="cpu", config=blocks) if name == "local-blocks" else make_backend(name)
+    """The executors cache weights dequantized (numpy; local with its dequant cache, an
+    opt-in, and then two products' weights concatenated; without it, the default, local
+    reads the buffer's 16-bit bytes); a write to their buffer makes the next compute read
+    them again."""
+    cache = ExecutorConfig(dequant_cache=True)
+    be = create_backend("local", device="cpu", config=cache) if name == "local-cache" else make_backend(name)
     h = be.alloc_buffer(2 * 64)  # two F16 (4, 8) weights
     g = GraphBuilder()
     x = g.input("x", (T, 8))
@@ -222,7 +222,7 @@ def test_rewritten_weights_are_read_again(name: str) -> None:
         be.set_tensor(h, 0, np.full((2, 4, 8), value, np.float16))
         for out in be.compute(gid, {"x": np.ones((1, 8), np.float32)}):
             np.testing.assert_array_equal(out, np.full((1, 4), 8 * value, np.float32))
-    assert bool(be._weights) == (name != "local-blocks")
+    assert bool(be._weights) == (name != "local")
     be.free_buffer(h)
     assert be._weights == {}  # freed with their buffer
 

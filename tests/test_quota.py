@@ -23,7 +23,11 @@ MAX_MEMORY = 64 << 20
 
 @pytest.fixture(scope="module")
 def host(tmp_path_factory):
-    h = start_host(tmp_path_factory.mktemp("quota"), "--max-memory", "64M", "--max-message", "16M")
+    # with the f32 dequantized cache (APIR_DEQUANT_CACHE=1, read at the daemon's start):
+    # the form that multiplies a weight's bytes the most
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("APIR_DEQUANT_CACHE", "1")
+        h = start_host(tmp_path_factory.mktemp("quota"), "--max-memory", "64M", "--max-message", "16M")
     yield h
     h.stop()
 
@@ -36,8 +40,8 @@ def released(host):
 
 
 def test_fused_products_of_one_weight_are_charged(host):
-    """MATMULs sharing an activation are fused. A CPU host's dequantized cache (its
-    default) concatenates their weights' f32 forms: one 2 MiB F16 weight listed 20 times
+    """MATMULs sharing an activation are fused. A CPU host's dequantized cache (an
+    opt-in) concatenates their weights' f32 forms: one 2 MiB F16 weight listed 20 times
     would be an uncharged 80 MiB copy. An F32 weight is never copied: read in place."""
     with RawGuest(host.unix) as g:
         g.ok(m.AllocBuffer(1, 4 << 20, 0))

@@ -1,6 +1,7 @@
-"""Every weight is held once on the host: quantized ones as their GGUF blocks, 16-bit ones
-as views of the buffer they were uploaded to (issue 18). The dequantized cache exists
-only as ExecutorConfig.dequant_cache."""
+"""No f32 copy of a weight on the host unless asked for (issue 18): quantized weights are
+held as their GGUF blocks plus, on a CPU, a compact form (int8 values and f32 scales, or
+torch's int4 weights for Q4 types), 16-bit ones as views of the buffer they were uploaded
+to. The dequantized cache exists only as ExecutorConfig.dequant_cache."""
 
 from __future__ import annotations
 
@@ -23,12 +24,25 @@ from apir.graph import OPS, DType, GraphBuilder, Op, T  # noqa: E402
 
 IDS = [256, 72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100, 33]
 CACHED = ExecutorConfig(dequant_cache=True, cpu_int4=False)  # every weight's f32 copy beside it
-BLOCKS = ExecutorConfig(dequant_cache=False, cpu_int4=False)  # the GPU default: blocks only
+BLOCKS = ExecutorConfig(dequant_cache=False, cpu_int4=False)  # blocks, and int8 forms on a CPU
 GREEDY = SamplingParams(temperature=0, max_tokens=8)
 
 
 def tensor_bytes(path) -> int:
     return sum(int(t.n_bytes) for t in gguf.GGUFReader(str(path)).tensors)
+
+
+def int8_forms(path) -> int:
+    """The bytes of the int8 forms a CPU session makes for the quantized weights of ``path``
+    (Q8_0's: its scales alone, the quants are read from the blocks)."""
+    from apir.backends.local import int8cpu
+
+    total = 0
+    for t in gguf.GGUFReader(str(path)).tensors:
+        dtype, shape = DType(int(t.tensor_type)), tuple(int(d) for d in reversed(t.shape))
+        if int8cpu.usable(dtype, shape):
+            total += int8cpu.nbytes(dtype, shape)
+    return total
 
 
 def weight_bytes(backend: LocalBackend) -> int:
@@ -45,15 +59,16 @@ def quantized(request, tmp_path_factory):
 
 
 def test_a_quantized_gguf_is_resident_once_and_computes_as_the_cache_does(quantized):
-    want = tensor_bytes(quantized)
+    want = tensor_bytes(quantized) + int8_forms(quantized)
     with apir.load(str(quantized), backend=LocalBackend("cpu", config=BLOCKS)) as model, \
             apir.load(str(quantized), backend=LocalBackend("cpu", config=CACHED)) as cached:
         logits = model.logits(IDS)
         tokens = list(model.generate_ids(IDS, GREEDY))
         assert want <= weight_bytes(model.backend) <= 1.03 * want
-        assert model.backend._weights == {}  # no dequantized or concatenated copy
+        # its forms are int8 ones (the last field of a form's key), no dequantized copy
+        assert {key[0][-1] for key in model.backend.ledger.forms} == {"int8"}
         # the opt-in cache holds (and is charged) the f32 copies beside the blocks
-        assert weight_bytes(cached.backend) > 3 * want and cached.backend._weights
+        assert weight_bytes(cached.backend) > 3 * tensor_bytes(quantized) and cached.backend._weights
         np.testing.assert_allclose(logits, cached.logits(IDS), rtol=1e-4, atol=1e-4)
         assert tokens == list(cached.generate_ids(IDS, GREEDY))
 
@@ -67,11 +82,11 @@ def test_the_host_reports_the_weights_once_and_remote_equals_local(quantized, tm
                 apir.load(str(quantized), backend="remote", remote=host.unix) as remote:
             assert remote.logits(IDS).tobytes() == local.logits(IDS).tobytes()
             assert list(remote.generate_ids(IDS, GREEDY)) == list(local.generate_ids(IDS, GREEDY))
-            other = local.backend.allocated_bytes() - weight_bytes(local.backend)  # KV, compute
-            want = local.backend.allocated_bytes()
+            other = local.backend.memory()[0] - weight_bytes(local.backend)  # KV, compute
+            want = local.backend.memory()[0]  # buffers and forms
             sessions = host.until(lambda st: st.sessions and st.sessions[0].allocated == want,
                                   "the session's bytes published").sessions
-            assert sessions[0].allocated - other <= 1.03 * tensor_bytes(quantized)
+            assert sessions[0].allocated - other <= 1.03 * (tensor_bytes(quantized) + int8_forms(quantized))
     finally:
         host.stop()
 
@@ -95,7 +110,7 @@ def test_a_cpu_host_holds_q4_weights_as_int4_by_default_and_reports_them(quantiz
                         if t.tensor_type == gguf.GGMLQuantizationType.Q4_0
                         and int4cpu.usable(DType.Q4_0, tuple(int(d) for d in reversed(t.shape)))]
                 # the form's kind is the last field of its key; the rest (261 rows, not a
-                # multiple of 16: the vocabulary's tables) are f32 copies, as before
+                # multiple of 16: the vocabulary's tables) are int8 forms
                 kinds = [key[0][-1] for key in forms]
                 assert int4 and kinds.count("int4") == len(int4)
                 assert sum(n for key, n in forms.items() if key[0][-1] == "int4") == sum(

@@ -45,7 +45,11 @@ def layout(tiny) -> tuple[bytes, int]:
 
 @pytest.fixture(scope="module")
 def host(tmp_path_factory, tiny):
-    h = start_host(tmp_path_factory.mktemp("shared"), "--model", tiny, "--keep-alive", str(KEEP_ALIVE))
+    # a host told to keep dequantized f32 forms (APIR_DEQUANT_CACHE=1, read at its start):
+    # for a published model its daemon makes them once, for every session
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("APIR_DEQUANT_CACHE", "1")
+        h = start_host(tmp_path_factory.mktemp("shared"), "--model", tiny, "--keep-alive", str(KEEP_ALIVE))
     yield h
     h.stop()
 
@@ -103,6 +107,30 @@ def test_sessions_share_one_copy_uploaded_by_nobody(host, tiny, layout, expected
     with apir.load(tiny, backend="remote", remote=host.unix) as again:
         assert _ids(again) == expected
         assert host.status().shared_loads == loads + 2  # loaded anew
+
+
+def test_by_default_sessions_share_the_weights_and_make_their_own_compact_forms(tmp_path):
+    """A default CPU host keeps no f32 forms: a published Q8_0 model's sessions share its
+    weights, counted once, and each makes (and is charged for) its own int8 forms, as an
+    uploading session does."""
+    from apir.backends.local import int8cpu
+
+    path = str(write_tiny_gguf(tmp_path / "q8.gguf", TinyConfig(context_length=256), "Q8_0", seed=7))
+    tensors = GGUFFile(path).tensors.values()
+    slots, size = weight_slots(tensors)
+    own_forms = sum(int8cpu.nbytes(t.dtype, t.shape) for t in tensors if t.dtype is DType.Q8_0)
+    (tmp_path / "host").mkdir()
+    h = start_host(tmp_path / "host", "--model", path)
+    try:
+        own = shutil.copy(path, tmp_path / "unpublished.gguf")
+        with apir.load(path, backend="remote", remote=h.unix) as first, \
+                apir.load(own, backend="remote", remote=h.unix) as uploader:
+            assert _ids(first) == _ids(uploader)
+            assert h.status().shared_bytes == size  # the weights alone
+            assert _allocated(h, uploader) - _allocated(h, first) == size
+            assert own_forms > 0 and _allocated(h, first) > own_forms
+    finally:
+        h.stop()
 
 
 def test_a_model_not_published_is_refused_clearly(host, layout):

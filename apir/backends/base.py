@@ -67,13 +67,13 @@ class ExecutorConfig:
     # torch frontend's), "all" prefill chunks too, or "off"
     compile: str = "decode"
     # keep dequantized f32/f16 copies of quantized and 16-bit weights beside their buffer
-    # bytes (up to 8x the weights' memory; on a CPU not of those that cpu_int4 takes); off,
-    # every weight is held once, as uploaded, and
-    # products compute from its blocks. None: on for a CPU device, where the blocks' per-use
-    # dequantizing decodes 5-14x slower (SmolLM2 Q4_1: 2.1 vs 25 t/s on 2 cores), off on a
-    # GPU, where the fused kernels read the blocks (and a session's memory cap holds a model
-    # only as stored: an 8B Q4 dequantized is ~18 GB)
-    dequant_cache: bool | None = None
+    # bytes (up to 8x the weights' memory; on a CPU not of those that cpu_int4 takes). Off
+    # (the default), a GPU computes from the blocks (fused kernels) and a CPU from compact
+    # forms made once: Q4 types as torch's int4 weights, the other quantized types as int8
+    # values with f32 scales (local.int8cpu, 1.125-1.5 bytes a weight, dequantized a cache-
+    # sized tile at a time), 16-bit weights widened per product. On a 2-core CPU the f32
+    # copies decode Gemma-3 270M about as fast as the int8 forms in 2.5x the memory
+    dequant_cache: bool = False
     # on a CPU device, compute Q4_0, Q4_1 and Q4_K weights through torch's int4 product
     # (bf16 activations): 0.625 bytes a weight and about twice the decode speed of the
     # dequantized f32 copy (local.int4cpu). Logits to bf16 precision: a decode step's
@@ -101,7 +101,7 @@ class ExecutorConfig:
         mode = env.COMPILE.get() or "1"
         cache = env.DEQUANT_CACHE.get()
         return cls(env.CUDA_GRAPHS.get() != "0", {"0": "off", "all": "all"}.get(mode, "decode"),
-                   None if cache is None else cache == "1", compile_cache=env.COMPILE_CACHE.get() or "",
+                   cache == "1", compile_cache=env.COMPILE_CACHE.get() or "",
                    cpu_int4=env.CPU_INT4.get() != "0")
 
 

@@ -176,9 +176,9 @@ class Daemon:
         self.stopping = False
         self.gate = Gate()
         self.refusals = RateLimitedLog(log)
-        # sessions on a CPU keep dequantized forms of weights (unless told not to): for a
-        # published model the daemon makes them once, for all of them
-        forms = bool(config.models) and config.executor.dequant_cache is not False and not gpu_host(config.device)
+        # sessions on a CPU told to keep dequantized f32 forms of weights: for a published
+        # model the daemon makes them once, for all of them
+        forms = bool(config.models) and config.executor.dequant_cache and not gpu_host(config.device)
         self.shelf = Shelf(config.models, config.keep_alive, forms, config.executor.cpu_int4)
 
     # ------------------------------------------------------------ lifecycle

@@ -40,7 +40,7 @@ from ..base import (
     Pending,
 )
 from ..executor import Buffer, Executor, Registered, check_indices
-from . import inductor, int4cpu, kernels, qmatmul, qpack
+from . import inductor, int4cpu, int8cpu, kernels, qmatmul, qpack
 from .capture import CapturedStep
 from .dequant import dequantize
 from .program import FusedMatmul, Input, Leaf, Part, Program, Step, compile_program
@@ -96,8 +96,7 @@ class LocalBackend(Executor):
                  config: ExecutorConfig = DEFAULT_EXECUTOR) -> None:
         super().__init__(limits)
         self.torch_device = pick_device(device)
-        self.dequant_cache = (self.torch_device.type == "cpu" if config.dequant_cache is None
-                              else config.dequant_cache)
+        self.dequant_cache = config.dequant_cache
         self.cuda_graphs = config.cuda_graphs and self.torch_device.type == "cuda"
         self.compile = config.compile != "off" and (self.cuda_graphs or config.compile_cpu and
                                                     self.torch_device.type == "cpu")
@@ -261,6 +260,9 @@ class LocalBackend(Executor):
             return self._cached((node,), lambda: int4cpu.pack(self._raw(node), node.dtype, node.shape,
                                                               self._stored(node)),
                                 "int4", int4cpu.nbytes(node.shape))
+        if not plain and self._int8(node):
+            return self._cached((node,), lambda: int8cpu.pack(self._raw(node), node.dtype, node.shape),
+                                "int8", int8cpu.nbytes(node.dtype, node.shape))
         if self.dequant_cache:
             return self._cached((node,), lambda: self._dequantized(node))
         if plain and (node.dtype.is_quantized or self.torch_device.type == "cpu"):
@@ -280,7 +282,7 @@ class LocalBackend(Executor):
         after another in a buffer in one plain dtype (q, k, v uploaded in order), else each
         as stored; with the dequant cache, dequantized and concatenated."""
         ws = step.weights
-        if all(self._int4(w) for w in ws):
+        if all(self._int4(w) or self._int8(w) for w in ws):
             return tuple(self._leaf(w, plain=False) for w in ws)
         if self.dequant_cache and any(w.dtype not in (DType.F32, DType.I32) for w in ws):
             return self._cached(ws, lambda: torch.cat([self._dequantized(n) for n in ws]))
@@ -299,6 +301,12 @@ class LocalBackend(Executor):
     def _int4(self, node) -> bool:
         """Whether a quantized weight is computed through torch's int4 CPU product."""
         return self.cpu_int4 and not self._packs and int4cpu.usable(node.dtype, node.shape)
+
+    def _int8(self, node) -> bool:
+        """Whether a quantized weight is held as int8 values and f32 scales (a CPU host's
+        form for the types the int4 product does not take, unless the dequant cache is on)."""
+        return (self.torch_device.type == "cpu" and not self.dequant_cache and not self._int4(node)
+                and int8cpu.usable(node.dtype, node.shape))
 
     def _dequantized(self, node) -> torch.Tensor:
         if self._packs and node.dtype.is_quantized:

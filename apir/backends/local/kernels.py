@@ -21,7 +21,7 @@ from ...graph.ops import Fn, Pool, Reduce
 from ...graph.sampling import PARAMS_SIZE
 from ..base import BackendError
 from ..executor import check_positions
-from . import decode_attention, gemv, inductor, int4cpu, qmatmul
+from . import decode_attention, gemv, inductor, int4cpu, int8cpu, qmatmul
 
 
 @dataclass(frozen=True)
@@ -57,6 +57,8 @@ def matmul(x: torch.Tensor, w: torch.Tensor | Blocks) -> torch.Tensor:
         return qproduct(x, (w,))
     if isinstance(w, int4cpu.Int4):
         return int4cpu.product(x, w)
+    if isinstance(w, int8cpu.Int8):
+        return int8cpu.product(x, w)
     if gemv.usable(x, w):
         return gemv.gemv(x, w)
     if w.device.type == "cpu" and w.dtype != torch.float32:
@@ -76,8 +78,10 @@ def fused_matmul(x: torch.Tensor, w: torch.Tensor | tuple, widths: tuple[int, ..
     return list(y.split(widths, dim=-1))  # f32 already
 
 
-def get_rows(table: torch.Tensor | Blocks | int4cpu.Int4, ids: torch.Tensor) -> torch.Tensor:
+def get_rows(table: torch.Tensor | Blocks | int4cpu.Int4 | int8cpu.Int8, ids: torch.Tensor) -> torch.Tensor:
     """table[ids] in f32; from ``Blocks`` only the gathered rows' blocks are decoded."""
+    if isinstance(table, int8cpu.Int8):
+        return int8cpu.rows(table, ids)
     if isinstance(table, int4cpu.Int4):
         table = table.blocks
     if isinstance(table, Blocks):
