@@ -141,8 +141,8 @@ CPU_INT4 = EnvVar(
     "APIR_CPU_INT4", "1",
     "host: 1 (default) = on a CPU device, compute Q4_0, Q4_1 and Q4_K weights through torch's "
     "int4 product with bf16 activations (0.625 bytes a weight, about twice the decode speed of "
-    "a dequantized copy, logits to bf16 precision); 0 = as the other types, in f32 "
-    "(APIR_DEQUANT_CACHE)",
+    "a dequantized copy, logits to bf16 precision); 0 = as the other quantized types (int8 "
+    "values with f32 scales, or f32 copies with APIR_DEQUANT_CACHE=1)",
 )
 SPIN_US = EnvVar(
     "APIR_SPIN_US", None,

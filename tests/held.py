@@ -15,7 +15,10 @@ def uncharged(backend: Executor) -> str | None:
     ledger = backend.ledger
     storages = {_storage(b.storage) for b in backend._buffers.values()}
     for key, (_, form) in backend._weights.items():
-        held = 0 if _storage(form) in storages else form.nbytes
+        # a tensor form may view a buffer; a compact one (int4cpu.Int4, int8cpu.Int8) says
+        # what it holds beyond the buffers
+        in_buffers = hasattr(form, "untyped_storage") and _storage(form) in storages
+        held = 0 if in_buffers else form.nbytes
         if held > ledger.forms.get(key, 0):
             return f"a cached weight form of {held} bytes is charged {ledger.forms.get(key, 0)}"
     for gid, reg in backend._graphs.items():

@@ -1,7 +1,7 @@
 """Dequantized forms of a published model's weights, made once by the host's daemon and
 mapped read-only by each of its CPU sessions (``apir.host.published``), so that N sessions
-hold one set of f32 forms, not N (on a CPU a session keeps one per 16-bit or quantized
-weight, ``ExecutorConfig.dequant_cache``: ~6x the file). The mapping's layout:
+hold one set of f32 forms, not N (a CPU session with ``ExecutorConfig.dequant_cache``, an
+opt-in, keeps one per 16-bit or quantized weight: ~6x the file). The mapping's layout:
 
     "APIRDQ1\\0", u64 count, count x (u64 weight offset, u64 ggml type, u64 form offset,
     u64 elements), then each weight's form, f32 in the weight's shape, at its form offset

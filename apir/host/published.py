@@ -13,7 +13,7 @@ its fd ``keep_alive`` seconds after the last one ended.
 
 On a CPU the sessions compute on the mapping itself: one copy in memory however many
 sessions use it. Where they would also keep dequantized f32 forms of the 16-bit and
-quantized weights (a CPU host's default, ``ExecutorConfig.dequant_cache``: ~6x the file),
+quantized weights (a CPU host with ``ExecutorConfig.dequant_cache``, an opt-in: ~6x the file),
 the daemon makes those once too, into a second sealed memfd that the sessions' workers map
 beside the first (its layout: ``apir.backends.forms``). A GPU session copies the mapping
 to its device (no upload from the guest, but a device copy per session): CUDA memory
@@ -166,7 +166,7 @@ class Shelf:
 
     def __init__(self, models: tuple[PublishedModel, ...], keep_alive: float, forms: bool = False,
                  int4: bool = False) -> None:
-        """``forms``: the sessions keep dequantized forms of weights (a CPU host's default),
+        """``forms``: the sessions keep dequantized forms of weights (a CPU host's dequant cache),
         so the daemon makes them once, with each copy; ``int4``: not of those the sessions
         compute in int4 (``load_copy``)."""
         self.models = {p.name: p for p in models}
