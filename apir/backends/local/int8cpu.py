@@ -96,9 +96,11 @@ def pack(raw: torch.Tensor, dtype: DType, shape: tuple[int, int]) -> Int8:
     for r0 in range(0, n, step):
         r1 = min(n, r0 + step)
         blocks = raw[r0 * per_row : r1 * per_row].reshape(-1, dtype.type_size)
+        if not copy:  # Q8_0: the scales alone
+            scale[r0:r1] = _f16(blocks, 0).reshape(r1 - r0, k // g)
+            continue
         fq, fs, fb = _fields(blocks, dtype)
-        if copy:
-            q[r0:r1] = fq.reshape(r1 - r0, k // g, g)
+        q[r0:r1] = fq.reshape(r1 - r0, k // g, g)
         scale[r0:r1] = fs.reshape(r1 - r0, k // g)
         if bias is not None:
             bias[r0:r1] = fb.reshape(r1 - r0, k // g)
@@ -107,10 +109,9 @@ def pack(raw: torch.Tensor, dtype: DType, shape: tuple[int, int]) -> Int8:
 
 def _fields(blocks: torch.Tensor, dtype: DType) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(q int8 (..., G), scale f32 (..., 1), bias f32 (..., 1) or None) for every group of
-    the blocks, in the weight's order; the scales and biases computed as ``dequant`` does."""
+    the blocks, in the weight's order; the scales and biases computed as ``dequant`` does
+    (every type but Q8_0, whose quants the form reads from its blocks)."""
     nb = blocks.shape[0]
-    if dtype is DType.Q8_0:
-        return _view(blocks[:, 2:34], torch.int8), _f16(blocks, 0), None
     if dtype is DType.Q4_0:
         return _nibbles(blocks[:, 2:18]).to(torch.int8) - 8, _f16(blocks, 0), None
     if dtype is DType.Q4_1:
