@@ -7,10 +7,13 @@ only binds inputs and walks the list.
 Every weight is held once, in the buffer the guest uploaded it to: a quantized one is read
 by MATMUL and GET_ROWS straight from its GGUF blocks (``kernels.Blocks``, qmatmul), on a
 GPU packed in place at first use for the Triton kernels (qpack: the same bytes, moved), a
-16-bit or f32 one is a view of its bytes. Only a step that needs a weight as a plain
-tensor gets a dense copy, made per compute and freed after it (on a CPU that includes
-16-bit weights, which are computed in f32). ``ExecutorConfig.dequant_cache`` brings back
-cached dequantized copies (faster on a CPU, several times the memory).
+16-bit or f32 one is a view of its bytes. On a CPU a quantized weight also gets a compact
+form when a graph that reads it is registered: torch's int4 weights for Q4 types
+(``int4cpu``), int8 values with f32 scales for the others (``int8cpu``). Only a step that
+needs a weight as a plain tensor gets a dense copy, made per compute and freed after it
+(on a CPU that includes 16-bit weights, which are computed in f32).
+``ExecutorConfig.dequant_cache`` brings back cached dequantized f32 copies instead (an
+opt-in: several times the memory, about the speed of the CPU's compact forms).
 """
 
 from __future__ import annotations
