@@ -2,7 +2,7 @@
 Q6_K, Q5_K, Q3_K, Q2_K, and Q4 shapes it cannot pack) as int8 values with f32 scales per
 group along K, dequantized a cache-sized tile at a time for each product: 1.125-1.5 bytes
 a weight where an f32 copy takes 4, at about the f32 copy's speed on a 2-core machine
-(BENCHMARKS.md, "int8 forms"), where decoding the GGUF blocks at each use is 4-9x slower.
+(BENCHMARKS.md, "CPU: compact forms"), where decoding the GGUF blocks at each use is 4-9x slower.
 
 Every one of these types is value = scale * q (+ bias) per group of G (32, or 16 for the
 types with a scale per 16), q small enough for int8, with the f32 scale and bias exactly as
