@@ -11,7 +11,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf import quants
 from test_qmatmul import check, random_weight
 
-from apir.backends.local import int8cpu, qpack
+from apir.backends.local import int8cpu, qmatmul, qpack
 from apir.graph.dtypes import DType
 
 TYPES = [Q[t.name] for t in int8cpu.TYPES]
@@ -40,7 +40,7 @@ def test_the_form_holds_gguf_values_to_the_bit(qtype, monkeypatch):
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_products_match_gguf_in_tiles(qtype, monkeypatch):
-    monkeypatch.setattr(int8cpu, "TILE_BYTES", 3 * 512 * 4)  # 3 rows a tile: 13 tiles
+    monkeypatch.setattr(qmatmul, "CPU_SCRATCH_BYTES", 3 * 512 * 4)  # 3 rows a tile: 13 tiles
     raw = random_weight(qtype, 37, 512, seed=2)
     x = np.random.default_rng(3).standard_normal((2, 3, 512)).astype(np.float32)
     y = int8cpu.product(torch.from_numpy(x), form(raw, qtype, 37, 512))

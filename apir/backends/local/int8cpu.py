@@ -28,17 +28,12 @@ import torch
 import torch.utils._pytree as pytree
 
 from ...graph import DType
-from . import qpack
+from . import qmatmul, qpack
 from .dequant import _bits, _f16, _k_scales, _nibbles, _view
 
 # types whose form groups 16 values (a scale per 16); the others group 32
 _BY16 = (DType.Q6_K, DType.Q3_K, DType.Q2_K)
 TYPES = (DType.Q8_0, DType.Q5_0, DType.Q5_1, DType.Q4_0, DType.Q4_1, DType.Q4_K, DType.Q5_K, *_BY16)
-# dequantized f32 rows of one tile of a product: small enough to stay in the cache between
-# being written and multiplied (see qmatmul.CPU_SCRATCH_BYTES)
-TILE_BYTES = 2 << 20
-
-
 @dataclass(frozen=True)
 class Int8:
     """A weight (N, K) as int8 values and f32 scales (see the module's doc)."""
@@ -163,15 +158,8 @@ def _values(w: Int8, rows: slice | torch.Tensor) -> torch.Tensor:
 
 
 def product(x: torch.Tensor, w: Int8) -> torch.Tensor:
-    """x (..., K) @ w.T in f32: (..., N), a tile of TILE_BYTES of dequantized rows at a time."""
-    n, k = w.shape
-    x2 = x.reshape(-1, k).float()
-    y = torch.empty((x2.shape[0], n), dtype=torch.float32)
-    step = max(1, TILE_BYTES // (4 * k))
-    for r0 in range(0, n, step):
-        r1 = min(n, r0 + step)
-        torch.matmul(x2, _values(w, slice(r0, r1)).T, out=y[:, r0:r1])
-    return y.reshape(*x.shape[:-1], n)
+    """x (..., K) @ w.T in f32: (..., N), a cache-sized tile of dequantized rows at a time."""
+    return qmatmul.cpu_tiles(x, *w.shape, lambda r0, r1: _values(w, slice(r0, r1)))
 
 
 def rows(w: Int8, ids: torch.Tensor) -> torch.Tensor:

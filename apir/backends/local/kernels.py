@@ -52,7 +52,7 @@ def qproduct(x: torch.Tensor, parts: tuple[Blocks, ...]) -> torch.Tensor:
 def matmul(x: torch.Tensor, w: torch.Tensor | Blocks) -> torch.Tensor:
     """x @ w.T in f32. A 16-bit weight on an accelerator: x rounded to its dtype first (as
     llama.cpp's CUDA path does), one row through the streaming kernel of ``gemv``; on a
-    CPU widened to f32 for this product only."""
+    CPU widened to f32 for this product only, a cache-sized tile at a time."""
     if isinstance(w, Blocks):
         return qproduct(x, (w,))
     if isinstance(w, int4cpu.Int4):
@@ -61,6 +61,8 @@ def matmul(x: torch.Tensor, w: torch.Tensor | Blocks) -> torch.Tensor:
         return int8cpu.product(x, w)
     if gemv.usable(x, w):
         return gemv.gemv(x, w)
+    if w.device.type == "cpu" and w.dtype != torch.float32 and w.dim() == 2:
+        return qmatmul.cpu_tiles(x, *w.shape, lambda r0, r1: w[r0:r1].float())
     if w.device.type == "cpu" and w.dtype != torch.float32:
         w = w.float()
     return torch.matmul(x.to(w.dtype), w.T).float()

@@ -25,7 +25,7 @@ same bits. Triton comes with CUDA builds of PyTorch; without it only the CPU pat
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -259,6 +259,19 @@ if qkernels is not None:
     @_qrows.register_fake
     def _(w: torch.Tensor, qtype: int, n: int, k: int, ids: torch.Tensor) -> torch.Tensor:
         return w.new_empty((ids.numel(), k), dtype=torch.float32)
+
+
+def cpu_tiles(x: torch.Tensor, n: int, k: int, values: Callable[[int, int], torch.Tensor]) -> torch.Tensor:
+    """x (..., K) @ W.T in f32 for W (N, K) whose rows r0..r1 ``values(r0, r1)`` makes in
+    f32, CPU_SCRATCH_BYTES of them at a time: each tile is multiplied while it is in the
+    cache (a whole f32 copy would be written to memory and read back)."""
+    x2 = x.reshape(-1, k).float()
+    y = torch.empty((x2.shape[0], n), dtype=torch.float32)
+    step = max(1, CPU_SCRATCH_BYTES // (4 * k))
+    for r0 in range(0, n, step):
+        r1 = min(n, r0 + step)
+        torch.matmul(x2, values(r0, r1).T, out=y[:, r0:r1])
+    return y.reshape(*x.shape[:-1], n)
 
 
 def dequantize(w: torch.Tensor, qtype: int, n: int, k: int) -> torch.Tensor:
