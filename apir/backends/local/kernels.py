@@ -61,9 +61,9 @@ def matmul(x: torch.Tensor, w: torch.Tensor | Blocks) -> torch.Tensor:
         return int8cpu.product(x, w)
     if gemv.usable(x, w):
         return gemv.gemv(x, w)
-    if w.device.type == "cpu" and w.dtype != torch.float32 and w.dim() == 2:
-        return qmatmul.cpu_tiles(x, *w.shape, lambda r0, r1: w[r0:r1].float())
     if w.device.type == "cpu" and w.dtype != torch.float32:
+        if w.dim() == 2:
+            return qmatmul.cpu_tiles(x, *w.shape, lambda r0, r1: w[r0:r1].float())
         w = w.float()
     return torch.matmul(x.to(w.dtype), w.T).float()
 
