@@ -13,6 +13,7 @@ returns ``(n_blocks, block_size)`` float32. Multi-byte fields are little-endian.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -71,46 +72,54 @@ def _bf16(blocks: torch.Tensor) -> torch.Tensor:
     return (_view(blocks, torch.int16).to(torch.int32) << 16).view(torch.float32)
 
 
-def _q4_0(blocks: torch.Tensor) -> torch.Tensor:
+# A quantized type's value is scale * q (+ bias) per group of 32 or 16: its "fields" below
+# give (q (nb, 32) or (nb, G, g) integers, scale f32 broadcastable to q, bias f32 or None),
+# the scales and biases computed as gguf-py does; ``_combine`` makes the values with one
+# multiply and one add (a - b is a + -b exactly, so a min subtracted is a bias added).
+# local.int8cpu keeps the same fields as a weight's compact CPU form.
+Fields = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
+
+
+def _combine(fields: Fields) -> torch.Tensor:
+    q, scale, bias = fields
+    v = scale * q.float()
+    return (v if bias is None else v + bias).reshape(q.shape[0], math.prod(q.shape[1:]))
+
+
+def q4_0_fields(blocks: torch.Tensor) -> Fields:
     # Q4_0 block (18 B): d f16 | qs[16] (low nibbles = elements 0..15, high = 16..31)
     # x = d * (q - 8)
-    d = _f16(blocks, 0)
-    q = _nibbles(blocks[:, 2:18]).to(torch.int8) - 8
-    return d * q.float()
+    return _nibbles(blocks[:, 2:18]).to(torch.int8) - 8, _f16(blocks, 0), None
 
 
-def _q4_1(blocks: torch.Tensor) -> torch.Tensor:
+def q4_1_fields(blocks: torch.Tensor) -> Fields:
     # Q4_1 block (20 B): d f16 | m f16 | qs[16] (low nibbles = elements 0..15, high = 16..31)
     # x = d * q + m
-    d, m = _f16(blocks, 0), _f16(blocks, 2)
-    q = _nibbles(blocks[:, 4:20]).float()
-    return d * q + m
+    return _nibbles(blocks[:, 4:20]), _f16(blocks, 0), _f16(blocks, 2)
 
 
-def _q5_0(blocks: torch.Tensor) -> torch.Tensor:
-    # Q5_0 block (22 B): d f16 | qh[4] (u32, bit j = 5th bit of element j) | qs[16] (as Q4_0)
+def _q5_quants(blocks: torch.Tensor, o: int) -> torch.Tensor:
+    # qh[4] at byte o (u32, bit j = 5th bit of element j), then qs[16] (as Q4_0)
+    qh = _bits(blocks[:, o : o + 4]).transpose(-1, -2).reshape(-1, 32)  # bit 8*byte + i
+    return _nibbles(blocks[:, o + 4 : o + 20]) | (qh << 4)
+
+
+def q5_0_fields(blocks: torch.Tensor) -> Fields:
+    # Q5_0 block (22 B): d f16 | qh[4] | qs[16]
     # x = d * (q - 16)
-    d = _f16(blocks, 0)
-    qh = _bits(blocks[:, 2:6]).transpose(-1, -2).reshape(-1, 32)  # bit 8*byte + i
-    q = (_nibbles(blocks[:, 6:22]) | (qh << 4)).to(torch.int8) - 16
-    return d * q.float()
+    return _q5_quants(blocks, 2).to(torch.int8) - 16, _f16(blocks, 0), None
 
 
-def _q5_1(blocks: torch.Tensor) -> torch.Tensor:
-    # Q5_1 block (24 B): d f16 | m f16 | qh[4] (as Q5_0) | qs[16] (as Q4_0)
+def q5_1_fields(blocks: torch.Tensor) -> Fields:
+    # Q5_1 block (24 B): d f16 | m f16 | qh[4] | qs[16]
     # x = d * q + m
-    d, m = _f16(blocks, 0), _f16(blocks, 2)
-    qh = _bits(blocks[:, 4:8]).transpose(-1, -2).reshape(-1, 32)
-    q = (_nibbles(blocks[:, 8:24]) | (qh << 4)).float()
-    return d * q + m
+    return _q5_quants(blocks, 4), _f16(blocks, 0), _f16(blocks, 2)
 
 
-def _q8_0(blocks: torch.Tensor) -> torch.Tensor:
+def q8_0_fields(blocks: torch.Tensor) -> Fields:
     # Q8_0 block (34 B): d f16 | qs[32] int8
-    # x = q * d
-    d = _f16(blocks, 0)
-    q = _view(blocks[:, 2:34], torch.int8).float()
-    return q * d
+    # x = d * q
+    return _view(blocks[:, 2:34], torch.int8), _f16(blocks, 0), None
 
 
 def _k_scales(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -126,34 +135,33 @@ def _k_scales(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return sc, mn
 
 
-def _q4_k(blocks: torch.Tensor) -> torch.Tensor:
-    # Q4_K block (144 B): d f16 | dmin f16 | scales[12] (8 x 6-bit scale/min, see _k_scales)
-    #   | qs[128]: sub-blocks 2k and 2k+1 (32 elements each) are the low and high nibbles
-    #     of qs[32k : 32k+32]
-    # x = (d * sc) * q - (dmin * m), per sub-block of 32
+def _k_fields(blocks: torch.Tensor, q: torch.Tensor) -> Fields:
+    # Q4_K and Q5_K: d f16 | dmin f16 | scales[12] (8 x 6-bit scale/min, see _k_scales) at
+    # the block's start; x = (d * sc) * q - (dmin * m), per sub-block of 32
     n = blocks.shape[0]
     sc, mn = _k_scales(blocks[:, 4:16])
     d = (_f16(blocks, 0) * sc.float()).view(n, 8, 1)
     dm = (_f16(blocks, 2) * mn.float()).view(n, 8, 1)
-    q = _nibbles(blocks[:, 16:144].reshape(n, 4, 32)).reshape(n, 8, 32).float()
-    return (d * q - dm).reshape(n, 256)
+    return q, d, -dm
 
 
-def _q5_k(blocks: torch.Tensor) -> torch.Tensor:
-    # Q5_K block (176 B): d f16 | dmin f16 | scales[12] (as Q4_K)
-    #   | qh[32]: bit i of qh[j] = 5th bit of element j of sub-block i | qs[128] (as Q4_K)
-    # x = (d * sc) * q - (dmin * m), per sub-block of 32
+def q4_k_fields(blocks: torch.Tensor) -> Fields:
+    # Q4_K block (144 B): d | dmin | scales[12] | qs[128]: sub-blocks 2k and 2k+1 (32
+    #   elements each) are the low and high nibbles of qs[32k : 32k+32]
     n = blocks.shape[0]
-    sc, mn = _k_scales(blocks[:, 4:16])
-    d = (_f16(blocks, 0) * sc.float()).view(n, 8, 1)
-    dm = (_f16(blocks, 2) * mn.float()).view(n, 8, 1)
+    return _k_fields(blocks, _nibbles(blocks[:, 16:144].reshape(n, 4, 32)).reshape(n, 8, 32))
+
+
+def q5_k_fields(blocks: torch.Tensor) -> Fields:
+    # Q5_K block (176 B): d | dmin | scales[12] | qh[32]: bit i of qh[j] = 5th bit of
+    #   element j of sub-block i | qs[128] (as Q4_K)
+    n = blocks.shape[0]
     qh = _bits(blocks[:, 16:48])
     ql = _nibbles(blocks[:, 48:176].reshape(n, 4, 32)).reshape(n, 8, 32)
-    q = (ql | (qh << 4)).float()
-    return (d * q - dm).reshape(n, 256)
+    return _k_fields(blocks, ql | (qh << 4))
 
 
-def _q6_k(blocks: torch.Tensor) -> torch.Tensor:
+def q6_k_fields(blocks: torch.Tensor) -> Fields:
     # Q6_K block (210 B): ql[128] | qh[64] | scales[16] int8 | d f16
     #   Two halves of 128 elements; half h uses ql[64h : 64h+64] and qh[32h : 32h+32].
     #   Within a half, quarter r (32 elements): low 4 bits = nibble r // 2 (low, high) of
@@ -164,11 +172,10 @@ def _q6_k(blocks: torch.Tensor) -> torch.Tensor:
     ql = _nibbles(blocks[:, 0:128].reshape(n, 2, 64)).reshape(n, 8, 32)
     shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=blocks.device).view(4, 1)
     qh = ((blocks[:, 128:192].reshape(n, 2, 1, 32) >> shifts) & 0x03).reshape(n, 8, 32)
-    q = ((ql | (qh << 4)).to(torch.int8) - 32).reshape(n, 16, 16).float()
-    return (d * q).reshape(n, 256)
+    return ((ql | (qh << 4)).to(torch.int8) - 32).reshape(n, 16, 16), d, None
 
 
-def _q2_k(blocks: torch.Tensor) -> torch.Tensor:
+def q2_k_fields(blocks: torch.Tensor) -> Fields:
     # Q2_K block (84 B): scales[16] (low nibble scale, high nibble min, per 16 elements) |
     #   qs[64] (element 128h + 32s + j: bits 2s.. of qs[32h + j]) | d f16 | dmin f16
     # x = (d * sc) * q - (dmin * m); the quants as qpack reads them
@@ -177,10 +184,10 @@ def _q2_k(blocks: torch.Tensor) -> torch.Tensor:
     sc = blocks[:, 0:16]
     dl = (_f16(blocks, 80) * (sc & 0xF).float()).view(n, 16, 1)
     ml = (_f16(blocks, 82) * (sc >> 4).float()).view(n, 16, 1)
-    return (dl * low.reshape(n, 16, 16).float() - ml).reshape(n, 256)
+    return low.reshape(n, 16, 16), dl, -ml
 
 
-def _q3_k(blocks: torch.Tensor) -> torch.Tensor:
+def q3_k_fields(blocks: torch.Tensor) -> Fields:
     # Q3_K block (110 B): hmask[32] | qs[64] (as Q2_K) | scales[12] (16 six-bit, low 4 bits
     #   in nibble s // 8 of byte s % 8, high 2 at bits 2 (s // 4) of byte 8 + s % 4) | d f16
     # x = (d * (sc - 32)) * (q - 4), q = the 2 bits | the hmask bit << 2
@@ -192,24 +199,29 @@ def _q3_k(blocks: torch.Tensor) -> torch.Tensor:
           .view(1, 4, 1)).reshape(n, 16) & 3
     sc = ((lo | (hi << 4)).to(torch.int8) - 32).float()
     dl = (_f16(blocks, 108) * sc).view(n, 16, 1)
-    q = ((low | (high << 2)).to(torch.int8) - 4).reshape(n, 16, 16).float()
-    return (dl * q).reshape(n, 256)
+    return ((low | (high << 2)).to(torch.int8) - 4).reshape(n, 16, 16), dl, None
+
+
+# quantized type -> its fields
+FIELDS: dict[DType, Callable[[torch.Tensor], Fields]] = {
+    DType.Q4_0: q4_0_fields,
+    DType.Q4_1: q4_1_fields,
+    DType.Q5_0: q5_0_fields,
+    DType.Q5_1: q5_1_fields,
+    DType.Q8_0: q8_0_fields,
+    DType.Q2_K: q2_k_fields,
+    DType.Q3_K: q3_k_fields,
+    DType.Q4_K: q4_k_fields,
+    DType.Q5_K: q5_k_fields,
+    DType.Q6_K: q6_k_fields,
+}
 
 
 _DECODERS: dict[DType, Callable[[torch.Tensor], torch.Tensor]] = {
     DType.F32: _f32,
     DType.F16: _f16_plain,
     DType.BF16: _bf16,
-    DType.Q4_0: _q4_0,
-    DType.Q4_1: _q4_1,
-    DType.Q5_0: _q5_0,
-    DType.Q5_1: _q5_1,
-    DType.Q8_0: _q8_0,
-    DType.Q2_K: _q2_k,
-    DType.Q3_K: _q3_k,
-    DType.Q4_K: _q4_k,
-    DType.Q5_K: _q5_k,
-    DType.Q6_K: _q6_k,
+    **{dtype: (lambda blocks, f=f: _combine(f(blocks))) for dtype, f in FIELDS.items()},
 }
 
 SUPPORTED: tuple[DType, ...] = tuple(_DECODERS)

@@ -6,7 +6,7 @@ a weight where an f32 copy takes 4, at about the f32 copy's speed on a 2-core ma
 
 Every one of these types is value = scale * q (+ bias) per group of G (32, or 16 for the
 types with a scale per 16), q small enough for int8, with the f32 scale and bias exactly as
-gguf-py computes them (``dequant``'s decoders):
+gguf-py computes them (``dequant.FIELDS``, from which its decoders make the values too):
     Q8_0: d * q            Q5_0: d * (q - 16)       Q5_1: d * q + m
     Q4_0: d * (q - 8)      Q4_1: d * q + m
     Q4_K, Q5_K: (d * sc) * q - (dmin * m)           Q6_K: (d * sc) * (q - 32)
@@ -29,7 +29,7 @@ import torch.utils._pytree as pytree
 
 from ...graph import DType
 from . import qmatmul, qpack
-from .dequant import _bits, _f16, _k_scales, _nibbles, _view
+from .dequant import FIELDS, _f16
 
 # types whose form groups 16 values (a scale per 16); the others group 32
 _BY16 = (DType.Q6_K, DType.Q3_K, DType.Q2_K)
@@ -94,59 +94,12 @@ def pack(raw: torch.Tensor, dtype: DType, shape: tuple[int, int]) -> Int8:
         if not copy:  # Q8_0: the scales alone
             scale[r0:r1] = _f16(blocks, 0).reshape(r1 - r0, k // g)
             continue
-        fq, fs, fb = _fields(blocks, dtype)
-        q[r0:r1] = fq.reshape(r1 - r0, k // g, g)
+        fq, fs, fb = FIELDS[dtype](blocks)
+        q[r0:r1] = fq.to(torch.int8).reshape(r1 - r0, k // g, g)
         scale[r0:r1] = fs.reshape(r1 - r0, k // g)
         if bias is not None:
             bias[r0:r1] = fb.reshape(r1 - r0, k // g)
     return Int8(q, scale, bias, (n, k), copy)
-
-
-def _fields(blocks: torch.Tensor, dtype: DType) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(q int8 (..., G), scale f32 (..., 1), bias f32 (..., 1) or None) for every group of
-    the blocks, in the weight's order; the scales and biases computed as ``dequant`` does
-    (every type but Q8_0, whose quants the form reads from its blocks)."""
-    nb = blocks.shape[0]
-    if dtype is DType.Q4_0:
-        return _nibbles(blocks[:, 2:18]).to(torch.int8) - 8, _f16(blocks, 0), None
-    if dtype is DType.Q4_1:
-        return _nibbles(blocks[:, 4:20]).to(torch.int8), _f16(blocks, 0), _f16(blocks, 2)
-    if dtype in (DType.Q5_0, DType.Q5_1):
-        o = 2 if dtype is DType.Q5_0 else 4
-        qh = _bits(blocks[:, o : o + 4]).transpose(-1, -2).reshape(-1, 32)  # bit 8*byte + i
-        q = (_nibbles(blocks[:, o + 4 : o + 20]) | (qh << 4)).to(torch.int8)
-        if dtype is DType.Q5_0:
-            return q - 16, _f16(blocks, 0), None
-        return q, _f16(blocks, 0), _f16(blocks, 2)
-    if dtype in (DType.Q4_K, DType.Q5_K):
-        sc, mn = _k_scales(blocks[:, 4:16])
-        d = (_f16(blocks, 0) * sc.float()).view(nb, 8, 1)
-        dm = (_f16(blocks, 2) * mn.float()).view(nb, 8, 1)
-        if dtype is DType.Q4_K:
-            q = _nibbles(blocks[:, 16:144].reshape(nb, 4, 32)).reshape(nb, 8, 32)
-        else:
-            qh = _bits(blocks[:, 16:48])
-            q = _nibbles(blocks[:, 48:176].reshape(nb, 4, 32)).reshape(nb, 8, 32) | (qh << 4)
-        return q.to(torch.int8), d, -dm
-    if dtype is DType.Q6_K:
-        d = (_f16(blocks, 208) * _view(blocks[:, 192:208], torch.int8).float()).view(nb, 16, 1)
-        ql = _nibbles(blocks[:, 0:128].reshape(nb, 2, 64)).reshape(nb, 8, 32)
-        shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(4, 1)
-        qh = ((blocks[:, 128:192].reshape(nb, 2, 1, 32) >> shifts) & 0x03).reshape(nb, 8, 32)
-        return ((ql | (qh << 4)).to(torch.int8) - 32).reshape(nb, 16, 16), d, None
-    if dtype is DType.Q2_K:
-        low, _, _ = qpack.fields(blocks, int(DType.Q2_K))
-        sc = blocks[:, 0:16]
-        dl = (_f16(blocks, 80) * (sc & 0xF).float()).view(nb, 16, 1)
-        ml = (_f16(blocks, 82) * (sc >> 4).float()).view(nb, 16, 1)
-        return low.reshape(nb, 16, 16).to(torch.int8), dl, -ml
-    # Q3_K
-    low, high, _ = qpack.fields(blocks, int(DType.Q3_K))
-    lo = (blocks[:, 96:104].reshape(nb, 1, 8) >> torch.tensor([0, 4], dtype=torch.uint8).view(1, 2, 1)).reshape(nb, 16) & 0xF
-    hi = (blocks[:, 104:108].reshape(nb, 1, 4) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8)
-          .view(1, 4, 1)).reshape(nb, 16) & 3
-    dl = (_f16(blocks, 108) * ((lo | (hi << 4)).to(torch.int8) - 32).float()).view(nb, 16, 1)
-    return ((low | (high << 2)).to(torch.int8) - 4).reshape(nb, 16, 16), dl, None
 
 
 def _values(w: Int8, rows: slice | torch.Tensor) -> torch.Tensor:
