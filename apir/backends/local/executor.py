@@ -285,7 +285,7 @@ class LocalBackend(Executor):
         after another in a buffer in one plain dtype (q, k, v uploaded in order), else each
         as stored; with the dequant cache, dequantized and concatenated."""
         ws = step.weights
-        if all(self._int4(w) or self._int8(w) for w in ws):
+        if all(self._compact(w) for w in ws):
             return tuple(self._leaf(w, plain=False) for w in ws)
         if self.dequant_cache and any(w.dtype not in (DType.F32, DType.I32) for w in ws):
             return self._cached(ws, lambda: torch.cat([self._dequantized(n) for n in ws]))
@@ -304,6 +304,10 @@ class LocalBackend(Executor):
     def _int4(self, node) -> bool:
         """Whether a quantized weight is computed through torch's int4 CPU product."""
         return self.cpu_int4 and not self._packs and int4cpu.usable(node.dtype, node.shape)
+
+    def _compact(self, node) -> bool:
+        """Whether a CPU holds a quantized weight in a compact form (int4 or int8)."""
+        return self._int4(node) or self._int8(node)
 
     def _int8(self, node) -> bool:
         """Whether a quantized weight is held as int8 values and f32 scales (a CPU host's
@@ -326,10 +330,9 @@ class LocalBackend(Executor):
             self._constants(prog)  # dequantize now, not on the first compute
         else:  # a CPU's compact forms now too (SmolLM2's int4 forms: 0.25 s of a first prompt)
             for step in prog.steps:
-                if isinstance(step, Leaf) and step.read and not step.plain and (
-                        self._int4(step.node) or self._int8(step.node)):
+                if isinstance(step, Leaf) and step.read and not step.plain and self._compact(step.node):
                     self._leaf(step.node, plain=False)
-                elif isinstance(step, FusedMatmul) and all(self._int4(w) or self._int8(w) for w in step.weights):
+                elif isinstance(step, FusedMatmul) and all(self._compact(w) for w in step.weights):
                     self._fused_weight(step)
         return prog
 
