@@ -27,6 +27,9 @@ SCALES = {Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q5_0: (0,), Q.Q5_1: (0, 2), Q.Q8_0: (0
           Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
 TORCH_TYPES = [t for t in SCALES if int(t) in qm._TORCH]
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1" and qm.qkernels is not None
+# the fused kernel's bound on |error| / (|x| @ |W|): x rounded to int8 per group of 32 moves
+# each x by at most 1/254 of its group's largest |x| (on these normal x the worst is 3.5e-3)
+INT8_X = 1e-2
 needs_triton = pytest.mark.skipif(
     not INTERPRET, reason="needs triton and TRITON_INTERPRET=1 to run the kernels on a CPU")
 
@@ -144,41 +147,64 @@ def test_packing_moves_every_bit_and_unpacks_exactly(qtype):
         assert torch.equal(qpack.gather_rows(p, int(qtype), n, k, torch.arange(1, n)), tail)
 
 
-def test_packed_slots_hold_chunk_runs_of_elements():
-    # Q4_0, K = 256: one chunk of 32 words; slot s of word w is element 32 s + w, nibble
-    # s // 4 of byte s % 4; d for group g in the scale plane
-    k = 256
-    q = np.arange(k) % 16
+def test_packed_words_hold_32_over_b_consecutive_elements():
+    # Q4_0, K = 64: two groups of 32, 4 low words each; element i of a word in byte i % 4 at
+    # bit 4 (i // 4), so (word >> 4 t) & 0x0F0F0F0F is elements 4t..4t+3, one a byte; d for
+    # group g in the scale plane after the low words
+    k = 64
+    q = (np.arange(k) * 7) % 16
     blocks = np.zeros((k // 32, 18), np.uint8)
-    blocks[:, 0:2] = np.arange(8, dtype=np.float16).reshape(8, 1).view(np.uint8)
-    qb = q.reshape(8, 32)
+    blocks[:, 0:2] = np.array([[1.5], [-2.0]], dtype=np.float16).view(np.uint8)
+    qb = q.reshape(2, 32)
     blocks[:, 2:18] = qb[:, :16] | (qb[:, 16:] << 4)
     p = packed(blocks.reshape(-1), Q.Q4_0, 1, k).numpy()
-    words = p[:128].view(np.uint32)
-    for s in range(8):
-        got = (words >> (8 * (s % 4) + 4 * (s // 4))) & 15
-        np.testing.assert_array_equal(got, q[32 * s : 32 * s + 32])
-    np.testing.assert_array_equal(p[128:].view(np.float16), np.arange(8, dtype=np.float16))
+    words = p[:32].view(np.uint32)
+    for i in range(k):
+        w, e = divmod(i, 8)
+        assert (words[w] >> (8 * (e % 4) + 4 * (e // 4))) & 15 == q[i], i
+    np.testing.assert_array_equal(p[32:].view(np.float16), np.array([1.5, -2.0], np.float16))
+    # Q6_K's two high bits a plane of 2 bits: 16 elements a word
+    raw = random_weight(Q.Q6_K, 1, 256, seed=1)
+    g = qpack.geometry(int(Q.Q6_K), 1, 256)
+    ql, qh = raw[:128], raw[128:192]
+    want = np.empty(256, np.int64)  # the 6-bit quants in element order, as ggml lays them
+    for h in range(2):
+        for j in range(32):
+            lo0, lo1 = ql[64 * h + j], ql[64 * h + 32 + j]
+            hi = qh[32 * h + j]
+            want[128 * h + j] = (lo0 & 15) | ((hi & 3) << 4)
+            want[128 * h + 32 + j] = (lo1 & 15) | (((hi >> 2) & 3) << 4)
+            want[128 * h + 64 + j] = (lo0 >> 4) | (((hi >> 4) & 3) << 4)
+            want[128 * h + 96 + j] = (lo1 >> 4) | (((hi >> 6) & 3) << 4)
+    p = packed(raw, Q.Q6_K, 1, 256).numpy()
+    lw = p[g.planes[0][0] : g.planes[0][0] + 128].view(np.uint32)
+    hw = p[g.planes[1][0] : g.planes[1][0] + 64].view(np.uint32)
+    for i in range(256):
+        lo = (lw[i // 8] >> (8 * (i % 8 % 4) + 4 * (i % 8 // 4))) & 15
+        hi = (hw[i // 16] >> (8 * (i % 16 % 4) + 2 * (i % 16 // 4))) & 3
+        assert lo | hi << 4 == want[i], i
 
 
 @needs_triton
 @pytest.mark.parametrize("qtype", list(SCALES), ids=lambda t: t.name)
 def test_fused_kernel_matches_gguf(qtype):
+    # x rounded to int8 per group of 32 in the kernel, as llama.cpp's q8_1 x: an error of at
+    # most half a step of each group's largest |x| / 127, for every value of W
     def product(x, raw, n, k):
         return qm._launch_gemv(torch.from_numpy(x), [packed(raw, qtype, n, k)], int(qtype), [n], k)
-    check_products(qtype, product, rel=1e-5)
+    check_products(qtype, product, rel=INT8_X)
 
 
 @needs_triton
 @pytest.mark.parametrize(("qtype", "k"), [(Q.Q4_0, 4096), (Q.Q8_0, 8192), (Q.Q6_K, 32768)],
                          ids=lambda v: getattr(v, "name", v))
-def test_fused_kernel_with_many_chunks_a_step_matches_gguf(qtype, k):
-    # 8B-sized rows: a program walks many steps of 128 words
-    assert qm.tiles(int(qtype), 3, k, True)[1] * qpack.geometry(int(qtype), 3, k).cw == 128
+def test_fused_kernel_with_many_groups_a_step_matches_gguf(qtype, k):
+    # 8B-sized rows: a program walks many steps of 32 groups
+    assert qm.tiles(int(qtype), 3, k, True)[1] == 32
     raw = random_weight(qtype, 3, k, seed=5)
     x = np.random.default_rng(6).standard_normal((2, k)).astype(np.float32)
     y = qm._launch_gemv(torch.from_numpy(x), [packed(raw, qtype, 3, k)], int(qtype), [3], k)
-    check(y, x, raw, qtype, 3, k, rel=1e-5)
+    check(y, x, raw, qtype, 3, k, rel=INT8_X)
 
 
 @needs_triton
@@ -189,7 +215,7 @@ def test_batched_kernel_matches_gguf(qtype):
     # the last shape is split along K (k_splits: 4 parts, summed after)
     for i, (m, n, k) in enumerate([(9, 13, 256), (17, 70, 512), (12, 20, 4096)]):
         raw = random_weight(qtype, n, k, seed=i)
-        assert qm.batched(m, [(int(qtype), n)], k)
+        assert qm.batched(m)
         x = np.random.default_rng(i).standard_normal((m, k)).astype(np.float32)
         y = qm._launch_mm(torch.from_numpy(x), [packed(raw, qtype, n, k)], int(qtype), [n], k)
         assert y.shape[0] == qm.k_splits(int(qtype), m, n, k, sms=132)[0]
@@ -198,26 +224,28 @@ def test_batched_kernel_matches_gguf(qtype):
 
 def test_batched_kernel_splits_k_until_the_gpu_is_full():
     # an 8B's down projection at 16 rows: 32 programs unsplit, 4 a multiprocessor wanted
-    # (17 parts), 56 chunks of one row step each: 14 parts of 4
-    assert qm.k_splits(int(Q.Q4_0), 16, 4096, 14336, sms=132) == (14, 4)
-    assert qm.k_splits(int(Q.Q4_0), 16, 14336, 4096, sms=132) == (4, 4)
-    assert qm.k_splits(int(Q.Q4_0), 64, 14336, 4096, sms=132) == (2, 8)  # 4 row tiles
-    assert qm.k_splits(int(Q.Q4_0), 12, 20, 4096, sms=132) == (8, 2)  # at least 2 row steps a part
-    assert qm.k_splits(int(Q.Q4_0), 12, 20, 512, sms=132) == (1, 2)
+    # (17 parts), 56 steps of 8 groups: 14 parts of 4 steps (32 groups)
+    assert qm.k_splits(int(Q.Q4_0), 16, 4096, 14336, sms=132) == (14, 32)
+    assert qm.k_splits(int(Q.Q4_0), 16, 14336, 4096, sms=132) == (4, 32)
+    assert qm.k_splits(int(Q.Q4_0), 64, 14336, 4096, sms=132) == (2, 64)  # 4 row tiles
+    assert qm.k_splits(int(Q.Q4_0), 12, 20, 4096, sms=132) == (8, 16)  # at least 2 steps a part
+    assert qm.k_splits(int(Q.Q4_0), 12, 20, 512, sms=132) == (1, 16)
 
 
-def test_batched_kernel_needs_a_k_slice_of_16():
-    # Q4_0 with K = 96: chunks of 4 words (32 values), 3 of them a row: no slice of 16 words
-    assert qm.batch_tiles(int(Q.Q4_0), 4, 96) is None
-    assert not qm.batched(9, [(int(Q.Q4_0), 4)], 96)
-    assert qm.batch_tiles(int(Q.Q4_0), 4, 4096) == (16, 128, 1, 4)
-    assert not qm.batched(qm.FUSED_ROWS, [(int(Q.Q4_0), 4)], 4096)  # the fused kernel's rows
+def test_rows_choose_the_kernel():
+    assert [qm.batched(m) for m in (1, qm.FUSED_ROWS, qm.FUSED_ROWS + 1, qm.BATCH_ROWS, qm.BATCH_ROWS + 1)] \
+        == [False, False, True, True, False]
+    # K = 96: three groups, a step of one (two would mask one of four); K = 4096: steps of
+    # 32 groups; never more rows a program than the weight's, to a power of two
+    assert qm.tiles(int(Q.Q4_0), 4, 96, True) == (4, 1, 4)
+    assert qm.tiles(int(Q.Q4_0), 4096, 4096, True)[1] == 32
+    assert qm.batch_tiles(int(Q.Q4_0), 4, 4096) == (16, 128, 8, 4)
 
 
 @needs_triton
-@pytest.mark.parametrize(("m", "rel"), [(2, 1e-5), (11, 2e-3)])
+@pytest.mark.parametrize(("m", "rel"), [(2, 1e-2), (11, 2e-3)])
 def test_decode_kernels_write_stacked_weights_into_one_result(m, rel, monkeypatch):
-    # the fused kernel (f32) and the batched one (x and W rounded to f16), one launch a run
+    # the fused kernel (x rounded to int8) and the batched one (x and W rounded to f16), one launch a run
     # of weights of one type
     assert qm.runs([12, 12, 14, 8, 8, 8, 8]) == [(0, 2), (2, 3), (3, 6), (6, 7)]
     monkeypatch.setattr(qm, "packs", lambda device: True)
@@ -303,7 +331,5 @@ def test_every_kernel_compiles_for_sm90(qtype):
         if k % bs:
             continue
         for kind in probe.KINDS:
-            if kind == "batched" and qm.batch_tiles(int(qtype), n, k) is None:
-                continue
             kernel = probe.compile_kernel(int(qtype), n, k, kind)[0]
             assert kernel.asm["cubin"][:4] == b"\x7fELF", (kind, n, k)

@@ -6,13 +6,14 @@ weight copy (as a decode step's layers do), inside one CUDA graph. Prints µs pe
 effective read rate: the weight's bytes in its own format (GGUF blocks, or f16) per second.
 
     python3 bench/probes/qgemv.py [Q4_0 Q8_0 ...] [--rows M] [--sweep] [--big | --shapes NxK,..]
-                                  [--configs BNxWORDSxWARPSxSTAGES,..] [--no-torch]
+                                  [--configs BNxNGxWARPSxSTAGES,..] [--no-torch]
 
 --rows M (M > 1) times the batched kernel too (a batched decode step's M rows).
 
---sweep also times the fused kernel over a grid of (BN, NC, warps), and with --rows the
-batched one over (BN, row-step words, warps, stages), and prints the best next to the
-ones apir.backends.local.qmatmul picks.
+--sweep also times the fused kernel over a grid of (BN, NG groups of 32 a K-step, warps,
+stages), and with --rows the batched one over (BN, NG, warps, stages), and prints the best
+next to the ones apir.backends.local.qmatmul picks. --configs BNxNGxWARPSxSTAGES,.. times
+the batched kernel's (or with --rows 1 the fused kernel's) given tiles instead.
 """
 
 import sys
@@ -30,7 +31,6 @@ from apir.backends.local.qmatmul import (
     _launch_gemv,
     _launch_mm,
     _stack,
-    batch_tiles,
     tiles,
 )
 from apir.graph.dtypes import DType
@@ -41,11 +41,13 @@ if "--big" in sys.argv:  # the 8B decode's largest products only
     SHAPES = [(14336, 4096), (4096, 14336)]
 if "--shapes" in sys.argv:  # NxK,NxK...
     SHAPES = [tuple(map(int, s.split("x"))) for s in sys.argv[sys.argv.index("--shapes") + 1].split(",")]
-# the batched kernel's (BN, row-step words, warps, stages) the sweep tries: --configs A,B..
-# with each as BNxWORDSxWARPSxSTAGES, or a grid
+# the (BN, NG, warps, stages) the sweep tries: --configs A,B.. with each as
+# BNxNGxWARPSxSTAGES, or a grid (the batched kernel's; the fused kernel's below)
 CONFIGS = ([tuple(map(int, c.split("x"))) for c in sys.argv[sys.argv.index("--configs") + 1].split(",")]
            if "--configs" in sys.argv else
-           [(bn, words, wp, st) for bn in (32, 64, 128) for words in (32, 64, 128) for wp in (4, 8) for st in (1, 2, 3)])
+           [(bn, ng, wp, st) for bn in (32, 64, 128) for ng in (2, 4, 8) for wp in (4, 8) for st in (1, 2, 3)])
+FUSED_CONFIGS = [(bn, ng, wp, st) for ng in (8, 16, 32) for bn in (4, 8, 16, 32, 64) for wp in (2, 4, 8)
+                 for st in (1, 2, 3) if 1 <= bn * ng // (32 * wp) <= 16]  # groups a thread
 TYPES = [Q.Q4_0, Q.Q8_0, Q.Q4_K, Q.Q6_K, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q5_K, Q.Q2_K, Q.Q3_K]
 # byte offsets of each type's f16 scales (kept finite so the products can be compared)
 SCALES = {Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q5_0: (0,), Q.Q5_1: (0, 2), Q.Q8_0: (0,),
@@ -63,13 +65,14 @@ def random_raw(qtype, n, k):
 def fused(qtype, n, k, cfg=None):
     if cfg is None:
         return lambda x, raw: _launch_gemv(x, [raw], int(qtype), [n], k)
-    bn, nc, warps = cfg
+    bn, ng, warps, stages = cfg
 
     def run(x, w):
         y = torch.empty((x.shape[0], n), device="cuda", dtype=torch.float32)
         planes, args, _ = _stack([w], int(qtype), [n], k, bn)
         qkernels._qgemv_kernel[(x.shape[0], triton.cdiv(n, bn))](
-            x, *planes, y, K=k, LDY=n, **args, BN=bn, NC=nc, num_warps=warps)
+            x, *planes, y, K=k, LDY=n, **args, ASM=qkernels.ASM, BN=bn, NG=ng, num_warps=warps,
+            num_stages=stages)
         return y
     return run
 
@@ -86,24 +89,24 @@ def gemv16(n, k):
 
 def batched(qtype, n, k, cfg=None):
     # the batched decode kernel (qmatmul's path for FUSED_ROWS < M <= BATCH_ROWS), its
-    # splits summed; cfg (BN, row-step words, warps, stages) for the sweep
+    # splits summed; cfg (BN, NG, warps, stages) for the sweep
     if cfg is None:
         return lambda x, w: _launch_mm(x, [w], int(qtype), [n], k).sum(0)
-    bn, words, warps, stages = cfg
-    g = qpack.geometry(int(qtype), n, k)
-    nc = words // g.cw
+    bn, ng, warps, stages = cfg
+    groups = k // 32
 
     def run(x, w):
         bm = 16 if x.shape[0] <= 16 else 32 if x.shape[0] <= 32 else 64
         tiles_n = triton.cdiv(n, bn)
-        want = max(1, min(g.chunks // nc // 2, -(-4 * 132 // (tiles_n * triton.cdiv(x.shape[0], bm)))))
-        per = -(-(g.chunks // nc) // want) * nc
-        splits = -(-g.chunks // per)
+        steps = -(-groups // ng)
+        want = max(1, min(steps // 2, -(-4 * 132 // (tiles_n * triton.cdiv(x.shape[0], bm)))))
+        per = -(-steps // want) * ng
+        splits = -(-groups // per)
         out = torch.empty((splits, x.shape[0], n), device="cuda", dtype=torch.float32)
         planes, args, _ = _stack([w], int(qtype), [n], k, bn)
         qkernels._qmm_kernel[(triton.cdiv(x.shape[0], bm), tiles_n, splits)](
-            x, *planes, out, M=x.shape[0], K=k, LDY=n, SPLIT_CHUNKS=per, SPLIT_STRIDE=x.shape[0] * n,
-            **args, BM=bm, BN=bn, NC=nc, num_warps=warps, num_stages=stages)
+            x, *planes, out, M=x.shape[0], K=k, LDY=n, SPLIT_GROUPS=per, SPLIT_STRIDE=x.shape[0] * n,
+            **args, BM=bm, BN=bn, NG=ng, num_warps=warps, num_stages=stages)
         return out.sum(0)
     return run
 
@@ -139,19 +142,24 @@ def main(types, rows, sweep):
             got = fused(qtype, n, k)(x, ws[0])
             if want is not None:
                 err = ((got.double() - want).abs().max() / want.abs().max()).item()
-                assert err < 1e-4, (qtype.name, n, k, err)
+                assert err < 2e-2, (qtype.name, n, k, err)  # x rounded to int8 per group
             res = {f"fused{tiles(int(qtype), n, k, True)}": time_us(fused(qtype, n, k), x, ws)}
-            if sweep and "--configs" not in sys.argv:
+            if rows == 1 and (sweep or "--configs" in sys.argv):
                 best = None
-                g = qpack.geometry(int(qtype), n, k)
-                # up to 8,192 words a program: several rows a thread share their x loads
-                for cfg in [(bn, nc, wp) for bn in (2, 4, 8, 16, 32, 64) for nc in (1, 2, 4, 8)
-                            for wp in (4, 8) if g.chunks % nc == 0 and 512 <= bn * nc * g.cw <= 8192]:
-                    t = time_us(fused(qtype, n, k, cfg), x, ws, reps=10)
+                for cfg in CONFIGS if "--configs" in sys.argv else FUSED_CONFIGS:
+                    if cfg[1] > k // 32:
+                        continue
+                    try:
+                        t = time_us(fused(qtype, n, k, cfg), x, ws, reps=10)
+                    except Exception as e:  # noqa: BLE001 - out of resources: skip the config
+                        print(f"    {cfg}: {type(e).__name__}", flush=True)
+                        continue
+                    if "--configs" in sys.argv:
+                        res[f"fused{cfg}"] = t
                     if best is None or t < best[0]:
                         best = (t, cfg)
                 res[f"best{best[1]}"] = best[0]
-            if rows > 1 and batch_tiles(int(qtype), n, k):
+            if rows > 1:
                 res["batched"] = time_us(batched(qtype, n, k), x, ws)
                 if want is not None:
                     got = batched(qtype, n, k)(x, ws[0])
@@ -159,8 +167,7 @@ def main(types, rows, sweep):
                     assert err < 1e-2, (qtype.name, n, k, err)
                 if sweep or "--configs" in sys.argv:
                     best = None
-                    g = qpack.geometry(int(qtype), n, k)
-                    for cfg in [c for c in CONFIGS if c[1] % g.cw == 0 and g.chunks % (c[1] // g.cw) == 0]:
+                    for cfg in [c for c in CONFIGS if c[1] <= k // 32]:
                         try:
                             t = time_us(batched(qtype, n, k, cfg), x, ws, reps=10)
                         except Exception as e:  # noqa: BLE001 - out of resources: skip the config

@@ -23,7 +23,7 @@ from gguf import GGMLQuantizationType as Q
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from apir.backends.local import qkernels, qmatmul, qpack
+from apir.backends.local import qkernels, qmatmul
 
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 
@@ -32,8 +32,7 @@ KINDS = ("fused", "batched", "dequant")
 
 
 def _signature(qtype: int, kind: str) -> dict[str, str]:
-    lb, hb, _, _ = qkernels.TYPES[qtype]
-    high = "*i32" if not hb else ("*i16" if hb * 32 // lb == 16 else "*u8")
+    high = "*i32"
     scales = {2: "fp16", 3: "fp16", 6: "fp16", 7: "fp16", 8: "fp16"}.get(qtype)
     ps = [f"*{scales}"] * 3 if scales else {10: ["*u8", "*fp16", "*fp16"], 11: ["*u8", "*fp16", "*u8"],
                                              12: ["*u8"] * 3, 13: ["*u8"] * 3, 14: ["*i8", "*fp16", "*i8"]}[qtype]
@@ -45,30 +44,35 @@ def _signature(qtype: int, kind: str) -> dict[str, str]:
         planes = {f"{plane}{i}": t for i in range(3) for plane, t in zip("LHABC", types)}
         sig = {"x_ptr": "*fp32", **planes, "y_ptr": "*fp32", **({"M": "i32"} if kind == "batched" else {}),
                "N0": "i32", "N1": "i32", "N2": "i32", "T0": "i32", "T1": "i32", "K": "i32", "LDY": "i32",
-               **({"SPLIT_CHUNKS": "i32", "SPLIT_STRIDE": "i32"} if kind == "batched" else {})}
-    consts = ("QT", "LB", "HB", "OFF", "MIN", "CW", "ASM", *(("P",) if kind != "dequant" else ()),
-              *(("BM",) if kind == "batched" else ()), "BN", "NC")
+               **({"SPLIT_GROUPS": "i32", "SPLIT_STRIDE": "i32"} if kind == "batched" else {})}
+    consts = ("QT", "LB", "HB", "OFF", "MIN", *(("ASM",) if kind == "fused" else ()),
+              *(("P",) if kind != "dequant" else ()), *(("BM",) if kind == "batched" else ()), "BN", "NG")
     return sig | {name: "constexpr" for name in consts}
 
 
-def compile_kernel(qtype: int, n: int, k: int, kind: str = "fused", parts: int = 1):
+def compile_kernel(qtype: int, n: int, k: int, kind: str = "fused", parts: int = 1, tile=None):
     """The kernel of ``kind`` for a packed (n, k) weight (``parts`` of them stacked, the
     decode kernels), compiled for sm_90 with the tiles the host would launch it with, as
     Triton specializes at run time (aligned pointers, K and LDY multiples of 16). Returns
-    (compiled kernel, BN, NC, num_warps)."""
+    (compiled kernel, BN, NG, num_warps). ``tile`` (BN, NG, warps, stages) overrides the
+    fused kernel's."""
     lb, hb, off, mins = qkernels.TYPES[qtype]
-    consts = dict(QT=qtype, LB=lb, HB=hb, OFF=off, MIN=mins, CW=qpack.chunk_words(qtype, k), ASM=True)
+    consts = dict(QT=qtype, LB=lb, HB=hb, OFF=off, MIN=mins)
     if kind == "batched":
         bm, bn, nc, warps = qmatmul.batch_tiles(qtype, n, k)
         consts |= dict(BM=bm)
         fn, options, ints = qkernels._qmm_kernel, {"num_stages": 1}, (23, 24)  # K, LDY
     elif kind == "fused":
         bn, nc, warps = qmatmul.tiles(qtype, n, k, fused=True)
-        fn, options, ints = qkernels._qgemv_kernel, {"num_stages": 3}, (22, 23)
+        stages = 3
+        if tile:
+            bn, nc, warps, stages = tile
+        consts |= dict(ASM=True)
+        fn, options, ints = qkernels._qgemv_kernel, {"num_stages": stages}, (22, 23)
     else:
         bn, nc, warps = qmatmul.tiles(qtype, n, k, fused=False)
         fn, options, ints = qkernels._dequant_kernel, {"enable_fp_fusion": False}, (8,)
-    consts |= dict(BN=bn, NC=nc) | ({} if kind == "dequant" else dict(P=parts))
+    consts |= dict(BN=bn, NG=nc) | ({} if kind == "dequant" else dict(P=parts))
     pointers = range(6 if kind == "dequant" else 17)
     attrs = {(i,): [["tt.divisibility", 16]] for i in (*pointers, *ints)}
     src = ASTSource(fn=fn, signature=_signature(qtype, kind), constexprs=consts, attrs=attrs)
@@ -76,12 +80,12 @@ def compile_kernel(qtype: int, n: int, k: int, kind: str = "fused", parts: int =
     return kernel, bn, nc, warps
 
 
-def loop_sass(qtype: int, n: int, k: int, batched: bool = False, parts: int = 1) -> tuple[list[str], int]:
+def loop_sass(qtype: int, n: int, k: int, batched: bool = False, parts: int = 1,
+              tile=None) -> tuple[list[str], int]:
     """The SASS lines of the kernel's main loop for a (n, k) weight, and the values a
     thread takes per iteration."""
-    lb = qkernels.TYPES[qtype][0]
-    cw = qpack.chunk_words(qtype, k)
-    kernel, bn, nc, warps = compile_kernel(qtype, n, k, "batched" if batched else "fused", parts)
+    kernel, bn, ng, warps = compile_kernel(qtype, n, k, "batched" if batched else "fused", parts, tile)
+    print(f"  (BN {bn}, NG {ng}, {warps} warps; {kernel.metadata.shared} bytes shared)")
     with tempfile.TemporaryDirectory() as tmp:
         cubin = Path(tmp) / "k.cubin"
         cubin.write_bytes(kernel.asm["cubin"])
@@ -94,7 +98,7 @@ def loop_sass(qtype: int, n: int, k: int, batched: bool = False, parts: int = 1)
         if m and int(m.group(1), 16) < int(re.match(r"\s*/\*([0-9a-f]+)\*/", line).group(1), 16):
             start = next(j for j, c in enumerate(code) if int(re.match(r"\s*/\*([0-9a-f]+)\*/", c).group(1), 16)
                          == int(m.group(1), 16))
-            values = bn * nc * cw * (32 // lb) // (32 * warps)
+            values = bn * ng * 32 // (32 * warps)
             return code[start : i + 1], values
     raise RuntimeError("no loop found")
 
@@ -106,10 +110,12 @@ def main() -> None:
     ap.add_argument("--batched", action="store_true", help="the batched kernel (16 rows of x)")
     ap.add_argument("--parts", type=int, default=1, help="weights stacked in one launch (1-3)")
     ap.add_argument("--show", action="store_true", help="print the loop")
+    ap.add_argument("--tile", help="the fused kernel's BNxNGxWARPSxSTAGES")
     args = ap.parse_args()
     for name in args.types:
         qtype = int(Q[name])
-        loop, values = loop_sass(qtype, 4096, args.k, args.batched, args.parts)
+        tile = tuple(map(int, args.tile.split("x"))) if args.tile else None
+        loop, values = loop_sass(qtype, 4096, args.k, args.batched, args.parts, tile)
         ops = collections.Counter(re.match(r"\s*/\*[0-9a-f]+\*/\s*(?:@!?U?P\w+\s+)?([A-Z0-9_]+)", line).group(1)
                                   for line in loop)
         loads = collections.Counter(m.group(0) for line in loop

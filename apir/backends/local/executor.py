@@ -312,8 +312,8 @@ class LocalBackend(Executor):
     def _int8(self, node) -> bool:
         """Whether a quantized weight is held as int8 values and f32 scales (a CPU host's
         form for the types the int4 product does not take, unless the dequant cache is on)."""
-        return (self.torch_device.type == "cpu" and not self.dequant_cache and not self._int4(node)
-                and int8cpu.usable(node.dtype, node.shape))
+        return (self.torch_device.type == "cpu" and not self._packs and not self.dequant_cache
+                and not self._int4(node) and int8cpu.usable(node.dtype, node.shape))
 
     def _dequantized(self, node) -> torch.Tensor:
         if self._packs and node.dtype.is_quantized:

@@ -1,20 +1,25 @@
-"""Triton kernels that compute from quantized weights packed by ``qpack`` (the GGUF bytes,
-moved into planes; the layout is described there).
+"""Triton kernels that compute from quantized weights packed by ``qpack`` (the GGUF bits,
+moved into planes of words; the layout is described there).
 
     _qgemv_kernel    y (M, N) f32 = x (M, K) f32 @ W.T   for the few rows of a decode step
     _qmm_kernel      y (M, N) f32 = x (M, K) @ W.T        for a batched decode step's rows
                      (both: W up to three weights of one type stacked along N, one launch)
     _dequant_kernel  out (R, K) f16/f32 = rows of W        for prefill and row lookups
 
-All three take a tile of (BN rows, NC chunks, CW words) of the low plane, loaded as one
-contiguous run per row (16-byte loads, a warp reading consecutive bytes), and walk the S
-slots of a word as static steps: slot s of the tile is the elements c * S * CW + s * CW + w,
-so the x values it multiplies are CW consecutive floats per chunk, and its scale is one per
-(row, chunk) (Q6_K: two, by w < 16), loaded once for the tile's words.
+All three walk W in groups of 32 elements: a group's quants are LB consecutive low words
+(and HB high words), loaded by one thread as one run, and its scale is one per group (two,
+a half each, for the types that scale per 16).
 
-Unsigned quants become f32 without an int->float convert (16 per clock per SM on Hopper, a
-quarter of the f32 rate): the f32 with bits 0x4B000000 | q is 2**23 + q exactly, and one
-subtraction removes 2**23 and the type's offset together (``_quant``).
+The decode kernel multiplies in integers, as llama.cpp's CUDA decode products do: each
+program rounds its x to int8 per group of 32 (scale dx = max |x| / 127) and multiplies four
+quants with four x values in one dp4a, so a weight value costs about one instruction where
+a float dequantization costs six (the step is then bound by memory, not by issue: an H200
+reads 32 values a clock per multiprocessor at full bandwidth). A thread holds one group of
+several rows, so the x it rounds serves all of them. A type's offset (Q4_0's q - 8) and
+min (Q4_K's m) multiply the sum of the group's int8 x: per group, y += dx * (d * (sum q x
+- OFF * sum x) + m * sum x).
+
+The other two dequantize a tile to floats, each value rounded as gguf-py rounds it.
 """
 
 from __future__ import annotations
@@ -25,8 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
-# PTX inline assembly (``_byte``) is for NVIDIA GPUs: not under Triton's CPU interpreter,
-# not on ROCm, where the same kernels take the plain shift-and-mask route
+# PTX inline assembly (dp4a) is for NVIDIA GPUs: not under Triton's CPU interpreter, not on
+# ROCm, where the same kernels take the plain shift-multiply-add route
 ASM = os.environ.get("TRITON_INTERPRET") != "1" and torch.version.hip is None
 
 # ggml type id -> (LB low bits, HB high bits, OFF the offset taken off a quant, MIN: the
@@ -36,7 +41,7 @@ TYPES: dict[int, tuple[int, int, int, bool]] = {
     3: (4, 0, 0, True),  # Q4_1    x = d q + m
     6: (4, 1, 16, False),  # Q5_0  x = d (q - 16)
     7: (4, 1, 0, True),  # Q5_1    x = d q + m
-    8: (8, 0, 128, False),  # Q8_0 x = d q (q int8, read as q + 128)
+    8: (8, 0, 0, False),  # Q8_0   x = d q (q int8)
     10: (2, 0, 0, True),  # Q2_K   x = d sc q - dmin m, per 16
     11: (2, 1, 4, False),  # Q3_K  x = d (sc - 32) (q - 4), per 16
     12: (4, 0, 0, True),  # Q4_K   x = d sc q - dmin m, per 32
@@ -44,50 +49,9 @@ TYPES: dict[int, tuple[int, int, int, bool]] = {
     14: (4, 2, 32, False),  # Q6_K x = d sc (q - 32), per 16
 }
 
-
-@triton.jit
-def _byte(w, t: tl.constexpr, ASM: tl.constexpr):
-    # 0x4B0000XX, XX = byte t of the uint32 w: the bits of the f32 2**23 + XX. On a GPU a
-    # byte permute (PRMT) per value, the four of a word in one asm block that the calls for
-    # t = 0..3 share (it is pure, so it is emitted once); shift, mask and OR would cost three
-    # integer ops a value (Hopper issues half as many integer as f32 ops a clock)
-    if ASM:
-        r0, r1, r2, r3 = tl.inline_asm_elementwise(
-            """{
-            .reg .b32 m;
-            mov.b32 m, 0x4B000000;
-            prmt.b32 $0, $4, m, 0x7540;
-            prmt.b32 $1, $4, m, 0x7541;
-            prmt.b32 $2, $4, m, 0x7542;
-            prmt.b32 $3, $4, m, 0x7543;
-            }""", "=r,=r,=r,=r,r", [w], dtype=(tl.uint32, tl.uint32, tl.uint32, tl.uint32),
-            is_pure=True, pack=1)
-        if t == 0:
-            r = r0
-        elif t == 1:
-            r = r1
-        elif t == 2:
-            r = r2
-        else:
-            r = r3
-    else:
-        r = ((w >> (8 * t)) & 0xFF) | 0x4B000000
-    return r
-
-
-@triton.jit
-def _quant(lw, hw, s: tl.constexpr, QT: tl.constexpr, LB: tl.constexpr, HB: tl.constexpr,
-           OFF: tl.constexpr, ASM: tl.constexpr):
-    # slot s of the low words lw (u32) and high bits hw: q - OFF as f32, exactly
-    if LB == 8:
-        bits = _byte(lw ^ 0x80808080, s, ASM)  # int8 q -> q + 128 as a byte
-    elif LB == 4:
-        bits = _byte((lw >> (4 * (s // 4))) & 0x0F0F0F0F, s % 4, ASM)
-    else:
-        bits = _byte((lw >> (2 * (s // 4))) & 0x03030303, s % 4, ASM)
-    if HB > 0:
-        bits = bits | (((hw >> (HB * s)) & ((1 << HB) - 1)) << LB)
-    return bits.to(tl.float32, bitcast=True) - (8388608.0 + OFF)
+# 1.5 * 2**23: t + MAGIC for |t| < 2**22 is a float whose low mantissa bits are round(t)
+# in two's complement (the add rounds to nearest, and no int conversion is issued)
+MAGIC = tl.constexpr(12582912.0)
 
 
 @triton.jit
@@ -96,89 +60,177 @@ def _f16(p):
 
 
 @triton.jit
-def _scale(p0, p1, p2, r, c, w, K, s: tl.constexpr, QT: tl.constexpr, S: tl.constexpr,
-           CW: tl.constexpr):
-    """The scale d and min m of slot s for rows r (BN, 1, 1), chunks c (1, NC, 1) and words
-    w (1, 1, CW) from the scale planes at p0, p1, p2: each (BN, NC, 1), or (BN, NC, CW)
-    where it depends on w (Q6_K). m is d where the type has no min (unused)."""
-    if QT == 2 or QT == 3 or QT == 6 or QT == 7 or QT == 8:
-        g = r * (K // 32) + c * (S * CW // 32) + (s * CW) // 32  # its group of 32
-        d = _f16(p0 + g)
-        if QT == 3 or QT == 7:
-            m = _f16(p1 + g)
-        else:
-            m = d
-    elif QT == 10:  # scale byte s of the block: low nibble scale, high nibble min
-        sc = tl.load(p0 + (r * (K // 256) + c) * 16 + s).to(tl.int32)
-        blk = r * (K // 256) + c
-        d = _f16(p1 + blk) * (sc & 15).to(tl.float32)
-        m = -(_f16(p2 + blk) * (sc >> 4).to(tl.float32))
-    elif QT == 11:  # 16 six-bit scales in 12 bytes: low 4 bits in nibble s // 8 of byte s % 8,
-        # high 2 at bits 2 (s // 4).. of byte 8 + s % 4
-        h = p0 + (r * (K // 256) + c) * 12
-        lo = (tl.load(h + s % 8).to(tl.int32) >> (4 * (s // 8))) & 15
-        hi = (tl.load(h + 8 + s % 4).to(tl.int32) >> (2 * (s // 4))) & 3
-        d = _f16(p1 + r * (K // 256) + c) * ((lo | (hi << 4)) - 32).to(tl.float32)
-        m = d
-    elif QT == 12 or QT == 13:  # header d | dmin | scales[12]: 8 six-bit scales and mins
-        h = p0 + (r * (K // 256) + c) * 16
-        w1 = tl.load((h + 4).to(tl.pointer_type(tl.uint32)))
-        w2 = tl.load((h + 8).to(tl.pointer_type(tl.uint32)))
-        if s < 4:
-            sc = (w1 >> (8 * s)) & 63
-            mn = (w2 >> (8 * s)) & 63
-        else:
-            w3 = tl.load((h + 12).to(tl.pointer_type(tl.uint32))) >> (8 * (s - 4))
-            sc = (w3 & 0xF) | (((w1 >> (8 * (s - 4) + 6)) & 3) << 4)
-            mn = ((w3 >> 4) & 0xF) | (((w2 >> (8 * (s - 4) + 6)) & 3) << 4)
-        d = _f16(h.to(tl.pointer_type(tl.float16))) * sc.to(tl.float32)
-        m = -(_f16((h + 2).to(tl.pointer_type(tl.float16))) * mn.to(tl.float32))
-    else:  # Q6_K: int8 scale 2s + (w >= 16) of the block, times d
-        sc = tl.load(p0 + (r * (K // 256) + c) * 16 + 2 * s + (w >= 16).to(tl.int32))
-        d = _f16(p1 + r * (K // 256) + c) * sc.to(tl.float32)
-        m = d
-    return d, m
+def _plane(ptr, r, g, G, B: tl.constexpr):
+    """The (BN, NG, B) words of groups g (NG,) of rows r (BN,) in a plane of B bits an
+    element (B words a group, G groups a row), as uint32; groups past the row end read 0."""
+    at = r.to(tl.int64)[:, None, None] * (G * B) + (g * B)[None, :, None] + tl.arange(0, B)[None, None, :]
+    keep = (g < G)[None, :, None]
+    return tl.load(ptr + at, mask=keep, other=0, eviction_policy="evict_first").to(tl.uint32, bitcast=True)
 
 
 @triton.jit
-def _tile(low_ptr, high_ptr, r, c, w, WPR, LB: tl.constexpr, HB: tl.constexpr, CW: tl.constexpr):
-    # the (BN, NC, CW) words of rows r, chunks c: one contiguous run of NC * CW words a row
-    # (the planes are passed as int32, int16 and uint8 tensors: torch has no unsigned views)
-    # (rows are 16-byte multiples: K * LB / 32 words is a multiple of 4 for every type; the
-    # hint lets Triton load 4 words a thread at once)
-    # Triton 3.6's coalescing pass fails an assertion on the hint where the chunk dimension
-    # is 1 (K of one chunk or two, a small model's): the hint is given only where it is not
-    if c.shape[1] > 1:
-        at = tl.multiple_of(r.to(tl.int64) * WPR + c * CW, [4, 4, 4]) + w
-    else:
-        at = r.to(tl.int64) * WPR + c * CW + w
-    lw = tl.load(low_ptr + at, eviction_policy="evict_first").to(tl.uint32, bitcast=True)
-    if HB * 32 // LB == 16:
-        hw = tl.load(high_ptr + at, eviction_policy="evict_first").to(tl.uint16, bitcast=True).to(tl.uint32)
-    elif HB > 0:
-        hw = tl.load(high_ptr + at, eviction_policy="evict_first").to(tl.uint32)
-    else:
-        hw = lw
-    return lw, hw
+def _high_words(high_ptr, r, g, G, HB: tl.constexpr):
+    """The HB high words of groups g of rows r, each (BN, NG) uint32 (the second: the
+    first again where HB is 1)."""
+    keep = (g < G)[None, :]
+    base = r.to(tl.int64)[:, None] * (G * HB) + (g * HB)[None, :]
+    h0 = tl.load(high_ptr + base, mask=keep, other=0).to(tl.uint32, bitcast=True)
+    h1 = h0
+    if HB == 2:
+        h1 = tl.load(high_ptr + base + 1, mask=keep, other=0).to(tl.uint32, bitcast=True)
+    return h0, h1
 
 
 @triton.jit
-def _accumulate(acc, lw, hw, x_row, r, c, w, p0, p1, p2, K, QT: tl.constexpr, LB: tl.constexpr,
-                HB: tl.constexpr, OFF: tl.constexpr, MIN: tl.constexpr, CW: tl.constexpr,
-                ASM: tl.constexpr):
-    # acc (BN, NC, CW) + the products of the tile's words with x, slot by slot
+def _slot(lw, h0, h1, d0, d1, m0, m1, i: tl.constexpr, QT: tl.constexpr, LB: tl.constexpr,
+          HB: tl.constexpr, OFF: tl.constexpr, MIN: tl.constexpr):
+    """(BN, NG, LB) f32: element i of each low word w of a tile, element w * S + i of its
+    group (S = 32 / LB), valued d * (q - OFF) + m as gguf-py rounds it (where the kernel runs
+    without FP fusion); lw (BN, NG, LB) its low words, h0, h1 (BN, NG) its high words, d0,
+    d1, m0, m1 (BN, NG) its halves' scales and mins (_scales)."""
     S: tl.constexpr = 32 // LB
-    for s in tl.static_range(S):
-        q = _quant(lw, hw, s, QT, LB, HB, OFF, ASM)
-        if c.shape[1] > 1:  # see _tile
-            x = tl.load(x_row + tl.multiple_of(c * (S * CW) + s * CW, [4, 4, 4]) + w)
-        else:
-            x = tl.load(x_row + c * (S * CW) + s * CW + w)
-        d, mn = _scale(p0, p1, p2, r, c, w, K, s, QT, S, CW)
-        acc = tl.fma(d, q * x, acc)
+    q = (lw >> (8 * (i % 4) + LB * (i // 4))) & ((1 << LB) - 1)
+    e = tl.arange(0, LB)[None, None, :] * S + i  # the element in its group
+    if HB == 1:
+        q = q | (((h0[:, :, None] >> (8 * (e % 4) + e // 4).to(tl.uint32)) & 1) << LB)
+    elif HB == 2:
+        h = tl.where(e < 16, h0[:, :, None], h1[:, :, None])
+        q = q | (((h >> (8 * (e % 4) + 2 * ((e % 16) // 4)).to(tl.uint32)) & 3) << LB)
+    if QT == 8:
+        qf = (q ^ 0x80).to(tl.float32) - 128.0  # int8 q, read as q + 128
+    else:
+        qf = q.to(tl.float32) - OFF
+    if QT == 10 or QT == 11 or QT == 14:  # a scale a half
+        upper = e >= 16
+        v = tl.where(upper, d1[:, :, None], d0[:, :, None]) * qf
         if MIN:
-            acc = tl.fma(mn, x, acc)
-    return acc
+            v = v + tl.where(upper, m1[:, :, None], m0[:, :, None])
+    else:
+        v = d0[:, :, None] * qf
+        if MIN:
+            v = v + m0[:, :, None]
+    return v
+
+
+@triton.jit
+def _scales(p0, p1, p2, r, g, K, QT: tl.constexpr):
+    """(d0, d1, m0, m1), each (BN, NG) f32: the scales and mins of the two halves of groups g
+    (NG,) of rows r (BN,), from the scale planes at p0, p1, p2; a half's value is d q + m
+    (the offset taken off q first). The types that scale per 32 give both halves one d."""
+    r = r[:, None]
+    g = g[None, :]
+    keep = g < K // 32
+    if QT == 2 or QT == 3 or QT == 6 or QT == 7 or QT == 8:
+        at = r * (K // 32) + g
+        d0 = tl.load(p0 + at, mask=keep, other=0.0).to(tl.float32)
+        if QT == 3 or QT == 7:
+            m0 = tl.load(p1 + at, mask=keep, other=0.0).to(tl.float32)
+        else:
+            m0 = d0 * 0.0
+        d1 = d0
+        m1 = m0
+    elif QT == 12 or QT == 13:  # header d | dmin | scales[12]: 8 six-bit scales and mins
+        h = (p0 + (r * (K // 256) + g // 8) * 16).to(tl.pointer_type(tl.uint32))
+        w0 = tl.load(h, mask=keep, other=0)
+        w1 = tl.load(h + 1, mask=keep, other=0)
+        w2 = tl.load(h + 2, mask=keep, other=0)
+        w3 = tl.load(h + 3, mask=keep, other=0)
+        s = (g % 8).to(tl.uint32)
+        lo = 8 * (s % 4)
+        hi = 8 * (s % 4) + 6
+        sc = tl.where(s < 4, (w1 >> lo) & 63, ((w3 >> lo) & 0xF) | (((w1 >> hi) & 3) << 4))
+        mn = tl.where(s < 4, (w2 >> lo) & 63, ((w3 >> (lo + 4)) & 0xF) | (((w2 >> hi) & 3) << 4))
+        d = (w0 & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+        dmin = (w0 >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+        d0 = d * sc.to(tl.float32)
+        m0 = -(dmin * mn.to(tl.float32))
+        d1 = d0
+        m1 = m0
+    else:  # per 16: half j = 2g + h of the row
+        blk = r * (K // 256) + g // 8
+        j0 = r * (K // 16) + 2 * g
+        if QT == 10:  # scale byte: low nibble scale, high nibble min
+            s0 = tl.load(p0 + j0, mask=keep, other=0).to(tl.int32)
+            s1 = tl.load(p0 + j0 + 1, mask=keep, other=0).to(tl.int32)
+            d = tl.load(p1 + blk, mask=keep, other=0.0).to(tl.float32)
+            dmin = tl.load(p2 + blk, mask=keep, other=0.0).to(tl.float32)
+            d0 = d * (s0 & 15).to(tl.float32)
+            d1 = d * (s1 & 15).to(tl.float32)
+            m0 = -(dmin * (s0 >> 4).to(tl.float32))
+            m1 = -(dmin * (s1 >> 4).to(tl.float32))
+        elif QT == 11:  # 16 six-bit scales in 12 bytes: low 4 bits in nibble j // 8 of byte
+            # j % 8, high 2 at bits 2 (j // 4).. of byte 8 + j % 4
+            h = p0 + blk * 12
+            j = 2 * (g % 8)
+            d = tl.load(p1 + blk, mask=keep, other=0.0).to(tl.float32)
+            lo0 = (tl.load(h + j % 8, mask=keep, other=0).to(tl.int32) >> (4 * (j // 8))) & 15
+            hi0 = (tl.load(h + 8 + j % 4, mask=keep, other=0).to(tl.int32) >> (2 * (j // 4))) & 3
+            lo1 = (tl.load(h + (j + 1) % 8, mask=keep, other=0).to(tl.int32) >> (4 * ((j + 1) // 8))) & 15
+            hi1 = (tl.load(h + 8 + (j + 1) % 4, mask=keep, other=0).to(tl.int32) >> (2 * ((j + 1) // 4))) & 3
+            d0 = d * ((lo0 | (hi0 << 4)) - 32).to(tl.float32)
+            d1 = d * ((lo1 | (hi1 << 4)) - 32).to(tl.float32)
+            m0 = d0 * 0.0
+            m1 = m0
+        else:  # Q6_K: int8 scale per 16, times d
+            d = tl.load(p1 + blk, mask=keep, other=0.0).to(tl.float32)
+            d0 = d * tl.load(p0 + j0, mask=keep, other=0).to(tl.float32)
+            d1 = d * tl.load(p0 + j0 + 1, mask=keep, other=0).to(tl.float32)
+            m0 = d0 * 0.0
+            m1 = m0
+    return d0, d1, m0, m1
+
+
+@triton.jit
+def _dp4a(a, b, c, SIGNED: tl.constexpr, ASM: tl.constexpr):
+    """c + the sum of the four byte products of a (uint32: unsigned bytes, or int8 where
+    SIGNED) and b (int32: int8 bytes), as int32."""
+    if ASM:
+        if SIGNED:
+            r = tl.inline_asm_elementwise("dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c],
+                                          dtype=tl.int32, is_pure=True, pack=1)
+        else:
+            r = tl.inline_asm_elementwise("dp4a.u32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c],
+                                          dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        r = c
+        for i in tl.static_range(4):
+            ai = ((a >> (8 * i)) & 0xFF).to(tl.int32)
+            if SIGNED:
+                ai = ((ai ^ 0x80) - 0x80)
+            bi = (((b >> (8 * i)) & 0xFF) ^ 0x80) - 0x80
+            r += ai * bi
+    return r
+
+
+@triton.jit
+def _x_quad(x_row, g, G, inv, t: tl.constexpr, LB: tl.constexpr):
+    """Quad t of each of a group's LB low words, of x at groups g (NG,) rounded to int8 by
+    inv (NG,) = 127 / max |x|: (the int8 values, (NG, LB) int32, four a word in element
+    order; their sums (NG, LB) f32, exact)."""
+    QPW: tl.constexpr = 8 // LB
+    e = (g[:, None, None] * 32 + (tl.arange(0, LB)[None, :, None] * QPW + t) * 4
+         + tl.arange(0, 4)[None, None, :])
+    v = tl.load(x_row + e, mask=(g < G)[:, None, None], other=0.0)
+    v = v * inv[:, None, None] + MAGIC
+    byte = (v.to(tl.int32, bitcast=True) & 0xFF) << (8 * tl.arange(0, 4))[None, None, :]
+    return tl.sum(byte, axis=2), tl.sum(v - MAGIC, axis=2)  # disjoint bytes: the sum is their OR
+
+
+@triton.jit
+def _high_quad(high_ptr, r, g, G, t: tl.constexpr, LB: tl.constexpr, HB: tl.constexpr):
+    """(BN, NG, LB) uint32: the high bits of quad t of each low word of groups g of rows r,
+    one field a byte at bit 0."""
+    QPW: tl.constexpr = 8 // LB
+    j = tl.arange(0, LB)[None, None, :] * QPW + t  # the quad in its group
+    keep = (g < G)[None, :]
+    base = r.to(tl.int64)[:, None] * (G * HB) + (g * HB)[None, :]
+    h0 = tl.load(high_ptr + base, mask=keep, other=0).to(tl.uint32, bitcast=True)[:, :, None]
+    if HB == 1:  # one word a group: quad j at bit j
+        h = h0 >> j.to(tl.uint32)
+    else:  # two: quads 0-3 in the first, 4-7 in the second, 2 bits each
+        h1 = tl.load(high_ptr + base + 1, mask=keep, other=0).to(tl.uint32, bitcast=True)[:, :, None]
+        h = tl.where(j < 4, h0, h1) >> (2 * (j % 4)).to(tl.uint32)
+    return h & (0x01010101 * ((1 << HB) - 1))
 
 
 @triton.jit
@@ -213,71 +265,99 @@ def _pick(part, a0, a1, a2, P: tl.constexpr):
 @triton.jit
 def _qgemv_kernel(x_ptr, L0, H0, A0, B0, C0, L1, H1, A1, B1, C1, L2, H2, A2, B2, C2, y_ptr,
                   N0, N1, N2, T0, T1, K, LDY, QT: tl.constexpr, LB: tl.constexpr,
-                  HB: tl.constexpr, OFF: tl.constexpr, MIN: tl.constexpr, CW: tl.constexpr,
-                  ASM: tl.constexpr, P: tl.constexpr, BN: tl.constexpr, NC: tl.constexpr):
+                  HB: tl.constexpr, OFF: tl.constexpr, MIN: tl.constexpr, ASM: tl.constexpr,
+                  P: tl.constexpr, BN: tl.constexpr, NG: tl.constexpr):
     # program (m, t): row tile t of the P stacked weights (L, H, A, B, C: each one's low,
     # high and scale planes; see _part) times row m of x, into y[m, its columns] (y's rows
-    # LDY apart). The M programs of one row tile run side by side, so the tile's bytes come
-    # from DRAM once and from L2 after. One launch for q, k and v: an 8B's k and v have
-    # 1,024 rows, 128 programs alone, under one wave of the GPU's multiprocessors
+    # LDY apart), NG groups of 32 a step. The M programs of one row tile run side by side,
+    # so the tile's bytes come from DRAM once and from L2 after. One launch for q, k and v:
+    # an 8B's k and v have 1,024 rows, under one wave of the GPU's multiprocessors alone
     m = tl.program_id(0)
     part, tile, N, col = _part(tl.program_id(1), T0, T1, N0, N1, N2, P)
     low_ptr, high_ptr = _pick(part, L0, L1, L2, P), _pick(part, H0, H1, H2, P)
     p0, p1, p2 = _pick(part, A0, A1, A2, P), _pick(part, B0, B1, B2, P), _pick(part, C0, C1, C2, P)
     # rows past the end re-read the last one (in bounds, no masks on the weight stream)
-    r = tl.minimum(tile * BN + tl.arange(0, BN), N - 1)[:, None, None]
-    w = tl.arange(0, CW)[None, None, :]
-    WPR = K * LB // 32  # low words per row
-    chunks = WPR // CW
-    x_row = x_ptr + m * K
-    # partial sums per (row, chunk, word) position, reduced once at the end: no cross-thread
-    # traffic in the loop, and a summation order fixed by the shape
-    acc = tl.zeros((BN, NC, CW), dtype=tl.float32)
-    step = tl.arange(0, NC)[None, :, None]
-    for c0 in tl.range(0, chunks, NC):
-        c = c0 + step
-        lw, hw = _tile(low_ptr, high_ptr, r, c, w, WPR, LB, HB, CW)
-        acc = _accumulate(acc, lw, hw, x_row, r, c, w, p0, p1, p2, K, QT, LB, HB, OFF, MIN, CW, ASM)
+    r = tl.minimum(tile * BN + tl.arange(0, BN), N - 1)
+    G = K // 32
+    x_row = x_ptr + m.to(tl.int64) * K
+    QPW: tl.constexpr = 8 // LB  # quads a low word
+    w = tl.arange(0, LB)  # a group's low words
+    first = (w < LB // 2)[None, :]  # ... of its first half (16 elements)
+    # partial sums per (row, group), reduced once at the end: no cross-thread traffic in the
+    # loop, and a summation order fixed by the shape
+    acc = tl.zeros((BN, NG), dtype=tl.float32)
+    for g0 in tl.range(0, G, NG):
+        g = g0 + tl.arange(0, NG)
+        keep = g < G
+        at = r.to(tl.int64)[:, None, None] * (G * LB) + (g * LB)[None, :, None] + w[None, None, :]
+        lw = tl.load(low_ptr + at, mask=keep[None, :, None], other=0,
+                     eviction_policy="evict_first").to(tl.uint32, bitcast=True)  # (BN, NG, LB)
+        ex = g[:, None] * 32 + tl.arange(0, 32)[None, :]
+        amax = tl.max(tl.abs(tl.load(x_row + ex, mask=keep[:, None], other=0.0)), axis=1)
+        inv = tl.where(amax > 0, 127.0 / amax, 0.0)
+        dots = tl.zeros((BN, NG, LB), dtype=tl.int32)  # a word's dot product
+        xs = tl.zeros((NG, LB), dtype=tl.float32)  # a word's sum of int8 x
+        for t in tl.static_range(QPW):
+            xq, sq = _x_quad(x_row, g, G, inv, t, LB)
+            xs += sq
+            q = lw >> (LB * t)
+            if LB < 8:
+                q = q & (0x01010101 * ((1 << LB) - 1))
+            if HB > 0:
+                q = q | (_high_quad(high_ptr, r, g, G, t, LB, HB) << LB)
+            dots = _dp4a(q, xq[None, :, :], dots, QT == 8, ASM)
+        d0, d1, m0, m1 = _scales(p0, p1, p2, r, g, K, QT)
+        if QT == 10 or QT == 11 or QT == 14:  # a scale a half
+            i0 = tl.sum(tl.where(first[None, :, :], dots, 0), axis=2).to(tl.float32)
+            i1 = tl.sum(dots, axis=2).to(tl.float32) - i0
+            s0 = tl.sum(tl.where(first, xs, 0.0), axis=1)[None, :]
+            s1 = tl.sum(xs, axis=1)[None, :] - s0
+            c = d0 * (i0 - OFF * s0) + d1 * (i1 - OFF * s1)
+            if MIN:
+                c += m0 * s0 + m1 * s1
+        else:
+            s = tl.sum(xs, axis=1)[None, :]
+            c = d0 * (tl.sum(dots, axis=2).to(tl.float32) - OFF * s)
+            if MIN:
+                c += m0 * s
+        acc += c * (amax * (1.0 / 127.0))[None, :]
     rows = tile * BN + tl.arange(0, BN)
-    tl.store(y_ptr + m * LDY + col + rows, tl.sum(tl.sum(acc, axis=2), axis=1), mask=rows < N)
+    tl.store(y_ptr + m * LDY + col + rows, tl.sum(acc, axis=1), mask=rows < N)
 
 
 @triton.jit
 def _qmm_kernel(x_ptr, L0, H0, A0, B0, C0, L1, H1, A1, B1, C1, L2, H2, A2, B2, C2, y_ptr,
-                M, N0, N1, N2, T0, T1, K, LDY, SPLIT_CHUNKS, SPLIT_STRIDE,
+                M, N0, N1, N2, T0, T1, K, LDY, SPLIT_GROUPS, SPLIT_STRIDE,
                 QT: tl.constexpr, LB: tl.constexpr, HB: tl.constexpr, OFF: tl.constexpr,
-                MIN: tl.constexpr, CW: tl.constexpr, ASM: tl.constexpr, P: tl.constexpr,
-                BM: tl.constexpr, BN: tl.constexpr, NC: tl.constexpr):
+                MIN: tl.constexpr, P: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, NG: tl.constexpr):
     # program (i, t, h): rows i*BM.. of x times row tile t of the P stacked weights (as
-    # _qgemv_kernel), over chunks h*SPLIT_CHUNKS.. of K, written SPLIT_STRIDE * h further on
+    # _qgemv_kernel), over groups h*SPLIT_GROUPS.. of K, written SPLIT_STRIDE * h further on
     # (the caller sums the splits). Each weight tile is dequantized once, to f16, and
-    # multiplied with every row on the tensor cores; slot s of a tile is a K-slice of the
-    # product whose x values are the elements c * S * CW + s * CW + w. x is rounded to f16,
-    # as the prefill path does
-    S: tl.constexpr = 32 // LB
+    # multiplied with every row on the tensor cores. x is rounded to f16, as the prefill
+    # path does
     part, tile, N, col = _part(tl.program_id(1), T0, T1, N0, N1, N2, P)
     low_ptr, high_ptr = _pick(part, L0, L1, L2, P), _pick(part, H0, H1, H2, P)
     p0, p1, p2 = _pick(part, A0, A1, A2, P), _pick(part, B0, B1, B2, P), _pick(part, C0, C1, C2, P)
     m = tl.program_id(0) * BM + tl.arange(0, BM)
-    keep = (m < M)[:, None, None]
-    xm = x_ptr + tl.minimum(m, M - 1).to(tl.int64)[:, None, None] * K
-    r = tl.minimum(tile * BN + tl.arange(0, BN), N - 1)[:, None, None]
-    w = tl.arange(0, CW)[None, None, :]
-    WPR = K * LB // 32
-    chunks = WPR // CW
+    xm = x_ptr + tl.minimum(m, M - 1).to(tl.int64)[:, None] * K
+    r = tl.minimum(tile * BN + tl.arange(0, BN), N - 1)
+    G = K // 32
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    step = tl.arange(0, NC)[None, :, None]
-    first = tl.program_id(2) * SPLIT_CHUNKS
-    for c0 in tl.range(first, tl.minimum(first + SPLIT_CHUNKS, chunks), NC):
-        c = c0 + step
-        lw, hw = _tile(low_ptr, high_ptr, r, c, w, WPR, LB, HB, CW)
-        for s in tl.static_range(S):
-            q = _quant(lw, hw, s, QT, LB, HB, OFF, ASM)
-            d, mn = _scale(p0, p1, p2, r, c, w, K, s, QT, S, CW)
-            v = d * q + mn if MIN else d * q
-            wt = tl.reshape(v.to(tl.float16), (BN, NC * CW))
-            x = tl.load(xm + (c * (S * CW) + s * CW) + w, mask=keep, other=0.0)  # masked: no hint
-            acc = tl.dot(tl.reshape(x.to(tl.float16), (BM, NC * CW)), tl.trans(wt), acc)
+    first = tl.program_id(2) * SPLIT_GROUPS
+    S: tl.constexpr = 32 // LB
+    kk = tl.arange(0, NG * LB)  # a slot's K-slice: word kk % LB of group kk // LB
+    for g0 in tl.range(first, tl.minimum(first + SPLIT_GROUPS, G), NG):
+        g = g0 + tl.arange(0, NG)
+        lw = _plane(low_ptr, r, g, G, LB)
+        h0, h1 = _high_words(high_ptr, r, g, G, HB) if HB > 0 else (lw, lw)
+        d0, d1, m0, m1 = _scales(p0, p1, p2, r, g, K, QT)
+        # slot i of every word is a K-slice of the product: the x elements 32 g + w S + i
+        for i in tl.static_range(S):
+            v = _slot(lw, h0, h1, d0, d1, m0, m1, i, QT, LB, HB, OFF, MIN)
+            wt = tl.reshape(v.to(tl.float16), (BN, NG * LB))
+            e = (g0 + kk // LB) * 32 + (kk % LB) * S + i
+            x = tl.load(xm + e[None, :], mask=(m < M)[:, None] & (e < K)[None, :], other=0.0)
+            acc = tl.dot(x.to(tl.float16), tl.trans(wt), acc)
     rows = tile * BN + tl.arange(0, BN)
     y = y_ptr + tl.program_id(2).to(tl.int64) * SPLIT_STRIDE + col
     tl.store(y + m[:, None] * LDY + rows[None, :], acc, mask=(m < M)[:, None] & (rows < N)[None, :])
@@ -286,23 +366,20 @@ def _qmm_kernel(x_ptr, L0, H0, A0, B0, C0, L1, H1, A1, B1, C1, L2, H2, A2, B2, C
 @triton.jit
 def _dequant_kernel(low_ptr, high_ptr, p0, p1, p2, out_ptr, R0, R1, K, QT: tl.constexpr,
                     LB: tl.constexpr, HB: tl.constexpr, OFF: tl.constexpr, MIN: tl.constexpr,
-                    CW: tl.constexpr, ASM: tl.constexpr, BN: tl.constexpr, NC: tl.constexpr):
-    # program (i, j): rows R0 + i*BN.., chunks j*NC.. of W, written to out (R1 - R0, K)
-    # row-major, each value rounded as gguf-py rounds it (d * q, then + m; launched without
-    # FP fusion)
-    S: tl.constexpr = 32 // LB
+                    BN: tl.constexpr, NG: tl.constexpr):
+    # program (i, j): rows R0 + i*BN.., groups j*NG.. of W, written to out (R1 - R0, K)
+    # row-major, each value rounded as gguf-py rounds it (launched without FP fusion)
     rows = R0 + tl.program_id(0) * BN + tl.arange(0, BN)
-    r = tl.minimum(rows, R1 - 1)[:, None, None]
-    c = (tl.program_id(1) * NC + tl.arange(0, NC))[None, :, None]
-    w = tl.arange(0, CW)[None, None, :]
-    lw, hw = _tile(low_ptr, high_ptr, r, c, w, K * LB // 32, LB, HB, CW)
-    if NC > 1:  # see _tile
-        out = out_ptr + tl.multiple_of((rows - R0).to(tl.int64)[:, None, None] * K + c * (S * CW), [4, 4, 4]) + w
-    else:
-        out = out_ptr + (rows - R0).to(tl.int64)[:, None, None] * K + c * (S * CW) + w
-    keep = (rows < R1)[:, None, None] & (w >= 0)
-    for s in tl.static_range(S):
-        q = _quant(lw, hw, s, QT, LB, HB, OFF, ASM)
-        d, mn = _scale(p0, p1, p2, r, c, w, K, s, QT, S, CW)
-        v = d * q + mn if MIN else d * q
-        tl.store(out + s * CW, v.to(out_ptr.dtype.element_ty), mask=keep)
+    r = tl.minimum(rows, R1 - 1)
+    g = tl.program_id(1) * NG + tl.arange(0, NG)
+    G = K // 32
+    S: tl.constexpr = 32 // LB
+    lw = _plane(low_ptr, r, g, G, LB)
+    h0, h1 = _high_words(high_ptr, r, g, G, HB) if HB > 0 else (lw, lw)
+    d0, d1, m0, m1 = _scales(p0, p1, p2, r, g, K, QT)
+    e = g[None, :, None] * 32 + tl.arange(0, LB)[None, None, :] * S  # element 0 of each word
+    out = out_ptr + (rows - R0).to(tl.int64)[:, None, None] * K + e
+    keep = (rows < R1)[:, None, None] & (e < K)
+    for i in tl.static_range(S):
+        v = _slot(lw, h0, h1, d0, d1, m0, m1, i, QT, LB, HB, OFF, MIN)
+        tl.store(out + i, v.to(out_ptr.dtype.element_ty), mask=keep)

@@ -62,51 +62,51 @@ def packs(device: torch.device) -> bool:
     return device.type == "cuda" and qkernels is not None
 
 
+def _groups_a_step(qtype: int, k: int, most: int) -> int:
+    """NG, the groups of 32 a program's K-step takes: a power of two up to ``most``, the
+    largest whose steps cover the row's groups with at most an eighth of them masked."""
+    groups = k // 32
+    ng = 1
+    while 2 * ng <= most and -(-groups // (2 * ng)) * 2 * ng * 8 <= groups * 9:
+        ng *= 2
+    return ng
+
+
 def tiles(qtype: int, n: int, k: int, fused: bool) -> tuple[int, int, int]:
-    """(BN rows, NC chunks, num_warps) of a program for a packed (n, k) weight. The fused
-    kernel: NC the largest power of two dividing the row's chunks with at most 128 words a
-    row step, rows for 1,024 words a program, 8 warps (the best of bench/probes/qgemv.py
-    --sweep on an H200 for the 8B products: 1.35-1.40 TB/s for Q4_0 where 256 words and 4
-    warps gave 0.98-1.08; 1.55-1.59 since the alignment hints). The dequantize kernel: 256
-    words a row step, 4,096 a program, 4 warps."""
-    g = qpack.geometry(qtype, n, k)
-    limit = 128 if fused else 256
-    nc = 1
-    while g.chunks % (2 * nc) == 0 and 2 * nc * g.cw <= limit:
-        nc *= 2
-    words = nc * g.cw
-    bn = max(1, min(16, (1024 if fused else 4096) // words))
-    return bn, nc, 8 if fused else 4
+    """(BN rows, NG groups of 32 a K-step, num_warps) of a program for a packed (n, k)
+    weight. The fused kernel: a step of 32 groups, one a thread, each thread's rows read
+    about 128 bytes of quants (8 rows of a 4-bit type), 4 warps. The dequantize kernel:
+    8 groups a row step, 4,096 values a program, 4 warps."""
+    if fused:
+        lb, hb, _ = qpack._BITS[qtype]
+        ng = _groups_a_step(qtype, k, 32)
+        per_thread = max(1, min(16, 32 // (lb + hb)))  # rows, ~128 bytes of quants
+        per_thread = 1 << (per_thread.bit_length() - 1)
+        return max(1, min(per_thread * 128 // ng, 1 << (n - 1).bit_length())), ng, 4
+    ng = _groups_a_step(qtype, k, 8)
+    return max(1, 4096 // (32 * ng)), ng, 4
 
 
-def batch_tiles(qtype: int, n: int, k: int) -> tuple[int, int, int, int] | None:
-    """(BM rows of x, BN rows of W, NC chunks, num_warps) of the batched kernel, or None
-    where a step's K-slice would be under the 16 a tensor-core product needs. A 128 x
-    32-word tile in 4 warps: the fastest or within 13% of it for Q4_0, Q4_K and Q6_K on an
-    8B's and a 1B's products at 16 rows (`bench/probes/qgemv.py --rows 16 --configs`, H200,
-    2026-12-02: 42.8-45.5 us for 14336 x 4096 where 64 x 64 took 44.7-51.0 and Q6_K 72
-    against 75; 128 x 64 was faster for Q4_0 alone, and spilled registers and lost 1.6x
-    for Q6_K); each x tile serves 128 rows of W, and the tile's registers are 64 x 64's."""
-    g = qpack.geometry(qtype, n, k)
-    nc = 1
-    while g.chunks % (2 * nc) == 0 and 2 * nc * g.cw <= 32:
-        nc *= 2
-    return (16, 128, nc, 4) if nc * g.cw >= 16 else None
+def batch_tiles(qtype: int, n: int, k: int) -> tuple[int, int, int, int]:
+    """(BM rows of x, BN rows of W, NG groups of 32 a K-step, num_warps) of the batched
+    kernel: a 16 x 128 tile, 256 values of K a step, 4 warps (the old layout's best on an
+    H200, bench/probes/qgemv.py --rows 16 --configs)."""
+    return 16, 128, _groups_a_step(qtype, k, 8), 4
 
 
 def k_splits(qtype: int, m: int, n: int, k: int, sms: int) -> tuple[int, int]:
-    """(parts, chunks a part) the batched kernel splits K into for x of ``m`` rows: enough
-    programs for 4 a multiprocessor (``sms`` of them), each part at least 2 row steps and
-    whole row steps. Without a split an 8B's 4096 x 14336 product at 16 rows was 64 programs
-    of 4 warps (64-row tiles) on an H200's 132 multiprocessors: 0.24 TB/s
+    """(parts, groups a part) the batched kernel splits K into for x of ``m`` rows: enough
+    programs for 4 a multiprocessor (``sms`` of them), each part at least 2 steps and whole
+    steps. Without a split an 8B's 4096 x 14336 product at 16 rows was 64 programs of 4
+    warps (64-row tiles) on an H200's 132 multiprocessors: 0.24 TB/s
     (bench/probes/qgemv.py --rows 16). The parts are summed in a fixed order: a shape
     always gives the same result."""
-    bm, bn, nc, _ = batch_tiles(qtype, n, k)
+    bm, bn, ng, _ = batch_tiles(qtype, n, k)
     programs = -(-m // bm) * -(-n // bn)
-    chunks = qpack.geometry(qtype, n, k).chunks
-    want = max(1, min(chunks // nc // 2, -(-4 * sms // programs)))
-    per = -(-(chunks // nc) // want) * nc
-    return -(-chunks // per), per
+    steps = -(-(k // 32) // ng)
+    want = max(1, min(steps // 2, -(-4 * sms // programs)))
+    per = -(-steps // want) * ng
+    return -(-(k // 32) // per), per
 
 
 @functools.cache
@@ -128,24 +128,23 @@ def runs(qtypes: Sequence[int]) -> list[tuple[int, int]]:
     return out
 
 
-def batched(m: int, parts: Sequence[tuple[int, int]], k: int) -> bool:
-    """Whether x of ``m`` rows times weights [(qtype, N)] takes the batched kernel."""
-    return FUSED_ROWS < m <= BATCH_ROWS and all(batch_tiles(q, n, k) for q, n in parts)
+def batched(m: int) -> bool:
+    """Whether x of ``m`` rows takes the batched kernel."""
+    return FUSED_ROWS < m <= BATCH_ROWS
 
 
 if qkernels is not None:
 
     def _planes(w: torch.Tensor, qtype: int, n: int, k: int) -> list[torch.Tensor]:
-        # the packed weight's planes as the kernels read them: low (int32), high (uint8 or
-        # int16; the low plane again where there is none), then up to three scale planes
+        # the packed weight's planes as the kernels read them: low and high words (int32;
+        # the low plane again where there is no high one), then up to three scale planes
         g = qpack.geometry(qtype, n, k)
-        lb, hb = g.lb, g.hb
         views = [w[off : off + per * n] for off, per in g.planes]
         low = views[0].view(torch.int32)
         rest = views[1:]
         high = low
-        if hb:
-            high = rest[0].view(torch.int16) if hb * 32 // lb == 16 else rest[0]
+        if g.hb:
+            high = rest[0].view(torch.int32)
             rest = rest[1:]
         if qtype in (2, 3, 6, 7, 8):
             scales = [v.view(torch.float16) for v in rest]
@@ -160,10 +159,9 @@ if qkernels is not None:
         scales += [scales[0]] * (3 - len(scales))
         return [low, high, *scales]
 
-    def _meta(qtype: int, k: int) -> dict:
+    def _meta(qtype: int) -> dict:
         lb, hb, off, mins = qkernels.TYPES[qtype]
-        return dict(QT=qtype, LB=lb, HB=hb, OFF=off, MIN=mins, CW=qpack.chunk_words(qtype, k),
-                    ASM=qkernels.ASM)
+        return dict(QT=qtype, LB=lb, HB=hb, OFF=off, MIN=mins)
 
     def _stack(ws: Sequence[torch.Tensor], qtype: int, ns: Sequence[int], k: int,
                bn: int) -> tuple[list, dict, int]:
@@ -175,17 +173,17 @@ if qkernels is not None:
         counts = [triton.cdiv(n, bn) for n in ns] + [0] * (MAX_PARTS - len(ns))
         rows = list(ns) + [0] * (MAX_PARTS - len(ns))
         return planes, dict(N0=rows[0], N1=rows[1], N2=rows[2], T0=counts[0], T1=counts[1], P=len(ws),
-                            **_meta(qtype, k)), sum(counts)
+                            **_meta(qtype)), sum(counts)
 
     def _launch_gemv(x: torch.Tensor, ws: Sequence[torch.Tensor], qtype: int, ns: Sequence[int], k: int,
                      y: torch.Tensor | None = None) -> torch.Tensor:
         # x (M, K) f32 contiguous -> y (M, sum ns) f32, written into ``y`` (rows unit-strided)
         if y is None:
             y = torch.empty((x.shape[0], sum(ns)), device=x.device, dtype=torch.float32)
-        bn, nc, warps = tiles(qtype, ns[0], k, fused=True)
+        bn, ng, warps = tiles(qtype, ns[0], k, fused=True)
         planes, args, tiles_n = _stack(ws, qtype, ns, k, bn)
         qkernels._qgemv_kernel[(x.shape[0], tiles_n)](
-            x, *planes, y, K=k, LDY=y.stride(0), **args, BN=bn, NC=nc, num_warps=warps)
+            x, *planes, y, K=k, LDY=y.stride(0), **args, ASM=qkernels.ASM, BN=bn, NG=ng, num_warps=warps)
         return y
 
     def _launch_mm(x: torch.Tensor, ws: Sequence[torch.Tensor], qtype: int, ns: Sequence[int],
@@ -194,13 +192,13 @@ if qkernels is not None:
         # ``k_splits`` parts, which the caller sums (in a compiled step, into the kernel that
         # reads the result)
         m, n = x.shape[0], sum(ns)
-        bm, bn, nc, warps = batch_tiles(qtype, ns[0], k)
+        bm, bn, ng, warps = batch_tiles(qtype, ns[0], k)
         splits, per = k_splits(qtype, m, n, k, multiprocessors(x.device))
         out = torch.empty((splits, m, n), device=x.device, dtype=torch.float32)
         planes, args, tiles_n = _stack(ws, qtype, ns, k, bn)
         qkernels._qmm_kernel[(triton.cdiv(m, bm), tiles_n, splits)](
-            x, *planes, out, M=m, K=k, LDY=out.stride(-2), SPLIT_CHUNKS=per, SPLIT_STRIDE=m * n,
-            **args, BM=bm, BN=bn, NC=nc, num_warps=warps, num_stages=1)
+            x, *planes, out, M=m, K=k, LDY=out.stride(-2), SPLIT_GROUPS=per, SPLIT_STRIDE=m * n,
+            **args, BM=bm, BN=bn, NG=ng, num_warps=warps, num_stages=1)
         return out
 
     def _launch_dequant(w: torch.Tensor, qtype: int, n: int, k: int, dtype: torch.dtype,
@@ -208,10 +206,9 @@ if qkernels is not None:
         # rows r0..r1 of a packed (n, k) weight -> (r1 - r0, k) of dtype
         r1 = n if r1 is None else r1
         out = torch.empty((r1 - r0, k), device=w.device, dtype=dtype)
-        bn, nc, warps = tiles(qtype, n, k, fused=False)
-        chunks = qpack.geometry(qtype, n, k).chunks
-        qkernels._dequant_kernel[(triton.cdiv(r1 - r0, bn), chunks // nc)](
-            *_planes(w, qtype, n, k), out, r0, r1, k, **_meta(qtype, k), BN=bn, NC=nc,
+        bn, ng, warps = tiles(qtype, n, k, fused=False)
+        qkernels._dequant_kernel[(triton.cdiv(r1 - r0, bn), triton.cdiv(k // 32, ng))](
+            *_planes(w, qtype, n, k), out, r0, r1, k, **_meta(qtype), BN=bn, NG=ng,
             num_warps=warps, enable_fp_fusion=False)  # d*q + m rounded twice, as gguf-py does
         return out
 
@@ -301,7 +298,7 @@ def decode_product(x: torch.Tensor, ws: list[torch.Tensor], qtypes: list[int], n
         return None
     if x.shape[0] <= FUSED_ROWS:
         return _qgemv(x.float().contiguous(), ws, qtypes, ns, k)
-    if batched(x.shape[0], list(zip(qtypes, ns)), k):
+    if batched(x.shape[0]):
         xs = x.float().contiguous()
         ys = [_qmm(xs, ws[a:b], qtypes[a], ns[a:b], k).sum(0) for a, b in runs(qtypes)]
         return ys[0] if len(ys) == 1 else torch.cat(ys, dim=1)

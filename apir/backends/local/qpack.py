@@ -1,22 +1,23 @@
-"""GGUF block weights repacked for the GPU kernels: the same bytes, moved so that a warp's
-loads are contiguous (see qkernels). ``pack`` and ``unpack`` are exact inverses, and the
-packed form takes exactly the bytes of the blocks, so a weight is packed in place.
+"""GGUF block weights repacked for the GPU kernels: the same bits, moved so that a thread's
+loads are 16-byte runs and a group of 32 elements is one thread's, in words that a byte-wise
+integer dot product (dp4a) reads four elements at a time (see qkernels). ``pack`` and
+``unpack`` are exact inverses, and the packed form takes exactly the bytes of the blocks, so
+a weight is packed in place.
 
 A weight W (N, K) of a block type becomes planes, one after another, each row-major over
 the N rows:
 
-    low   u32 words of the low bits of every element      (N, K * LB / 32) words
-    high  the extra bits (Q5_*: 1, Q3_K: 1, Q6_K: 2)       (N, K * LB / 32) u8 or u16
+    low   u32 words of the low LB bits of every element    (N, K * LB / 32) words
+    high  u32 words of the extra HB bits (Q5_*, Q3_K: 1;  (N, K * HB / 32) words
+          Q6_K: 2)
     scale planes, per type                                 f16 per 32 (the 32-element types),
                                                            or the block's header bytes
 
-The low words of a row are chunks of CW words; a word holds S = 32 / LB slots, and slot s
-of word w of chunk c is element c * S * CW + s * CW + w. So slot s of the CW words of a
-chunk is a run of CW elements: the x values a warp multiplies them with are contiguous, and
-a K-quant's chunk (S * CW = 256) is one super-block whose slot s is sub-block s. Inside a
-word, slot s sits in byte s % 4, at bit LB * (s // 4) of it (LB = 8: byte s), which one
-byte permute reads. The high bits of a low word's S slots are one u8 (1 bit x 8 slots) or
-u16 (2 x 8 or 1 x 16): slot s at bit HB * s.
+A plane of B bits an element holds 32 / B consecutive elements a word: element i of a word
+sits in byte i % 4, at bit B * (i // 4) of it. So ``(word >> B * t) & (0x01010101 * (2**B -
+1))`` is elements 4t .. 4t + 3 of the word, one a byte: four quants that a dp4a multiplies
+with four int8 x values in one instruction, and a group of 32 elements is LB consecutive low
+words (16 bytes for the 4-bit types, one vector load) and HB high words.
 
 Scale planes: Q4_0, Q5_0, Q8_0: d (N, K/32) f16; Q4_1, Q5_1: d then m; Q2_K: the 16 scale
 bytes (N, K/16), then d, dmin (N, K/256) f16; Q3_K: the 12 packed scale bytes (N, K/256, 12),
@@ -48,17 +49,12 @@ class Geometry:
     k: int
     lb: int  # low bits per element
     hb: int  # high bits per element
-    cw: int  # words per chunk
     planes: tuple[tuple[int, int], ...]  # (offset, bytes per row) of low, [high], scales...
 
     @property
-    def slots(self) -> int:
-        return 32 // self.lb
-
-    @property
-    def chunks(self) -> int:
-        """Chunks per row."""
-        return self.k // (self.slots * self.cw)
+    def groups(self) -> int:
+        """Groups of 32 elements a row."""
+        return self.k // 32
 
     @property
     def nbytes(self) -> int:
@@ -71,27 +67,14 @@ def block_size(qtype: int) -> int:
     return _BITS[qtype][2]
 
 
-def chunk_words(qtype: int, k: int) -> int:
-    """CW: 32 words (16 for 2-bit types: a K-quant's chunk is its 256-element block); a
-    32-element type takes the largest power of two up to 32 whose chunk divides K."""
-    lb, _, bs = _BITS[qtype]
-    if bs == 256:
-        return 256 * lb // 32
-    cw = 32
-    while k % (cw * 32 // lb):
-        cw //= 2
-    return cw
-
-
 @cache
 def geometry(qtype: int, n: int, k: int) -> Geometry:
     lb, hb, bs = _BITS[qtype]
     if k % bs or n <= 0:
         raise ValueError(f"a packed {qtype} weight needs K a multiple of {bs}, got ({n}, {k})")
-    words = k * lb // 32
-    rows = [words * 4]  # low
+    rows = [k * lb // 8]  # low
     if hb:
-        rows.append(words * hb * (32 // lb) // 8)
+        rows.append(k * hb // 8)
     if bs == 32:
         rows += [k // 32 * 2] * (2 if qtype in (3, 7) else 1)
     elif qtype == 10:
@@ -106,7 +89,7 @@ def geometry(qtype: int, n: int, k: int) -> Geometry:
     for per_row in rows:
         planes.append((off, per_row))
         off += per_row * n
-    return Geometry(qtype, n, k, lb, hb, chunk_words(qtype, k), tuple(planes))
+    return Geometry(qtype, n, k, lb, hb, tuple(planes))
 
 
 def fields(blocks: torch.Tensor, qtype: int) -> tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor]]:
@@ -157,8 +140,9 @@ def fields(blocks: torch.Tensor, qtype: int) -> tuple[torch.Tensor, torch.Tensor
     return low.reshape(n, 256), high.reshape(n, 256), [b[:, 192:208], b[:, 208:210]]
 
 
-def _slot_shift(lb: int, s: int) -> int:
-    return 8 * (s % 4) + lb * (s // 4)
+def _shift(bits: int, i: int) -> int:
+    """The bit of its word that element i of a word sits at, in a plane of ``bits`` bits."""
+    return 8 * (i % 4) + bits * (i // 4)
 
 
 # elements packed or unpacked at a time: the temporaries (an int64 per element while
@@ -186,26 +170,25 @@ def pack(raw: torch.Tensor, qtype: int, n: int, k: int) -> torch.Tensor:
 
 def _pack_rows(raw: torch.Tensor, qtype: int, n: int, k: int) -> list[torch.Tensor]:
     """The planes of the packed (n, k) weight whose GGUF bytes are ``raw``, each 1-D."""
-    g = geometry(qtype, n, k)
     lb, hb, bs = _BITS[qtype]
     low, high, scales = fields(raw.reshape(n * k // bs, -1), qtype)
-    s_, cw = g.slots, g.cw
-    # (n, chunks, S, CW): element c*S*CW + s*CW + w
-    low = low.reshape(n, g.chunks, s_, cw).to(torch.int64)
-    words = torch.zeros((n, g.chunks, cw), dtype=torch.int64, device=raw.device)
-    for s in range(s_):
-        words |= low[:, :, s] << _slot_shift(lb, s)
-    planes = [words.to(torch.int32).contiguous().view(torch.uint8).reshape(-1)]  # little-endian u32
+    planes = [_words(low.reshape(n, k), lb)]
     if hb:
-        high = high.reshape(n, g.chunks, s_, cw).to(torch.int32)
-        hw = torch.zeros((n, g.chunks, cw), dtype=torch.int32, device=raw.device)
-        for s in range(s_):
-            hw |= high[:, :, s] << (hb * s)
-        width = torch.uint8 if hb * s_ == 8 else torch.int16
-        planes.append(hw.to(width).contiguous().view(torch.uint8).reshape(-1))
+        planes.append(_words(high.reshape(n, k), hb))
     # scale fields: (blocks, bytes) in row-major block order, so (n, blocks a row * bytes)
     planes += [field.reshape(-1) for field in scales]
     return planes
+
+
+def _words(values: torch.Tensor, bits: int) -> torch.Tensor:
+    """(n, k) values of ``bits`` bits -> the plane's little-endian u32 words as bytes, 1-D:
+    32 / bits consecutive elements a word, element i at ``_shift(bits, i)``."""
+    per = 32 // bits
+    v = values.reshape(values.shape[0], -1, per).to(torch.int64)
+    words = torch.zeros(v.shape[:2], dtype=torch.int64, device=values.device)
+    for i in range(per):
+        words |= v[:, :, i] << _shift(bits, i)
+    return words.to(torch.int32).contiguous().view(torch.uint8).reshape(-1)  # bit 31 wraps: the same bytes
 
 
 def rows_of(packed: torch.Tensor, qtype: int, n: int, k: int) -> torch.Tensor:
@@ -223,9 +206,10 @@ def gather_rows(packed: torch.Tensor, qtype: int, n: int, k: int, ids: torch.Ten
 
 
 @cache
-def _inverse(qtype: int, k0: int, device: str) -> torch.Tensor:
-    """For a (1, k0) weight of one chunk: the bit of ``rows_of(pack(...))`` that each of its
+def _inverse(qtype: int, device: str) -> torch.Tensor:
+    """For a (1, k0) weight of one block: the bit of ``rows_of(pack(...))`` that each of its
     GGUF bits comes from, found by packing one-hot rows (pack moves bits, one to one)."""
+    k0 = block_size(qtype)
     g = geometry(qtype, 1, k0)
     nbits = g.nbytes * 8
     idx = torch.arange(nbits)
@@ -252,12 +236,13 @@ def unpack(packed: torch.Tensor, qtype: int, n: int, k: int) -> torch.Tensor:
 def _unpack_rows(rows: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
     """(r, row bytes) of a packed weight, each row's planes in order -> its GGUF bytes."""
     g = geometry(qtype, rows.shape[0], k)
-    r, nc = rows.shape[0], g.chunks
-    k0 = g.slots * g.cw  # a chunk: every plane's row is its chunks' pieces, one after another
-    per_chunk = [part.reshape(r * nc, -1) for part in rows.split([per for _, per in g.planes], dim=1)]
-    chunks = torch.cat(per_chunk, dim=1)  # (r * chunks, packed bytes of a (1, k0) weight)
-    src = _inverse(qtype, k0, str(rows.device))
+    nb = k // block_size(qtype)
+    r = rows.shape[0]
+    # every plane's row is its blocks' pieces, one after another
+    per_block = [part.reshape(r * nb, -1) for part in rows.split([per for _, per in g.planes], dim=1)]
+    blocks = torch.cat(per_block, dim=1)  # (r * blocks, packed bytes of a (1, k0) weight)
+    src = _inverse(qtype, str(rows.device))
     shifts = torch.arange(8, dtype=torch.uint8, device=rows.device)
-    bits = ((chunks.unsqueeze(-1) >> shifts) & 1).reshape(r * nc, -1)[:, src]
+    bits = ((blocks.unsqueeze(-1) >> shifts) & 1).reshape(r * nb, -1)[:, src]
     weights = (1 << torch.arange(8, dtype=torch.int32, device=rows.device))
-    return (bits.reshape(r * nc, -1, 8).to(torch.int32) * weights).sum(-1).to(torch.uint8).reshape(-1)
+    return (bits.reshape(r * nb, -1, 8).to(torch.int32) * weights).sum(-1).to(torch.uint8).reshape(-1)
