@@ -191,7 +191,7 @@ def test_fused_kernel_matches_gguf(qtype):
     # x rounded to int8 per group of 32 in the kernel, as llama.cpp's q8_1 x: an error of at
     # most half a step of each group's largest |x| / 127, for every value of W
     def product(x, raw, n, k):
-        return qm._launch_gemv(torch.from_numpy(x), [packed(raw, qtype, n, k)], int(qtype), [n], k)
+        return qm._launch_gemv(qm.quantize_x(torch.from_numpy(x)), [packed(raw, qtype, n, k)], int(qtype), [n], k)
     check_products(qtype, product, rel=INT8_X)
 
 
@@ -203,7 +203,7 @@ def test_fused_kernel_with_many_groups_a_step_matches_gguf(qtype, k):
     assert qm.tiles(int(qtype), 3, k, True)[1] == 32
     raw = random_weight(qtype, 3, k, seed=5)
     x = np.random.default_rng(6).standard_normal((2, k)).astype(np.float32)
-    y = qm._launch_gemv(torch.from_numpy(x), [packed(raw, qtype, 3, k)], int(qtype), [3], k)
+    y = qm._launch_gemv(qm.quantize_x(torch.from_numpy(x)), [packed(raw, qtype, 3, k)], int(qtype), [3], k)
     check(y, x, raw, qtype, 3, k, rel=INT8_X)
 
 
@@ -224,12 +224,12 @@ def test_batched_kernel_matches_gguf(qtype):
 
 def test_batched_kernel_splits_k_until_the_gpu_is_full():
     # an 8B's down projection at 16 rows: 32 programs unsplit, 4 a multiprocessor wanted
-    # (17 parts), 56 steps of 8 groups: 14 parts of 4 steps (32 groups)
-    assert qm.k_splits(int(Q.Q4_0), 16, 4096, 14336, sms=132) == (14, 32)
-    assert qm.k_splits(int(Q.Q4_0), 16, 14336, 4096, sms=132) == (4, 32)
+    # (17 parts), 224 steps of 2 groups: 16 parts of 14 steps (28 groups)
+    assert qm.k_splits(int(Q.Q4_0), 16, 4096, 14336, sms=132) == (16, 28)
+    assert qm.k_splits(int(Q.Q4_0), 16, 14336, 4096, sms=132) == (5, 26)
     assert qm.k_splits(int(Q.Q4_0), 64, 14336, 4096, sms=132) == (2, 64)  # 4 row tiles
-    assert qm.k_splits(int(Q.Q4_0), 12, 20, 4096, sms=132) == (8, 16)  # at least 2 steps a part
-    assert qm.k_splits(int(Q.Q4_0), 12, 20, 512, sms=132) == (1, 16)
+    assert qm.k_splits(int(Q.Q4_0), 12, 20, 4096, sms=132) == (32, 4)  # at least 2 steps a part
+    assert qm.k_splits(int(Q.Q4_0), 12, 20, 512, sms=132) == (4, 4)
 
 
 def test_rows_choose_the_kernel():
@@ -239,7 +239,7 @@ def test_rows_choose_the_kernel():
     # 32 groups; never more rows a program than the weight's, to a power of two
     assert qm.tiles(int(Q.Q4_0), 4, 96, True) == (4, 1, 4)
     assert qm.tiles(int(Q.Q4_0), 4096, 4096, True)[1] == 32
-    assert qm.batch_tiles(int(Q.Q4_0), 4, 4096) == (16, 128, 8, 4)
+    assert qm.batch_tiles(int(Q.Q4_0), 4, 4096) == (16, 128, 2, 4)
 
 
 @needs_triton

@@ -31,6 +31,7 @@ from apir.backends.local.qmatmul import (
     _launch_gemv,
     _launch_mm,
     _stack,
+    quantize_x,
     tiles,
 )
 from apir.graph.dtypes import DType
@@ -46,8 +47,8 @@ if "--shapes" in sys.argv:  # NxK,NxK...
 CONFIGS = ([tuple(map(int, c.split("x"))) for c in sys.argv[sys.argv.index("--configs") + 1].split(",")]
            if "--configs" in sys.argv else
            [(bn, ng, wp, st) for bn in (32, 64, 128) for ng in (2, 4, 8) for wp in (4, 8) for st in (1, 2, 3)])
-FUSED_CONFIGS = [(bn, ng, wp, st) for ng in (8, 16, 32) for bn in (4, 8, 16, 32, 64) for wp in (2, 4, 8)
-                 for st in (1, 2, 3) if 1 <= bn * ng // (32 * wp) <= 16]  # groups a thread
+FUSED_CONFIGS = [(bn, ng, wp, st) for ng in (16, 32) for bn in (4, 8, 16, 32) for wp in (4, 8)
+                 for st in (1, 2) if 1 <= bn * ng // (32 * wp) <= 16]  # groups a thread
 TYPES = [Q.Q4_0, Q.Q8_0, Q.Q4_K, Q.Q6_K, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q5_K, Q.Q2_K, Q.Q3_K]
 # byte offsets of each type's f16 scales (kept finite so the products can be compared)
 SCALES = {Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q5_0: (0,), Q.Q5_1: (0, 2), Q.Q8_0: (0,),
@@ -64,14 +65,14 @@ def random_raw(qtype, n, k):
 
 def fused(qtype, n, k, cfg=None):
     if cfg is None:
-        return lambda x, raw: _launch_gemv(x, [raw], int(qtype), [n], k)
+        return lambda x, raw: _launch_gemv(quantize_x(x), [raw], int(qtype), [n], k)
     bn, ng, warps, stages = cfg
 
     def run(x, w):
         y = torch.empty((x.shape[0], n), device="cuda", dtype=torch.float32)
         planes, args, _ = _stack([w], int(qtype), [n], k, bn)
         qkernels._qgemv_kernel[(x.shape[0], triton.cdiv(n, bn))](
-            x, *planes, y, K=k, LDY=n, **args, ASM=qkernels.ASM, BN=bn, NG=ng, num_warps=warps,
+            *quantize_x(x), *planes, y, K=k, LDY=n, **args, ASM=qkernels.ASM, BN=bn, NG=ng, num_warps=warps,
             num_stages=stages)
         return y
     return run

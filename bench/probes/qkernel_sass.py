@@ -28,7 +28,7 @@ from apir.backends.local import qkernels, qmatmul
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 
 
-KINDS = ("fused", "batched", "dequant")
+KINDS = ("fused", "batched", "dequant", "quantize")
 
 
 def _signature(qtype: int, kind: str) -> dict[str, str]:
@@ -42,7 +42,8 @@ def _signature(qtype: int, kind: str) -> dict[str, str]:
         sig |= {"out_ptr": "*fp16", "R0": "i32", "R1": "i32", "K": "i32"}
     else:  # the planes of three stacked weights (qkernels._part)
         planes = {f"{plane}{i}": t for i in range(3) for plane, t in zip("LHABC", types)}
-        sig = {"x_ptr": "*fp32", **planes, "y_ptr": "*fp32", **({"M": "i32"} if kind == "batched" else {}),
+        x = {"xq_ptr": "*i32", "xs_ptr": "*fp32"} if kind == "fused" else {"x_ptr": "*fp32"}
+        sig = {**x, **planes, "y_ptr": "*fp32", **({"M": "i32"} if kind == "batched" else {}),
                "N0": "i32", "N1": "i32", "N2": "i32", "T0": "i32", "T1": "i32", "K": "i32", "LDY": "i32",
                **({"SPLIT_GROUPS": "i32", "SPLIT_STRIDE": "i32"} if kind == "batched" else {})}
     consts = ("QT", "LB", "HB", "OFF", "MIN", *(("ASM",) if kind == "fused" else ()),
@@ -56,6 +57,11 @@ def compile_kernel(qtype: int, n: int, k: int, kind: str = "fused", parts: int =
     Triton specializes at run time (aligned pointers, K and LDY multiples of 16). Returns
     (compiled kernel, BN, NG, num_warps). ``tile`` (BN, NG, warps, stages) overrides the
     fused kernel's."""
+    if kind == "quantize":  # x rounded to int8 for the fused kernel (no weight type)
+        src = ASTSource(fn=qkernels._quantize_x_kernel, constexprs={"BG": 32},
+                        signature={"x_ptr": "*fp32", "xq_ptr": "*i32", "xs_ptr": "*fp32", "K": "i32", "BG": "constexpr"},
+                        attrs={(i,): [["tt.divisibility", 16]] for i in range(4)})
+        return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}), 0, 0, 4
     lb, hb, off, mins = qkernels.TYPES[qtype]
     consts = dict(QT=qtype, LB=lb, HB=hb, OFF=off, MIN=mins)
     if kind == "batched":
@@ -64,16 +70,16 @@ def compile_kernel(qtype: int, n: int, k: int, kind: str = "fused", parts: int =
         fn, options, ints = qkernels._qmm_kernel, {"num_stages": 1}, (23, 24)  # K, LDY
     elif kind == "fused":
         bn, nc, warps = qmatmul.tiles(qtype, n, k, fused=True)
-        stages = 3
+        stages = 2
         if tile:
             bn, nc, warps, stages = tile
         consts |= dict(ASM=True)
-        fn, options, ints = qkernels._qgemv_kernel, {"num_stages": stages}, (22, 23)
+        fn, options, ints = qkernels._qgemv_kernel, {"num_stages": stages}, (23, 24)
     else:
         bn, nc, warps = qmatmul.tiles(qtype, n, k, fused=False)
         fn, options, ints = qkernels._dequant_kernel, {"enable_fp_fusion": False}, (8,)
     consts |= dict(BN=bn, NG=nc) | ({} if kind == "dequant" else dict(P=parts))
-    pointers = range(6 if kind == "dequant" else 17)
+    pointers = range(6 if kind == "dequant" else 18 if kind == "fused" else 17)
     attrs = {(i,): [["tt.divisibility", 16]] for i in (*pointers, *ints)}
     src = ASTSource(fn=fn, signature=_signature(qtype, kind), constexprs=consts, attrs=attrs)
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, **options})

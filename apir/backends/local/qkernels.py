@@ -1,7 +1,7 @@
 """Triton kernels that compute from quantized weights packed by ``qpack`` (the GGUF bits,
 moved into planes of words; the layout is described there).
 
-    _qgemv_kernel    y (M, N) f32 = x (M, K) f32 @ W.T   for the few rows of a decode step
+    _qgemv_kernel    y (M, N) f32 = x (M, K) int8 @ W.T  for the few rows of a decode step
     _qmm_kernel      y (M, N) f32 = x (M, K) @ W.T        for a batched decode step's rows
                      (both: W up to three weights of one type stacked along N, one launch)
     _dequant_kernel  out (R, K) f16/f32 = rows of W        for prefill and row lookups
@@ -10,14 +10,14 @@ All three walk W in groups of 32 elements: a group's quants are LB consecutive l
 (and HB high words), loaded by one thread as one run, and its scale is one per group (two,
 a half each, for the types that scale per 16).
 
-The decode kernel multiplies in integers, as llama.cpp's CUDA decode products do: each
-program rounds its x to int8 per group of 32 (scale dx = max |x| / 127) and multiplies four
-quants with four x values in one dp4a, so a weight value costs about one instruction where
-a float dequantization costs six (the step is then bound by memory, not by issue: an H200
-reads 32 values a clock per multiprocessor at full bandwidth). A thread holds one group of
-several rows, so the x it rounds serves all of them. A type's offset (Q4_0's q - 8) and
-min (Q4_K's m) multiply the sum of the group's int8 x: per group, y += dx * (d * (sum q x
-- OFF * sum x) + m * sum x).
+The decode kernel multiplies in integers, as llama.cpp's CUDA decode products do: x is
+rounded to int8 per group of 32 once a product (_quantize_x_kernel: scale dx = max |x| /
+127, as llama.cpp's q8_1), and a dp4a multiplies four quants with four x values in one
+instruction, so a weight value costs about two instructions where a float dequantization
+costs six (the step is then bound by memory, not by issue: an H200 reads 32 values a clock
+per multiprocessor at full bandwidth). A type's offset (Q4_0's q - 8) and min (Q4_K's m)
+multiply the sum of the group's int8 x: per group, y += dx * (d * (sum q x - OFF * sum x)
++ m * sum x).
 
 The other two dequantize a tile to floats, each value rounded as gguf-py rounds it.
 """
@@ -57,59 +57,6 @@ MAGIC = tl.constexpr(12582912.0)
 @triton.jit
 def _f16(p):
     return tl.load(p).to(tl.float32)
-
-
-@triton.jit
-def _plane(ptr, r, g, G, B: tl.constexpr):
-    """The (BN, NG, B) words of groups g (NG,) of rows r (BN,) in a plane of B bits an
-    element (B words a group, G groups a row), as uint32; groups past the row end read 0."""
-    at = r.to(tl.int64)[:, None, None] * (G * B) + (g * B)[None, :, None] + tl.arange(0, B)[None, None, :]
-    keep = (g < G)[None, :, None]
-    return tl.load(ptr + at, mask=keep, other=0, eviction_policy="evict_first").to(tl.uint32, bitcast=True)
-
-
-@triton.jit
-def _high_words(high_ptr, r, g, G, HB: tl.constexpr):
-    """The HB high words of groups g of rows r, each (BN, NG) uint32 (the second: the
-    first again where HB is 1)."""
-    keep = (g < G)[None, :]
-    base = r.to(tl.int64)[:, None] * (G * HB) + (g * HB)[None, :]
-    h0 = tl.load(high_ptr + base, mask=keep, other=0).to(tl.uint32, bitcast=True)
-    h1 = h0
-    if HB == 2:
-        h1 = tl.load(high_ptr + base + 1, mask=keep, other=0).to(tl.uint32, bitcast=True)
-    return h0, h1
-
-
-@triton.jit
-def _slot(lw, h0, h1, d0, d1, m0, m1, i: tl.constexpr, QT: tl.constexpr, LB: tl.constexpr,
-          HB: tl.constexpr, OFF: tl.constexpr, MIN: tl.constexpr):
-    """(BN, NG, LB) f32: element i of each low word w of a tile, element w * S + i of its
-    group (S = 32 / LB), valued d * (q - OFF) + m as gguf-py rounds it (where the kernel runs
-    without FP fusion); lw (BN, NG, LB) its low words, h0, h1 (BN, NG) its high words, d0,
-    d1, m0, m1 (BN, NG) its halves' scales and mins (_scales)."""
-    S: tl.constexpr = 32 // LB
-    q = (lw >> (8 * (i % 4) + LB * (i // 4))) & ((1 << LB) - 1)
-    e = tl.arange(0, LB)[None, None, :] * S + i  # the element in its group
-    if HB == 1:
-        q = q | (((h0[:, :, None] >> (8 * (e % 4) + e // 4).to(tl.uint32)) & 1) << LB)
-    elif HB == 2:
-        h = tl.where(e < 16, h0[:, :, None], h1[:, :, None])
-        q = q | (((h >> (8 * (e % 4) + 2 * ((e % 16) // 4)).to(tl.uint32)) & 3) << LB)
-    if QT == 8:
-        qf = (q ^ 0x80).to(tl.float32) - 128.0  # int8 q, read as q + 128
-    else:
-        qf = q.to(tl.float32) - OFF
-    if QT == 10 or QT == 11 or QT == 14:  # a scale a half
-        upper = e >= 16
-        v = tl.where(upper, d1[:, :, None], d0[:, :, None]) * qf
-        if MIN:
-            v = v + tl.where(upper, m1[:, :, None], m0[:, :, None])
-    else:
-        v = d0[:, :, None] * qf
-        if MIN:
-            v = v + m0[:, :, None]
-    return v
 
 
 @triton.jit
@@ -181,6 +128,46 @@ def _scales(p0, p1, p2, r, g, K, QT: tl.constexpr):
 
 
 @triton.jit
+def _group_values(low_ptr, high_ptr, p0, p1, p2, r, g, K, QT: tl.constexpr, LB: tl.constexpr,
+                  HB: tl.constexpr, OFF: tl.constexpr, MIN: tl.constexpr):
+    """(BN, NG, 32) f32: the values of groups g (NG,) of rows r (BN,), element i of a group
+    at [.., i], each d * (q - OFF) + m as gguf-py rounds it (where the kernel runs without FP
+    fusion); groups past the row end are 0. A lane an element: the 32 lanes of a group read
+    its LB low words (and HB high words) together, one run."""
+    G = K // 32
+    S: tl.constexpr = 32 // LB  # elements a low word
+    i = tl.arange(0, 32)[None, None, :]
+    keep = (g < G)[None, :, None]
+    row = r.to(tl.int64)[:, None, None]
+    at = row * (G * LB) + (g * LB)[None, :, None] + i // S
+    lw = tl.load(low_ptr + at, mask=keep, other=0, eviction_policy="evict_first").to(tl.uint32, bitcast=True)
+    j = i % S  # the element in its word
+    q = (lw >> (8 * (j % 4) + LB * (j // 4)).to(tl.uint32)) & ((1 << LB) - 1)
+    if HB == 1:  # a word a group: element i at byte i % 4, bit i // 4
+        h = tl.load(high_ptr + row * G + g[None, :, None], mask=keep, other=0).to(tl.uint32, bitcast=True)
+        q = q | (((h >> (8 * (i % 4) + i // 4).to(tl.uint32)) & 1) << LB)
+    elif HB == 2:  # two: 16 elements each, 2 bits at byte i % 4, bit 2 (i % 16 // 4)
+        h = tl.load(high_ptr + row * (2 * G) + (2 * g)[None, :, None] + i // 16, mask=keep,
+                    other=0).to(tl.uint32, bitcast=True)
+        q = q | (((h >> (8 * (i % 4) + 2 * ((i % 16) // 4)).to(tl.uint32)) & 3) << LB)
+    if QT == 8:
+        qf = (q ^ 0x80).to(tl.float32) - 128.0  # int8 q, read as q + 128
+    else:
+        qf = q.to(tl.float32) - OFF
+    d0, d1, m0, m1 = _scales(p0, p1, p2, r, g, K, QT)
+    if QT == 10 or QT == 11 or QT == 14:  # a scale a half
+        upper = i >= 16
+        v = tl.where(upper, d1[:, :, None], d0[:, :, None]) * qf
+        if MIN:
+            v = v + tl.where(upper, m1[:, :, None], m0[:, :, None])
+    else:
+        v = d0[:, :, None] * qf
+        if MIN:
+            v = v + m0[:, :, None]
+    return v
+
+
+@triton.jit
 def _dp4a(a, b, c, SIGNED: tl.constexpr, ASM: tl.constexpr):
     """c + the sum of the four byte products of a (uint32: unsigned bytes, or int8 where
     SIGNED) and b (int32: int8 bytes), as int32."""
@@ -200,20 +187,6 @@ def _dp4a(a, b, c, SIGNED: tl.constexpr, ASM: tl.constexpr):
             bi = (((b >> (8 * i)) & 0xFF) ^ 0x80) - 0x80
             r += ai * bi
     return r
-
-
-@triton.jit
-def _x_quad(x_row, g, G, inv, t: tl.constexpr, LB: tl.constexpr):
-    """Quad t of each of a group's LB low words, of x at groups g (NG,) rounded to int8 by
-    inv (NG,) = 127 / max |x|: (the int8 values, (NG, LB) int32, four a word in element
-    order; their sums (NG, LB) f32, exact)."""
-    QPW: tl.constexpr = 8 // LB
-    e = (g[:, None, None] * 32 + (tl.arange(0, LB)[None, :, None] * QPW + t) * 4
-         + tl.arange(0, 4)[None, None, :])
-    v = tl.load(x_row + e, mask=(g < G)[:, None, None], other=0.0)
-    v = v * inv[:, None, None] + MAGIC
-    byte = (v.to(tl.int32, bitcast=True) & 0xFF) << (8 * tl.arange(0, 4))[None, None, :]
-    return tl.sum(byte, axis=2), tl.sum(v - MAGIC, axis=2)  # disjoint bytes: the sum is their OR
 
 
 @triton.jit
@@ -263,15 +236,42 @@ def _pick(part, a0, a1, a2, P: tl.constexpr):
 
 
 @triton.jit
-def _qgemv_kernel(x_ptr, L0, H0, A0, B0, C0, L1, H1, A1, B1, C1, L2, H2, A2, B2, C2, y_ptr,
+def _quantize_x_kernel(x_ptr, xq_ptr, xs_ptr, K, BG: tl.constexpr):
+    # program (m, j): groups j*BG.. of row m of x (M, K) f32, rounded to int8 per group of 32
+    # (dx = max |x| / 127): xq (M, K/32, 8) int32, four values a word in element order; xs
+    # (M, K/32, 4) f32: dx, the sums of the int8 values of each half, 0
+    m = tl.program_id(0)
+    G = K // 32
+    g = tl.program_id(1) * BG + tl.arange(0, BG)
+    keep = g < G
+    e = g[:, None] * 32 + tl.arange(0, 32)[None, :]
+    v = tl.load(x_ptr + m.to(tl.int64) * K + e, mask=keep[:, None], other=0.0)
+    amax = tl.max(tl.abs(v), axis=1)
+    inv = tl.where(amax > 0, 127.0 / amax, 0.0)
+    t = v * inv[:, None] + MAGIC
+    byte = (t.to(tl.int32, bitcast=True) & 0xFF) << (8 * (tl.arange(0, 32) % 4))[None, :]
+    words = tl.sum(tl.reshape(byte, (BG, 8, 4)), axis=2)  # disjoint bytes: the sum is their OR
+    at = (m.to(tl.int64) * G + g) * 8
+    tl.store(xq_ptr + at[:, None] + tl.arange(0, 8)[None, :], words, mask=keep[:, None])
+    halves = tl.sum(tl.reshape(t - MAGIC, (BG, 2, 16)), axis=2)  # exact: small integers
+    at = (m.to(tl.int64) * G + g) * 4
+    tl.store(xs_ptr + at, amax * (1.0 / 127.0), mask=keep)
+    tl.store(xs_ptr + at + 1, tl.sum(tl.where(tl.arange(0, 2)[None, :] == 0, halves, 0.0), axis=1), mask=keep)
+    tl.store(xs_ptr + at + 2, tl.sum(tl.where(tl.arange(0, 2)[None, :] == 1, halves, 0.0), axis=1), mask=keep)
+    tl.store(xs_ptr + at + 3, amax * 0.0, mask=keep)
+
+
+@triton.jit
+def _qgemv_kernel(xq_ptr, xs_ptr, L0, H0, A0, B0, C0, L1, H1, A1, B1, C1, L2, H2, A2, B2, C2, y_ptr,
                   N0, N1, N2, T0, T1, K, LDY, QT: tl.constexpr, LB: tl.constexpr,
                   HB: tl.constexpr, OFF: tl.constexpr, MIN: tl.constexpr, ASM: tl.constexpr,
                   P: tl.constexpr, BN: tl.constexpr, NG: tl.constexpr):
     # program (m, t): row tile t of the P stacked weights (L, H, A, B, C: each one's low,
-    # high and scale planes; see _part) times row m of x, into y[m, its columns] (y's rows
-    # LDY apart), NG groups of 32 a step. The M programs of one row tile run side by side,
-    # so the tile's bytes come from DRAM once and from L2 after. One launch for q, k and v:
-    # an 8B's k and v have 1,024 rows, under one wave of the GPU's multiprocessors alone
+    # high and scale planes; see _part) times row m of x, given as _quantize_x_kernel's xq
+    # and xs, into y[m, its columns] (y's rows LDY apart), NG groups of 32 a step. The M
+    # programs of one row tile run side by side, so the tile's bytes come from DRAM once and
+    # from L2 after. One launch for q, k and v: an 8B's k and v have 1,024 rows, under one
+    # wave of the GPU's multiprocessors alone
     m = tl.program_id(0)
     part, tile, N, col = _part(tl.program_id(1), T0, T1, N0, N1, N2, P)
     low_ptr, high_ptr = _pick(part, L0, L1, L2, P), _pick(part, H0, H1, H2, P)
@@ -279,10 +279,11 @@ def _qgemv_kernel(x_ptr, L0, H0, A0, B0, C0, L1, H1, A1, B1, C1, L2, H2, A2, B2,
     # rows past the end re-read the last one (in bounds, no masks on the weight stream)
     r = tl.minimum(tile * BN + tl.arange(0, BN), N - 1)
     G = K // 32
-    x_row = x_ptr + m.to(tl.int64) * K
+    xq_row = xq_ptr + m.to(tl.int64) * G * 8
+    xs_row = xs_ptr + m.to(tl.int64) * G * 4
     QPW: tl.constexpr = 8 // LB  # quads a low word
     w = tl.arange(0, LB)  # a group's low words
-    first = (w < LB // 2)[None, :]  # ... of its first half (16 elements)
+    first = (w < LB // 2)[None, None, :]  # ... of its first half (16 elements)
     # partial sums per (row, group), reduced once at the end: no cross-thread traffic in the
     # loop, and a summation order fixed by the shape
     acc = tl.zeros((BN, NG), dtype=tl.float32)
@@ -292,35 +293,32 @@ def _qgemv_kernel(x_ptr, L0, H0, A0, B0, C0, L1, H1, A1, B1, C1, L2, H2, A2, B2,
         at = r.to(tl.int64)[:, None, None] * (G * LB) + (g * LB)[None, :, None] + w[None, None, :]
         lw = tl.load(low_ptr + at, mask=keep[None, :, None], other=0,
                      eviction_policy="evict_first").to(tl.uint32, bitcast=True)  # (BN, NG, LB)
-        ex = g[:, None] * 32 + tl.arange(0, 32)[None, :]
-        amax = tl.max(tl.abs(tl.load(x_row + ex, mask=keep[:, None], other=0.0)), axis=1)
-        inv = tl.where(amax > 0, 127.0 / amax, 0.0)
         dots = tl.zeros((BN, NG, LB), dtype=tl.int32)  # a word's dot product
-        xs = tl.zeros((NG, LB), dtype=tl.float32)  # a word's sum of int8 x
         for t in tl.static_range(QPW):
-            xq, sq = _x_quad(x_row, g, G, inv, t, LB)
-            xs += sq
+            # x's quad for quad t of each low word: quad w * QPW + t of the group
+            xw = tl.load(xq_row + g[:, None] * 8 + w[None, :] * QPW + t, mask=keep[:, None], other=0)
             q = lw >> (LB * t)
             if LB < 8:
                 q = q & (0x01010101 * ((1 << LB) - 1))
             if HB > 0:
                 q = q | (_high_quad(high_ptr, r, g, G, t, LB, HB) << LB)
-            dots = _dp4a(q, xq[None, :, :], dots, QT == 8, ASM)
+            dots = _dp4a(q, xw[None, :, :], dots, QT == 8, ASM)
+        dx = tl.load(xs_row + g * 4, mask=keep, other=0.0)[None, :]
+        s0 = tl.load(xs_row + g * 4 + 1, mask=keep, other=0.0)[None, :]
+        s1 = tl.load(xs_row + g * 4 + 2, mask=keep, other=0.0)[None, :]
         d0, d1, m0, m1 = _scales(p0, p1, p2, r, g, K, QT)
         if QT == 10 or QT == 11 or QT == 14:  # a scale a half
-            i0 = tl.sum(tl.where(first[None, :, :], dots, 0), axis=2).to(tl.float32)
+            i0 = tl.sum(tl.where(first, dots, 0), axis=2).to(tl.float32)
             i1 = tl.sum(dots, axis=2).to(tl.float32) - i0
-            s0 = tl.sum(tl.where(first, xs, 0.0), axis=1)[None, :]
-            s1 = tl.sum(xs, axis=1)[None, :] - s0
             c = d0 * (i0 - OFF * s0) + d1 * (i1 - OFF * s1)
             if MIN:
                 c += m0 * s0 + m1 * s1
         else:
-            s = tl.sum(xs, axis=1)[None, :]
+            s = s0 + s1
             c = d0 * (tl.sum(dots, axis=2).to(tl.float32) - OFF * s)
             if MIN:
                 c += m0 * s
-        acc += c * (amax * (1.0 / 127.0))[None, :]
+        acc += c * dx
     rows = tile * BN + tl.arange(0, BN)
     tl.store(y_ptr + m * LDY + col + rows, tl.sum(acc, axis=1), mask=rows < N)
 
@@ -344,20 +342,13 @@ def _qmm_kernel(x_ptr, L0, H0, A0, B0, C0, L1, H1, A1, B1, C1, L2, H2, A2, B2, C
     G = K // 32
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     first = tl.program_id(2) * SPLIT_GROUPS
-    S: tl.constexpr = 32 // LB
-    kk = tl.arange(0, NG * LB)  # a slot's K-slice: word kk % LB of group kk // LB
     for g0 in tl.range(first, tl.minimum(first + SPLIT_GROUPS, G), NG):
         g = g0 + tl.arange(0, NG)
-        lw = _plane(low_ptr, r, g, G, LB)
-        h0, h1 = _high_words(high_ptr, r, g, G, HB) if HB > 0 else (lw, lw)
-        d0, d1, m0, m1 = _scales(p0, p1, p2, r, g, K, QT)
-        # slot i of every word is a K-slice of the product: the x elements 32 g + w S + i
-        for i in tl.static_range(S):
-            v = _slot(lw, h0, h1, d0, d1, m0, m1, i, QT, LB, HB, OFF, MIN)
-            wt = tl.reshape(v.to(tl.float16), (BN, NG * LB))
-            e = (g0 + kk // LB) * 32 + (kk % LB) * S + i
-            x = tl.load(xm + e[None, :], mask=(m < M)[:, None] & (e < K)[None, :], other=0.0)
-            acc = tl.dot(x.to(tl.float16), tl.trans(wt), acc)
+        v = _group_values(low_ptr, high_ptr, p0, p1, p2, r, g, K, QT, LB, HB, OFF, MIN)
+        wt = tl.reshape(v.to(tl.float16), (BN, NG * 32))
+        e = g0 * 32 + tl.arange(0, NG * 32)
+        x = tl.load(xm + e[None, :], mask=(m < M)[:, None] & (e < K)[None, :], other=0.0)
+        acc = tl.dot(x.to(tl.float16), tl.trans(wt), acc)
     rows = tile * BN + tl.arange(0, BN)
     y = y_ptr + tl.program_id(2).to(tl.int64) * SPLIT_STRIDE + col
     tl.store(y + m[:, None] * LDY + rows[None, :], acc, mask=(m < M)[:, None] & (rows < N)[None, :])
@@ -372,14 +363,7 @@ def _dequant_kernel(low_ptr, high_ptr, p0, p1, p2, out_ptr, R0, R1, K, QT: tl.co
     rows = R0 + tl.program_id(0) * BN + tl.arange(0, BN)
     r = tl.minimum(rows, R1 - 1)
     g = tl.program_id(1) * NG + tl.arange(0, NG)
-    G = K // 32
-    S: tl.constexpr = 32 // LB
-    lw = _plane(low_ptr, r, g, G, LB)
-    h0, h1 = _high_words(high_ptr, r, g, G, HB) if HB > 0 else (lw, lw)
-    d0, d1, m0, m1 = _scales(p0, p1, p2, r, g, K, QT)
-    e = g[None, :, None] * 32 + tl.arange(0, LB)[None, None, :] * S  # element 0 of each word
-    out = out_ptr + (rows - R0).to(tl.int64)[:, None, None] * K + e
+    v = _group_values(low_ptr, high_ptr, p0, p1, p2, r, g, K, QT, LB, HB, OFF, MIN)
+    e = g[None, :, None] * 32 + tl.arange(0, 32)[None, None, :]
     keep = (rows < R1)[:, None, None] & (e < K)
-    for i in tl.static_range(S):
-        v = _slot(lw, h0, h1, d0, d1, m0, m1, i, QT, LB, HB, OFF, MIN)
-        tl.store(out + i, v.to(out_ptr.dtype.element_ty), mask=keep)
+    tl.store(out_ptr + (rows - R0).to(tl.int64)[:, None, None] * K + e, v.to(out_ptr.dtype.element_ty), mask=keep)

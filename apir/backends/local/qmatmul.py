@@ -7,8 +7,9 @@
 Triton) in ``qpack``'s packed form, elsewhere as GGUF blocks, exactly as in the file.
 Two paths, chosen by the rows of x and the device:
 
-- M <= FUSED_ROWS on CUDA: one Triton kernel reads every weight byte once and dequantizes
-  in registers (``qkernels._qgemv_kernel``). No memory beyond the (M, N) result.
+- M <= FUSED_ROWS on CUDA: x is rounded to int8 per group of 32, then one Triton kernel
+  reads every weight byte once and multiplies in integers (``qkernels._qgemv_kernel``).
+  No memory beyond the (M, N) result and int8 x.
 - M <= BATCH_ROWS on CUDA (a batched decode step): a Triton kernel dequantizes each weight
   tile once, to f16, and multiplies it with every row on the tensor cores
   (``qkernels._qmm_kernel``), in parts along K that the caller sums. No memory beyond
@@ -74,24 +75,23 @@ def _groups_a_step(qtype: int, k: int, most: int) -> int:
 
 def tiles(qtype: int, n: int, k: int, fused: bool) -> tuple[int, int, int]:
     """(BN rows, NG groups of 32 a K-step, num_warps) of a program for a packed (n, k)
-    weight. The fused kernel: a step of 32 groups, one a thread, each thread's rows read
-    about 128 bytes of quants (8 rows of a 4-bit type), 4 warps. The dequantize kernel:
-    8 groups a row step, 4,096 values a program, 4 warps."""
+    weight. The fused kernel: a step of 32 groups, 4 warps, two (row, group)s a thread: 8
+    rows, so that an 8B's 4,096-row products are 512 programs (H200, bench/probes/qgemv.py
+    --sweep: 16 to 32 rows a program, fewer programs, ran at 0.5-0.8 of it on those, within
+    3% of it on 14,336 rows). The dequantize kernel: 8 groups a row step, 4,096 values a
+    program, 4 warps."""
     if fused:
-        lb, hb, _ = qpack._BITS[qtype]
         ng = _groups_a_step(qtype, k, 32)
-        per_thread = max(1, min(16, 32 // (lb + hb)))  # rows, ~128 bytes of quants
-        per_thread = 1 << (per_thread.bit_length() - 1)
-        return max(1, min(per_thread * 128 // ng, 1 << (n - 1).bit_length())), ng, 4
+        return max(1, min(256 // ng, 1 << (n - 1).bit_length())), ng, 4
     ng = _groups_a_step(qtype, k, 8)
     return max(1, 4096 // (32 * ng)), ng, 4
 
 
 def batch_tiles(qtype: int, n: int, k: int) -> tuple[int, int, int, int]:
     """(BM rows of x, BN rows of W, NG groups of 32 a K-step, num_warps) of the batched
-    kernel: a 16 x 128 tile, 256 values of K a step, 4 warps (the old layout's best on an
-    H200, bench/probes/qgemv.py --rows 16 --configs)."""
-    return 16, 128, _groups_a_step(qtype, k, 8), 4
+    kernel: a 16 x 128 tile, 64 values of K a step (a thread holds 64 values of the tile),
+    4 warps."""
+    return 16, 128, _groups_a_step(qtype, k, 2), 4
 
 
 def k_splits(qtype: int, m: int, n: int, k: int, sms: int) -> tuple[int, int]:
@@ -175,15 +175,27 @@ if qkernels is not None:
         return planes, dict(N0=rows[0], N1=rows[1], N2=rows[2], T0=counts[0], T1=counts[1], P=len(ws),
                             **_meta(qtype)), sum(counts)
 
-    def _launch_gemv(x: torch.Tensor, ws: Sequence[torch.Tensor], qtype: int, ns: Sequence[int], k: int,
-                     y: torch.Tensor | None = None) -> torch.Tensor:
-        # x (M, K) f32 contiguous -> y (M, sum ns) f32, written into ``y`` (rows unit-strided)
+    def quantize_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (M, K) f32 contiguous rounded to int8 per group of 32 for the fused kernel:
+        (xq (M, K/32, 8) int32, four values a word; xs (M, K/32, 4) f32: the scale, the
+        sums of each half's int8 values, 0)."""
+        m, k = x.shape
+        xq = torch.empty((m, k // 32, 8), device=x.device, dtype=torch.int32)
+        xs = torch.empty((m, k // 32, 4), device=x.device, dtype=torch.float32)
+        qkernels._quantize_x_kernel[(m, triton.cdiv(k // 32, 32))](x, xq, xs, k, BG=32, num_warps=4)
+        return xq, xs
+
+    def _launch_gemv(xq: tuple[torch.Tensor, torch.Tensor], ws: Sequence[torch.Tensor], qtype: int,
+                     ns: Sequence[int], k: int, y: torch.Tensor | None = None) -> torch.Tensor:
+        # quantize_x's x (M rows) -> y (M, sum ns) f32, written into ``y`` (rows unit-strided)
+        m = xq[0].shape[0]
         if y is None:
-            y = torch.empty((x.shape[0], sum(ns)), device=x.device, dtype=torch.float32)
+            y = torch.empty((m, sum(ns)), device=xq[0].device, dtype=torch.float32)
         bn, ng, warps = tiles(qtype, ns[0], k, fused=True)
         planes, args, tiles_n = _stack(ws, qtype, ns, k, bn)
-        qkernels._qgemv_kernel[(x.shape[0], tiles_n)](
-            x, *planes, y, K=k, LDY=y.stride(0), **args, ASM=qkernels.ASM, BN=bn, NG=ng, num_warps=warps)
+        qkernels._qgemv_kernel[(m, tiles_n)](
+            *xq, *planes, y, K=k, LDY=y.stride(0), **args, ASM=qkernels.ASM, BN=bn, NG=ng,
+            num_warps=warps, num_stages=2)
         return y
 
     def _launch_mm(x: torch.Tensor, ws: Sequence[torch.Tensor], qtype: int, ns: Sequence[int],
@@ -220,10 +232,11 @@ if qkernels is not None:
                k: int) -> torch.Tensor:
         # the weights stacked along N: one launch a run of one type, into its columns of y
         y = torch.empty((x.shape[0], sum(ns)), device=x.device, dtype=torch.float32)
+        xq = quantize_x(x)  # once for every run
         off = 0
         for a, b in runs(qtypes):
             width = sum(ns[a:b])
-            _launch_gemv(x, ws[a:b], qtypes[a], ns[a:b], k, y[:, off : off + width])
+            _launch_gemv(xq, ws[a:b], qtypes[a], ns[a:b], k, y[:, off : off + width])
             off += width
         return y
 
