@@ -27,6 +27,7 @@ from apir.host.daemon import HostConfig
 from apir.host.published import PublishedModel, Shelf
 from apir.models.gguf_file import GGUFFile
 from apir.models.layout import layout_digest, weight_slots
+from apir.protocol import messages as m
 from apir.transport import parse_address
 
 KEEP_ALIVE = 1.0  # seconds: long enough for back-to-back loads, short for the unload test
@@ -98,6 +99,7 @@ def test_sessions_share_one_copy_uploaded_by_nobody(host, tiny, layout, expected
         # counted once, beside the sessions: the weights and their dequantized f32 forms,
         # which a CPU session would otherwise make (and be charged) for itself
         assert st.shared_bytes == layout[1] + _forms_size(tiny)
+        assert st.shared == (m.SharedInfo("tiny", "host", st.shared_bytes, 2),)  # one copy, two sessions
         # a sharing session holds what the uploader holds but its weights and their forms
         assert _allocated(host, uploader) - _allocated(host, first) == layout[1] + _dequantized_elements(tiny) * 4
         assert _allocated(host, first) == _allocated(host, second)

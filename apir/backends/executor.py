@@ -143,6 +143,14 @@ class Executor(Backend):
                 self._write(buf, start, np.frombuffer(data[start : start + ADOPT_CHUNK], np.uint8))
             buf.read_only = True
 
+    def adopt_device_buffer(self, handle: int, weights: object, packed: Mapping[int, tuple[int, int, int, int]]) -> None:
+        """Give ``handle`` to ``weights``, a published model's copy on this executor's device
+        that another process holds for every session (``apir.host.holder``): computed on in
+        place, charged to no session, read-only (writes and STATE leaves refused, as for
+        ``adopt_buffer``). ``packed``: the quantized weights already packed in it, offset ->
+        (ggml type, n, k, bytes). An executor without such a device refuses it."""
+        raise BackendError("this host's executor cannot compute on a device copy of shared weights")
+
     def free_buffer(self, handle: int) -> None:
         buf = self._buffer(handle)
         del self._buffers[handle]

@@ -140,7 +140,9 @@ def cmd_status(args: argparse.Namespace) -> int:
     print(json.dumps({"version": st.version, "device": st.device.name, "max_sessions": st.max_sessions,
                       "max_memory": st.max_memory, "sessions": sessions, "warm_workers": pool,
                       "published": {"models": list(st.published), "resident_bytes": st.shared_bytes,
-                                    "loads": st.shared_loads}}, indent=2))
+                                    "loads": st.shared_loads,
+                                    "copies": [{"model": c.name, "where": c.where, "bytes": c.nbytes,
+                                                "sessions": c.sessions} for c in st.shared]}}, indent=2))
     return 0
 
 

@@ -31,7 +31,9 @@ from ..protocol import PROTOCOL_VERSION, ErrorCode, ProtocolError
 from ..protocol import messages as m
 from ..protocol.messages import HEADER, MAX_BODY, decode_body, decode_header, encode
 from ..transport import Address, Connection, listen
+from . import holder
 from .handshake import HANDSHAKE_MAX, MAX_PENDING, Gate, RateLimitedLog, check_hello, peer_key
+from .holder import Holder
 from .published import KEEP_ALIVE, REQUEST_MAX, Grant, PublishedModel, Shelf, ask
 from .session import SessionConfig
 from .worker import (
@@ -179,7 +181,11 @@ class Daemon:
         # sessions on a CPU told to keep dequantized f32 forms of weights: for a published
         # model the daemon makes them once, for all of them
         forms = bool(config.models) and config.executor.dequant_cache and not gpu_host(config.device)
-        self.shelf = Shelf(config.models, config.keep_alive, forms, config.executor.cpu_int4)
+        # on a CUDA host a published model's one copy lives on the device, in a holder
+        # process per model (apir.host.holder), not in a memfd of the daemon's
+        held = holder.TRANSPORT.device(config.device) if config.models else None
+        self.shelf = Shelf(config.models, config.keep_alive, forms, config.executor.cpu_int4, held,
+                           self._fork_holder, self.selector)
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -189,6 +195,7 @@ class Daemon:
             self.listeners[sock] = addr
             self.selector.register(sock, selectors.EVENT_READ)
             log.info("listening on %s", addr)
+        self.shelf.preload()  # --keep-alive -1 on a CUDA host: every model's holder now
         self._fill_pool()
 
     def serve_forever(self) -> None:
@@ -203,6 +210,8 @@ class Daemon:
                         self._read_handshake(self.pending[sock])
                     elif key.data in self.idle:
                         self._pool_event(key.data)
+                    elif isinstance(key.data, Holder):
+                        self.shelf.holder_event(key.data)
                     elif key.data in self.workers:
                         self._worker_request(key.data)
                 self._expire_handshakes()
@@ -239,7 +248,26 @@ class Daemon:
         for pid in list(self.workers):
             os.kill(pid, signal.SIGKILL)
         self._reap(block=True)
-        self.shelf.close()
+        self._end_holders(self.shelf.close())
+
+    def _end_holders(self, pids: list[int]) -> None:
+        """Wait for the holders told to end (their sockets closed) so that their device
+        memory is free when the daemon exits; those still there after 5 s are killed."""
+        deadline = time.monotonic() + 5
+        for pid in pids:
+            while True:
+                try:
+                    done, status = os.waitpid(pid, os.WNOHANG)
+                except ChildProcessError:
+                    break
+                if done:
+                    self.shelf.reaped(pid, status)
+                    break
+                if time.monotonic() > deadline:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+                    deadline = float("inf")  # then wait for it
+                time.sleep(0.02)
 
     # ------------------------------------------------------------ handshake
     def _accept(self, listener: socket.socket) -> None:
@@ -407,20 +435,55 @@ class Daemon:
             return
         code = 0
         try:  # the worker: it keeps no listener, no pending handshake, no other worker's pool end
-            _die_with_parent()
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            self.selector.close()
-            # nor another session's guest socket (that guest must see its worker's exit),
-            # nor another worker's pool socket
-            for sock in [*self.listeners, *self.pending, *(w.sock for w in self.idle.values()),
-                         *(w.sock for w in self.workers.values() if w.sock is not None),
-                         *(w.pool for w in self.workers.values() if w.pool), ours]:
-                sock.close()
-            for fd in self.shelf.fds():  # a copy's pages must not outlive its users in this worker
-                os.close(fd)
+            self._forked(ours)
             self._work(theirs)
         except BaseException:  # noqa: BLE001 - a worker must never return into the parent's loop
             log.exception("worker failed")
+            code = 1
+        finally:
+            logging.shutdown()
+            os._exit(code)
+
+    def _forked(self, *also: socket.socket) -> None:
+        """In a child just forked (a worker or a holder): keep nothing of the daemon's. No
+        listener, no pending handshake, no other session's guest socket (that guest must see
+        its worker's exit), no worker's pool end, no published copy or holder socket (see
+        ``Shelf.close_inherited``), nor ``also``; die with the daemon."""
+        _die_with_parent()
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        self.selector.close()
+        for sock in [*self.listeners, *self.pending, *(w.sock for w in self.idle.values()),
+                     *(w.sock for w in self.workers.values() if w.sock is not None),
+                     *(w.pool for w in self.workers.values() if w.pool), *also]:
+            sock.close()
+        self.shelf.close_inherited()
+
+    def _fork_holder(self, model: PublishedModel, device: str) -> Holder:
+        """Fork the holder of ``model``'s copy on ``device`` (see apir.host.holder). Its
+        liveness pipe's write end stays in it alone: the daemon keeps the read end, and
+        lends it to the workers it grants the copy to."""
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        alive, alive_w = os.pipe()
+        try:
+            pid = os.fork()
+        except OSError:
+            for sock in (ours, theirs):
+                sock.close()
+            os.close(alive)
+            os.close(alive_w)
+            raise
+        if pid:
+            theirs.close()
+            os.close(alive_w)
+            ours.setblocking(False)
+            return Holder(model.name, device, pid, ours, alive, time.monotonic())
+        code = 0
+        try:
+            self._forked(ours)
+            os.close(alive)
+            holder.serve(model.name, model.path, device, theirs)
+        except BaseException:  # noqa: BLE001 - a holder must never return into the parent's loop
+            log.exception("holder failed")
             code = 1
         finally:
             logging.shutdown()
@@ -434,9 +497,9 @@ class Daemon:
             return
         copies: dict[str, Grant] = {}
 
-        def published(name: str) -> Grant:
+        def published(name: str, notify) -> Grant:
             if name not in copies:
-                copies[name] = ask(pool, name, self.config.io_timeout)
+                copies[name] = ask(pool, name, self.config.io_timeout, notify)
             return copies[name]
         bind, sock = got
         slot = bind.slot
@@ -521,6 +584,7 @@ class Daemon:
                 return
             w = self.workers.pop(pid, None)
             if w is None:
+                self.shelf.reaped(pid, status)  # a holder's exit is logged
                 continue
             self._close_pool(w)
             self.shelf.release(w.session, time.monotonic())
@@ -553,7 +617,8 @@ class Daemon:
         return m.Status(PROTOCOL_VERSION, m.Device(dev, dev, "", 0, 0, ()), sessions,
                         self.config.max_sessions, self.config.max_memory, self.config.warm_workers,
                         ready, self.served["warm"], self.served["cold"], self.shelf.names(),
-                        self.shelf.resident_bytes(), self.shelf.loads)
+                        self.shelf.resident_bytes(), self.shelf.loads,
+                        tuple(m.SharedInfo(*copy) for copy in self.shelf.resident()))
 
 
 def run(config: HostConfig) -> None:

@@ -15,18 +15,23 @@ On a CPU the sessions compute on the mapping itself: one copy in memory however 
 sessions use it. Where they would also keep dequantized f32 forms of the 16-bit and
 quantized weights (a CPU host with ``ExecutorConfig.dequant_cache``, an opt-in: ~6x the file),
 the daemon makes those once too, into a second sealed memfd that the sessions' workers map
-beside the first (its layout: ``apir.backends.forms``). A GPU session copies the mapping
-to its device (no upload from the guest, but a device copy per session): CUDA memory
-cannot be made before the fork (CUDA does not survive one), and a copy one process
-exports to the others by CUDA IPC must be held by a process that runs no session, whose
-crash would otherwise take the copy, and every session's graphs, with it; that holder is
-not built yet.
+beside the first (its layout: ``apir.backends.forms``).
+
+On a CUDA host there is no memfd: CUDA memory cannot be made before the fork (CUDA does not
+survive one), and a copy one process exports to the others by CUDA IPC must outlive them
+all, so it is held by a process of its own that runs no session, a *holder*
+(``apir.host.holder``), forked when a session first asks for the model and ended
+``keep_alive`` seconds after its last session. Here the daemon only keeps the books: which
+holder serves which model, which sessions use it, who waits for one that is loading. (An
+MPS host keeps the memfd; each of its sessions copies it to the device.)
 
 The daemon and a worker speak over the worker's socketpair (SOCK_SEQPACKET):
 
     worker -> daemon   b"want\\0" + name (UTF-8, at most NAME_MAX bytes)
     daemon -> worker   b"ok" + i64 size + 32-byte layout digest + i64 forms size (0: none),
                     with the memfd and the forms' memfd if any (SCM_RIGHTS)
+                    or holder.GRANT ... (a holder's device copy: see apir.host.holder)
+                    or b"wait", then one of the others: a holder is loading the model
                     or b"no" + a message for the guest (UTF-8)
 """
 
@@ -37,22 +42,29 @@ import logging
 import mmap
 import os
 import re
+import selectors
+import signal
 import socket
 import struct
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
 from ..backends.base import BackendError
 from ..errors import ApirError
+from . import holder
+from .holder import Holder
 
 log = logging.getLogger("apir.host")
 
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,127}")
 NAME_MAX = 128
 WANT = b"want\0"
+WAIT = b"wait"
 REQUEST_MAX = len(WANT) + NAME_MAX
+LOAD_WAIT = holder.LOAD_TIMEOUT + 60  # seconds a worker waits for a loading holder's copy
 _GRANT = struct.Struct("<q32sq")  # after b"ok": size, layout digest, forms size
 FORM_CHUNK = 1 << 22  # elements dequantized at a time: the daemon's scratch stays small
 _SEALS = fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE
@@ -100,7 +112,7 @@ def load_copy(model: PublishedModel, forms: bool = False, int4: bool = False) ->
 
     gguf = GGUFFile(model.path)
     slots, size = weight_slots(gguf.tensors.values())
-    fd = _sealed(f"apir-model-{model.name}", size, (
+    fd = sealed(f"apir-model-{model.name}", size, (
         (slots[t.name].offset, memoryview(t.data).cast("B")) for t in gguf.tensors.values()))
     try:
         forms_fd, forms_size = _forms(model.name, gguf, slots, int4) if forms else (-1, 0)
@@ -110,7 +122,7 @@ def load_copy(model: PublishedModel, forms: bool = False, int4: bool = False) ->
     return SharedCopy(fd, size, layout_digest(slots), forms_fd, forms_size)
 
 
-def _sealed(name: str, size: int, pieces) -> int:
+def sealed(name: str, size: int, pieces) -> int:
     """A memfd of ``size`` bytes holding ``pieces`` ((offset, bytes), ...), sealed: nobody
     writes it again, nor resizes it."""
     fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
@@ -158,44 +170,82 @@ def _forms(name: str, gguf, slots, int4: bool) -> tuple[int, int]:
                 values = dequantize(raw, t.dtype, (n, k)).to(torch.float32).numpy()
                 yield offset + 4 * r * k, memoryview(np.ascontiguousarray(values)).cast("B")
 
-    return _sealed(f"apir-forms-{name}", size, pieces()), size
+    return sealed(f"apir-forms-{name}", size, pieces()), size
+
+
+Spawn = Callable[[PublishedModel, str], Holder]  # forks a holder of a model on a device
 
 
 class Shelf:
-    """The daemon's published models and their resident copies."""
+    """The daemon's published models and their resident copies: memfds it holds itself, or,
+    on a CUDA host (``device``), the holder processes ``spawn`` forks."""
 
     def __init__(self, models: tuple[PublishedModel, ...], keep_alive: float, forms: bool = False,
-                 int4: bool = False) -> None:
+                 int4: bool = False, device: str | None = None, spawn: Spawn | None = None,
+                 selector: selectors.BaseSelector | None = None) -> None:
         """``forms``: the sessions keep dequantized forms of weights (a CPU host's dequant cache),
         so the daemon makes them once, with each copy; ``int4``: not of those the sessions
-        compute in int4 (``load_copy``)."""
+        compute in int4 (``load_copy``). ``device``: where holders put the copies (None: the
+        daemon holds memfds); ``spawn`` forks one, and ``selector`` watches their sockets
+        (the daemon calls ``holder_event`` for each that is readable)."""
         self.models = {p.name: p for p in models}
         self.forms, self.int4 = forms, int4
         # a guest's engine asks by its file's name: NAME=PATH answers to PATH's file name too
         self.aliases = {**{p.path.stem: p.name for p in models}, **{n: n for n in self.models}}
         self.keep_alive = keep_alive  # negative: loaded at start, kept for the daemon's life
         self.copies: dict[str, SharedCopy] = {}
-        self.loads = 0  # copies read from disk
-        if keep_alive < 0:
+        self.device, self.spawn, self.selector = device, spawn, selector
+        self.holders: dict[str, Holder] = {}  # by model name: loading or ready
+        self.children: dict[int, Holder] = {}  # holder processes not reaped yet, by pid
+        self.loads = 0  # copies read from disk (by the daemon, or by a holder it started)
+        if keep_alive < 0 and device is None:
             for name in self.models:
                 self._load(name)
+
+    def preload(self) -> None:
+        """With ``keep_alive`` < 0 on a CUDA host: start every model's holder now."""
+        if self.keep_alive < 0 and self.device is not None:
+            for name in self.models:
+                if name not in self.holders:
+                    self._start(name)
 
     def names(self) -> tuple[str, ...]:
         return tuple(sorted(self.models))
 
     def resident_bytes(self) -> int:
-        return sum(c.size + c.forms_size for c in self.copies.values())
+        """Bytes of the copies held now (in host memory, or on the device), each once."""
+        return (sum(c.size + c.forms_size for c in self.copies.values())
+                + sum(h.size for h in self.holders.values() if h.ready))
 
-    def fds(self) -> list[int]:
-        return [fd for c in self.copies.values() for fd in (c.fd, c.forms_fd) if fd >= 0]
+    def resident(self) -> list[tuple[str, str, int, int]]:
+        """Each copy held now, once: (model, where: "host" or the holder's device, bytes,
+        sessions using it)."""
+        return sorted([*((name, "host", c.size + c.forms_size, len(c.users)) for name, c in self.copies.items()),
+                       *((name, h.device, h.size, len(h.users)) for name, h in self.holders.items() if h.ready)])
 
-    def acquire(self, name: str, session: int) -> SharedCopy:
-        """Model ``name``'s copy, loaded if it is not resident, now used by ``session``."""
+    def close_inherited(self) -> None:
+        """In a child just forked from the daemon: close every copy's fd and every holder's
+        socket and descriptors it inherited (a worker holds a copy only if its session asks;
+        a holder's socket held anywhere else would keep that holder from seeing its EOF)."""
+        for c in self.copies.values():
+            for fd in (c.fd, c.forms_fd):
+                if fd >= 0:
+                    os.close(fd)
+        for h in self.holders.values():
+            h.close()
+
+    def _name(self, name: str) -> str:
+        """The published model ``name`` answers to; a BackendError when there is none."""
         name = self.aliases.get(name, name)
         if name not in self.models:
             listed = ", ".join(self.names()) or "none"
             raise BackendError(f"the host publishes no model named {name[:NAME_MAX]!r} (published: {listed}); "
                                "upload the weights instead")
+        return name
+
+    def acquire(self, name: str, session: int) -> SharedCopy:
+        """Model ``name``'s copy, loaded if it is not resident, now used by ``session``."""
+        name = self._name(name)
         copy = self.copies.get(name) or self._load(name)
         copy.users.add(session)
         return copy
@@ -210,15 +260,24 @@ class Shelf:
         return copy
 
     def release(self, session: int, now: float) -> None:
-        """``session`` ended: it uses no copy any more."""
-        for copy in self.copies.values():
-            if session in copy.users:
-                copy.users.discard(session)
-                if not copy.users:
-                    copy.idle_since = now
+        """``session`` ended: it uses no copy any more, and waits for none."""
+        users: list[SharedCopy | Holder] = [*self.copies.values(), *self.holders.values()]
+        for user in users:
+            if session in user.users:
+                user.users.discard(session)
+                if not user.users:
+                    user.idle_since = now
+        for h in self.holders.values():
+            h.waiting = [(s, pool) for s, pool in h.waiting if s != session]
 
     def expire(self, now: float) -> None:
-        """Close the copies nobody has used for ``keep_alive`` seconds."""
+        """Close the copies nobody has used for ``keep_alive`` seconds; end a holder that
+        has not loaded its copy within ``holder.LOAD_TIMEOUT``."""
+        for name, h in list(self.holders.items()):
+            if not h.ready and now - h.started > holder.LOAD_TIMEOUT:
+                log.warning("published model %s: its holder (pid %d) did not load it within %gs; ending it",
+                            name, h.pid, holder.LOAD_TIMEOUT)
+                _kill(h.pid)
         if self.keep_alive < 0:
             return
         for name, copy in list(self.copies.items()):
@@ -226,11 +285,21 @@ class Shelf:
                 _close(copy)
                 del self.copies[name]
                 log.info("published model %s unloaded: unused for %gs", name, self.keep_alive)
+        for name, h in list(self.holders.items()):
+            if h.ready and not h.users and not h.waiting and now - h.idle_since >= self.keep_alive:
+                self._drop(h)
+                log.info("published model %s unloaded from %s: unused for %gs (its holder, pid %d, ends)",
+                         name, h.device, self.keep_alive, h.pid)
 
-    def close(self) -> None:
+    def close(self) -> list[int]:
+        """Close every copy; returns the pids of the holders told to end (at their EOF)."""
         for copy in self.copies.values():
             _close(copy)
         self.copies.clear()
+        pids = [h.pid for h in self.holders.values()]
+        for h in list(self.holders.values()):
+            self._drop(h)
+        return pids
 
     def answer(self, pool: socket.socket, session: int, data: bytes) -> bool:
         """Answer a worker's request ``data`` on its socketpair ``pool``; False: it is not a
@@ -238,6 +307,8 @@ class Shelf:
         if not data.startswith(WANT) or len(data) > REQUEST_MAX:
             return False
         name = data[len(WANT) :].decode(errors="replace")
+        if self.device is not None:
+            return self._answer_held(pool, session, name)
         fds: list[int] = []
         try:
             copy = self.acquire(name, session)
@@ -248,11 +319,104 @@ class Shelf:
                 log.warning("published model %s cannot be loaded: %s", name, e)
                 e = BackendError(f"the host cannot load its published model {name!r}")
             reply = b"no" + str(e).encode()
-        try:  # one small message into an empty buffer (the worker waits for it): never blocks
-            socket.send_fds(pool, [reply], fds, socket.MSG_DONTWAIT)
-        except OSError:
+        return _send(pool, reply, fds)
+
+    # ------------------------------------------------------------ holders (a CUDA host)
+    def _answer_held(self, pool: socket.socket, session: int, name: str) -> bool:
+        try:
+            h = self.holders.get(self._name(name)) or self._start(self._name(name))
+        except (BackendError, OSError) as e:  # not published, or no holder could be forked
+            if not isinstance(e, BackendError):
+                log.warning("published model %s: no holder could be started: %s", name, e)
+                e = BackendError(f"the host cannot load its published model {name!r}")
+            return _send(pool, b"no" + str(e).encode(), [])
+        if h.ready:
+            return self._grant(h, session, pool)
+        h.waiting.append((session, pool))
+        return _send(pool, WAIT, [])
+
+    def _start(self, name: str) -> Holder:
+        assert self.spawn is not None and self.device is not None
+        h = self.spawn(self.models[name], self.device)
+        self.holders[name] = self.children[h.pid] = h
+        if self.selector is not None:
+            self.selector.register(h.sock, selectors.EVENT_READ, h)
+        self.loads += 1
+        log.info("published model %s: holder pid %d loading it onto %s", name, h.pid, h.device)
+        return h
+
+    def _grant(self, h: Holder, session: int, pool: socket.socket) -> bool:
+        reply, fds = h.grant()
+        if not _send(pool, reply, fds):
             return False
+        h.users.add(session)
         return True
+
+    def holder_event(self, h: Holder) -> None:
+        """Holder ``h``'s socket is readable: its READY or FAIL, or its end (EOF)."""
+        try:
+            data, fds, _, _ = socket.recv_fds(h.sock, holder.MESSAGE_MAX, holder.FDS_MAX)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data, fds = b"", []
+        if self.holders.get(h.name) is not h:  # dropped already
+            for fd in fds:
+                os.close(fd)
+            return
+        if h.take_ready(data, fds, time.monotonic()):
+            waiting, h.waiting = h.waiting, []
+            for session, pool in waiting:
+                self._grant(h, session, pool)
+            return
+        if data.startswith(holder.FAIL):
+            why = "it could not load the model (see the host's log)"
+        elif data:  # a holder says READY once and nothing else, ever
+            why = "it sent nonsense"
+            _kill(h.pid)
+        elif h.ready:
+            why = f"it ended while {len(h.users)} session(s) used the copy; they are closed"
+        else:
+            why = "it ended before it had loaded the model"
+        log.warning("published model %s: its holder (pid %d) on %s is gone: %s", h.name, h.pid, h.device, why)
+        for _, pool in h.waiting:
+            _send(pool, b"no" + f"the host could not load its published model {h.name!r} onto its "
+                  "GPU; upload the weights instead".encode(), [])
+        self._drop(h)
+
+    def _drop(self, h: Holder) -> None:
+        """Forget holder ``h`` (it ends at the EOF of its socket, if it still runs)."""
+        if self.holders.get(h.name) is h:
+            del self.holders[h.name]
+        if self.selector is not None:
+            self.selector.unregister(h.sock)
+        h.close()
+
+    def reaped(self, pid: int, status: int) -> bool:
+        """A child of the daemon was reaped: True if it was a holder (logged)."""
+        h = self.children.pop(pid, None)
+        if h is None:
+            return False
+        if os.WIFSIGNALED(status):
+            log.warning("published model %s: holder pid %d was killed (signal %d)", h.name, pid, os.WTERMSIG(status))
+        elif os.WEXITSTATUS(status):
+            log.warning("published model %s: holder pid %d exited with status %d", h.name, pid, os.WEXITSTATUS(status))
+        return True
+
+
+def _send(pool: socket.socket, reply: bytes, fds: list[int]) -> bool:
+    try:  # one small message into an empty buffer (the worker waits for it): never blocks
+        socket.send_fds(pool, [reply], fds, socket.MSG_DONTWAIT)
+    except OSError:
+        return False
+    return True
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def _close(copy: SharedCopy) -> None:
@@ -262,28 +426,41 @@ def _close(copy: SharedCopy) -> None:
 
 
 class Grant(NamedTuple):
-    """A published model as a worker maps it: its weights, read-only, their layout digest,
-    and their dequantized forms (None: the daemon made none)."""
+    """A published model as a worker opens it: the layout's size and digest, then either
+    the daemon's memfd mapped read-only (``data``) and its dequantized forms (None: the
+    daemon made none), or a holder's copy on the device (``device``: see
+    ``holder.DeviceGrant``)."""
 
-    data: memoryview
+    size: int
     digest: bytes
-    forms: memoryview | None
+    data: memoryview | None = None
+    forms: memoryview | None = None
+    device: holder.DeviceGrant | None = None
 
 
-def ask(pool: socket.socket, name: str, timeout: float) -> Grant:
-    """In a worker: the daemon's copy of published model ``name``, mapped read-only; a
-    BackendError says why not."""
+def ask(pool: socket.socket, name: str, timeout: float, notify: Callable[[str], None] | None = None) -> Grant:
+    """In a worker: the daemon's copy of published model ``name``, mapped read-only, or a
+    holder's device copy opened; a BackendError says why not. ``notify`` tells the guest
+    when a holder is loading the model first (seconds)."""
     raw = name.encode()
     if not NAME.fullmatch(name) or len(raw) > NAME_MAX:
         raise BackendError(f"{name[:NAME_MAX]!r} is not a model name (1 to {NAME_MAX} letters, "
                            "digits and . _ + -)")
     pool.settimeout(timeout)
     pool.send(WANT + raw)
-    data, fds, _, _ = socket.recv_fds(pool, 4096, 2)  # the copy, and its forms if any
+    data, fds, _, _ = socket.recv_fds(pool, holder.MESSAGE_MAX, holder.FDS_MAX)
+    if data == WAIT and not fds:
+        if notify is not None:
+            notify(f"loading published model {name} onto the host's GPU (its first session there)")
+        pool.settimeout(LOAD_WAIT)
+        data, fds, _, _ = socket.recv_fds(pool, holder.MESSAGE_MAX, holder.FDS_MAX)
     if data.startswith(b"no"):
         for fd in fds:
             os.close(fd)
         raise BackendError(data[2:].decode(errors="replace"))
+    if data.startswith(holder.GRANT):
+        g = holder.open_grant(data, fds)
+        return Grant(g.size, g.digest, device=g)
     try:
         if not data.startswith(b"ok") or len(data) != 2 + _GRANT.size:
             raise ApirError("the daemon answered a published model request with nonsense")
@@ -294,4 +471,4 @@ def ask(pool: socket.socket, name: str, timeout: float) -> Grant:
     finally:
         for fd in fds:
             os.close(fd)  # the mappings keep the pages
-    return Grant(memoryview(maps[0]), digest, memoryview(maps[1]) if len(maps) > 1 else None)
+    return Grant(size, digest, memoryview(maps[0]), memoryview(maps[1]) if len(maps) > 1 else None)

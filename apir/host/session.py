@@ -127,10 +127,12 @@ def error_for(exc: BaseException) -> m.Error:
 class Session:
     def __init__(self, chan: Channel, backend: Executor, arena: Arena | None, config: SessionConfig,
                  publish=None, liveness: socket.socket | None = None,
-                 published: Callable[[str], Grant] | None = None) -> None:
+                 published: Callable[[str, Callable[[str], None]], Grant] | None = None) -> None:
         self.chan, self.backend, self.arena, self.config = chan, backend, arena, config
-        # a published model's read-only mapping and layout digest, by name (the daemon's)
+        # a published model's read-only copy and layout digest, by name (the daemon's; the
+        # callable may tell the guest it waits for the copy to be loaded)
         self.published = published
+        self._holders: set[int] = set()  # liveness fds of the holders watched (_watch_holder)
         # the guest's socket, watched for a hang-up (with rings, frames no longer use it)
         self.liveness = liveness
         self.deferred: m.Error | None = None  # first failure of a request nobody waited for
@@ -277,6 +279,34 @@ class Session:
                  self.config.session)
         os._exit(0)
 
+    def _watch_holder(self, alive: int, name: str) -> None:
+        """From now on, end this session when the holder of published model ``name``'s
+        device copy ends (``alive``, a pipe only it writes, hangs up): the memory of a dead
+        exporter is not to be read. The guest gets an Error that says so; the session's
+        next request, or the one running, would otherwise fail in a way nobody can read."""
+        if alive in self._holders:
+            return
+        self._holders.add(alive)
+
+        def watch() -> None:
+            poll = select.poll()
+            poll.register(alive, select.POLLIN)  # POLLHUP is reported whatever is asked
+            while not poll.poll():
+                pass
+            log.warning("session %d: the holder of published model %s ended; closing the session",
+                        self.config.session, name)
+            deadline = time.monotonic() + 1.0
+            while self.sending and time.monotonic() < deadline:  # a reply going out: let it finish
+                time.sleep(0.001)
+            try:
+                self.chan.send(m.Error(ErrorCode.INTERNAL, f"the host's copy of published model {name!r} "
+                                       "on its GPU went away (the process holding it ended); this "
+                                       "session is closed: start a new one"), 0)
+            finally:
+                os._exit(0)
+
+        threading.Thread(target=watch, name="holder", daemon=True).start()
+
     def _watchdog(self, limit: float) -> None:
         """``--max-compute-seconds``: a request still running ``limit`` seconds after its
         frame was read (a kernel cannot be interrupted) ends the worker, after an Error
@@ -356,7 +386,11 @@ class Session:
                 self.layouts.pop(gid, None)
             case m.OpenPublished(handle=h, name=name, layout=layout, size=size):
                 grant = self._published_weights(name, layout, size)
-                b.adopt_buffer(h, grant.data, grant.forms)
+                if grant.device is not None:  # a holder's copy on the device: computed on in place
+                    b.adopt_device_buffer(h, grant.device.weights, grant.device.packed)
+                    self._watch_holder(grant.device.alive, name)
+                elif grant.data is not None:  # the daemon's read-only memfd
+                    b.adopt_buffer(h, grant.data, grant.forms)
             case m.Synchronize():
                 b.synchronize()
             case m.Hello():
@@ -369,8 +403,8 @@ class Session:
         """The daemon's copy of published model ``name``, if it is laid out as the guest's."""
         if self.published is None:
             raise BackendError("this host shares no weights; upload them")
-        grant = self.published(name)
-        if grant.digest != layout or len(grant.data) != size:
+        grant = self.published(name, partial(notify, self.chan))
+        if grant.digest != layout or grant.size != size:
             raise BackendError(f"the host's published model {name!r} is not laid out as this guest's "
                                "file (another version or quantization of it?); upload the weights instead")
         return grant
@@ -430,6 +464,14 @@ class Session:
 
 
 _DONE = Pending(outputs=[])  # the Pending of a step that failed before it was queued
+
+
+def notify(chan: Channel, text: str) -> None:
+    """Tell the guest, whose reply is about to wait on ``text`` (see ``m.Notice``)."""
+    try:
+        chan.send(m.Notice(text))
+    except (ConnectionClosed, TimeoutError, OSError, ProtocolError):
+        pass  # the guest is gone or not reading: the reply's send finds out and ends the session
 
 
 def _step_feed(gid: int, layout: StepLayout, pairs: list[tuple[int, int]] | tuple[tuple[int, int], ...]

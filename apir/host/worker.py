@@ -26,9 +26,9 @@ from ..backends.base import ExecutorConfig
 from ..errors import ApirError
 from ..protocol import PROTOCOL_VERSION, ErrorCode, ProtocolError
 from ..protocol import messages as m
-from ..transport import Channel, Connection, ConnectionClosed, accept, spin_seconds
+from ..transport import Connection, ConnectionClosed, accept, spin_seconds
 from .published import Grant
-from .session import Session, SessionConfig, device_message
+from .session import Session, SessionConfig, device_message, notify
 
 log = logging.getLogger("apir.host")
 
@@ -121,14 +121,6 @@ def wait_for_bind(pool: socket.socket) -> tuple[Bind, socket.socket] | None:
     return Bind.decode(data), socks[0]
 
 
-def _notify(chan: Channel, text: str) -> None:
-    """Tell the guest, whose reply is about to wait on ``text`` (see ``m.Notice``)."""
-    try:
-        chan.send(m.Notice(text))
-    except (ConnectionClosed, TimeoutError, OSError, ProtocolError):
-        pass  # the guest is gone or not reading: the reply's send finds out and ends the session
-
-
 # What a worker may hold beyond its --max-memory before the OS stops it: what accounting
 # does not see (a frame being decoded, up to 3 times --max-message; Python objects; torch's
 # threads, kernels' temporaries and allocator slack).
@@ -137,7 +129,7 @@ CGROUP = Path("/sys/fs/cgroup")  # the cgroup v2 hierarchy (a hybrid host's v1 c
 
 
 def run_worker(conn: Connection, hello: m.Hello, config: SessionConfig, publish,
-               published: Callable[[str], Grant] | None = None) -> None:
+               published: Callable[[str, Callable[[str], None]], Grant] | None = None) -> None:
     """Entry point of a session's worker process (after fork): build, welcome, serve.
     ``conn``: the guest's connection as the handshake left it (a socket, or a VM's rings
     and arena); ``published``: the daemon's published models, by name (see Session)."""
@@ -160,7 +152,7 @@ def run_worker(conn: Connection, hello: m.Hello, config: SessionConfig, publish,
         except ConnectionClosed:
             return  # the guest went away during its handshake
         conn.channel.spin_seconds = spin_seconds(device.kind, config.spin_us)  # the next step is µs away on a GPU
-        backend.on_compile = functools.partial(_notify, conn.channel)
+        backend.on_compile = functools.partial(notify, conn.channel)
         try:
             Session(conn.channel, backend, conn.arena, config, publish, liveness=conn.liveness,
                     published=published).serve()

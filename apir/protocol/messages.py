@@ -42,7 +42,8 @@ MAGIC = b"APIR"
 #    registered layout are an error, not a slower message
 # 5: OpenPublished (a model the host's operator published, shared read-only); Status
 #    lists the published models and the bytes their resident copies hold
-PROTOCOL_VERSION = 5
+# 6: Status lists each resident copy (where it is held, its bytes, its sessions)
+PROTOCOL_VERSION = 6
 HEADER = struct.Struct("<4sHHII")
 MAX_BODY = 64 << 20  # one frame; bulk uploads are chunked below this
 WANT_REPLY = 1
@@ -100,6 +101,17 @@ class SessionInfo:
     peer: str
     allocated: int
     peak: int
+
+
+@dataclass(frozen=True)
+class SharedInfo:
+    """A published model's resident copy, as the host status shows it: once, whatever the
+    number of sessions computing on it."""
+
+    name: str
+    where: str  # "host" (the daemon's read-only memfd) or the device a holder keeps it on
+    nbytes: int  # the copy, plus its dequantized forms if the daemon made them
+    sessions: int  # sessions using it now
 
 
 # ---------------------------------------------------------------- requests
@@ -278,6 +290,7 @@ class Status:
     published: tuple[str, ...] = ()  # models the operator published (apir host --model)
     shared_bytes: int = 0  # bytes of their copies resident now, counted once for all sessions
     shared_loads: int = 0  # copies of them read from disk since the daemon started
+    shared: tuple[SharedInfo, ...] = ()  # the resident copies, one each (shared_bytes is their sum)
 
 
 # Pinned opcodes. Never renumber or reuse: add new messages with new values.

@@ -25,7 +25,7 @@ import math
 import os
 import platform
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import numpy as np
@@ -34,9 +34,11 @@ import torch
 from ...graph import DType, Graph, Op, SampleArgs, T
 from .. import forms as shared_forms
 from ..base import (
+    ALIGNMENT,
     DEFAULT_EXECUTOR,
     NO_LIMITS,
     BackendError,
+    BufferPurpose,
     DeviceInfo,
     ExecutorConfig,
     Limits,
@@ -157,6 +159,30 @@ class LocalBackend(Executor):
             warnings.simplefilter("ignore", UserWarning)
             return torch.frombuffer(data, dtype=torch.uint8)
 
+    def adopt_device_buffer(self, handle: int, weights: torch.Tensor,
+                            packed: Mapping[int, tuple[int, int, int, int]]) -> None:
+        """See ``Executor.adopt_device_buffer``: the spans in ``packed`` are taken as this
+        executor would have packed them at first use (qpack), so no graph packs them again;
+        a graph that reads them otherwise, or reads other bytes of the copy as a quantized
+        weight (which would need packing, a write), is refused."""
+        self._check_open()
+        dev = self.torch_device
+        if (not isinstance(weights, torch.Tensor) or weights.dtype != torch.uint8 or weights.dim() != 1
+                or weights.device.type != dev.type or dev.index is not None and weights.device.index != dev.index):
+            raise BackendError(f"the host's device copy of shared weights is not 1-D bytes on {dev}")
+        if packed and not self._packs:
+            raise BackendError("the host's device copy of shared weights is packed for GPU kernels this "
+                               "session's executor does not use")
+        for offset, (qtype, n, k, nbytes) in packed.items():
+            if (qtype not in qpack.TYPES or offset % ALIGNMENT or offset + nbytes > weights.numel()
+                    or qpack.geometry(qtype, n, k).nbytes != nbytes):
+                raise BackendError(f"the host's table of packed weights is wrong at offset {offset}")
+        handle = self._new_handle(handle, self._buffers)
+        buf = self._buffers[handle] = Buffer(weights.numel(), BufferPurpose.WEIGHTS, weights,
+                                             read_only=True, lent=True)
+        if packed:
+            self._packed[id(buf)] = dict(packed)
+
     def _shared_forms(self, forms: memoryview) -> dict[int, object]:
         """f32 views of the mapping, where this executor's forms are f32 (a CPU's)."""
         if self.torch_device.type != "cpu":
@@ -230,6 +256,11 @@ class LocalBackend(Executor):
         want = (int(node.dtype), math.prod(node.shape[:-1]), node.shape[-1], node.dtype.nbytes(node.shape))
         spans = self._packed.setdefault(id(buf), {})
         if spans.get(offset) != want:
+            if buf.lent:  # a holder's copy: the host packed it, once, for every session; never here
+                raise BackendError(
+                    f"buffer {handle} holds a published model's shared weights, packed by the host "
+                    f"as the model's own tensors; {node.dtype.name} {node.shape} at offset {offset} "
+                    "is not one of them")
             if self._overlapping(buf, offset, want[3]):
                 raise BackendError(
                     f"the bytes at buffer {handle} offset {offset} are already in use as another "
