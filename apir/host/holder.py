@@ -63,6 +63,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from ..backends.base import ALIGNMENT, BackendError
 from ..errors import ApirError
+from .memfd import sealed
 
 if TYPE_CHECKING:
     import torch
@@ -245,8 +246,6 @@ def read_table(data: bytes | memoryview | mmap.mmap, size: int) -> dict[int, tup
 def serve(name: str, path: Path, device: str, sock: socket.socket) -> None:
     """A holder's life, in its forked process: make the copy, tell the daemon, hold it
     until the daemon closes ``sock`` (or dies: PR_SET_PDEATHSIG)."""
-    from .published import sealed
-
     t0 = time.monotonic()
     try:
         copy = load(path, device)

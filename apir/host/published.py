@@ -37,7 +37,6 @@ The daemon and a worker speak over the worker's socketpair (SOCK_SEQPACKET):
 
 from __future__ import annotations
 
-import fcntl
 import logging
 import mmap
 import os
@@ -56,6 +55,7 @@ from ..backends.base import BackendError
 from ..errors import ApirError
 from . import holder
 from .holder import Holder
+from .memfd import sealed
 
 log = logging.getLogger("apir.host")
 
@@ -67,7 +67,6 @@ REQUEST_MAX = len(WANT) + NAME_MAX
 LOAD_WAIT = holder.LOAD_TIMEOUT + 60  # seconds a worker waits for a loading holder's copy
 _GRANT = struct.Struct("<q32sq")  # after b"ok": size, layout digest, forms size
 FORM_CHUNK = 1 << 22  # elements dequantized at a time: the daemon's scratch stays small
-_SEALS = fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE
 KEEP_ALIVE = 300.0  # seconds a copy outlives its last session (Ollama's keep_alive default)
 
 
@@ -120,23 +119,6 @@ def load_copy(model: PublishedModel, forms: bool = False, int4: bool = False) ->
         os.close(fd)
         raise
     return SharedCopy(fd, size, layout_digest(slots), forms_fd, forms_size)
-
-
-def sealed(name: str, size: int, pieces) -> int:
-    """A memfd of ``size`` bytes holding ``pieces`` ((offset, bytes), ...), sealed: nobody
-    writes it again, nor resizes it."""
-    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-    try:
-        os.ftruncate(fd, size)
-        for offset, data in pieces:
-            while data:  # pwrite may write less than asked
-                n = os.pwrite(fd, data, offset)
-                data, offset = data[n:], offset + n
-        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
 
 
 def _forms(name: str, gguf, slots, int4: bool) -> tuple[int, int]:
