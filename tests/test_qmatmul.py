@@ -199,8 +199,8 @@ def test_fused_kernel_matches_gguf(qtype):
 @pytest.mark.parametrize(("qtype", "k"), [(Q.Q4_0, 4096), (Q.Q8_0, 8192), (Q.Q6_K, 32768)],
                          ids=lambda v: getattr(v, "name", v))
 def test_fused_kernel_with_many_groups_a_step_matches_gguf(qtype, k):
-    # 8B-sized rows: a program walks many steps of 32 groups
-    assert qm.tiles(int(qtype), 3, k, True)[1] == 32
+    # 8B-sized rows: a program walks many steps of 16 or 32 groups
+    assert qm.tiles(int(qtype), 3, k, True)[1] == (32 if qtype == Q.Q6_K else 16)
     raw = random_weight(qtype, 3, k, seed=5)
     x = np.random.default_rng(6).standard_normal((2, k)).astype(np.float32)
     y = qm._launch_gemv(qm.quantize_x(torch.from_numpy(x)), [packed(raw, qtype, 3, k)], int(qtype), [3], k)
@@ -236,9 +236,11 @@ def test_rows_choose_the_kernel():
     assert [qm.batched(m) for m in (1, qm.FUSED_ROWS, qm.FUSED_ROWS + 1, qm.BATCH_ROWS, qm.BATCH_ROWS + 1)] \
         == [False, False, True, True, False]
     # K = 96: three groups, a step of one (two would mask one of four); K = 4096: steps of
-    # 32 groups; never more rows a program than the weight's, to a power of two
+    # 16 groups (32 for a K-quant); never more rows a program than the weight's
     assert qm.tiles(int(Q.Q4_0), 4, 96, True) == (4, 1, 4)
-    assert qm.tiles(int(Q.Q4_0), 4096, 4096, True)[1] == 32
+    assert qm.tiles(int(Q.Q4_0), 2, 96, True) == (2, 1, 4)
+    assert qm.tiles(int(Q.Q4_0), 4096, 4096, True) == (4, 16, 4)
+    assert qm.tiles(int(Q.Q4_K), 4096, 4096, True) == (4, 32, 2)
     assert qm.batch_tiles(int(Q.Q4_0), 4, 4096) == (16, 128, 2, 4)
 
 

@@ -75,14 +75,18 @@ def _groups_a_step(qtype: int, k: int, most: int) -> int:
 
 def tiles(qtype: int, n: int, k: int, fused: bool) -> tuple[int, int, int]:
     """(BN rows, NG groups of 32 a K-step, num_warps) of a program for a packed (n, k)
-    weight. The fused kernel: a step of 32 groups, 4 warps, two (row, group)s a thread: 8
-    rows, so that an 8B's 4,096-row products are 512 programs (H200, bench/probes/qgemv.py
-    --sweep: 16 to 32 rows a program, fewer programs, ran at 0.5-0.8 of it on those, within
-    3% of it on 14,336 rows). The dequantize kernel: 8 groups a row step, 4,096 values a
+    weight. The fused kernel: 4 rows, so that a 4,096-row product is 1,024 programs; a step
+    of 16 groups in 4 warps for the 32-element types, of 32 groups in 2 warps for the
+    K-quants, whose scales cost more a group. On an H200 (bench/probes/qgemv.py --configs,
+    2026-12-03) those were the fastest of seven tiles on the 8B's products, 4,096 to 128,256
+    rows, or within 4% of it; 8 rows, 32 groups, 4 warps, the tile before, ran at 0.74-0.92
+    of them, and the 8B's tg128 went from 297.8 to 314.2 t/s (Q4_0) and from 244.2 to
+    277.7 (Q4_K) with 4 rows. The dequantize kernel: 8 groups a row step, 4,096 values a
     program, 4 warps."""
     if fused:
-        ng = _groups_a_step(qtype, k, 32)
-        return max(1, min(256 // ng, 1 << (n - 1).bit_length())), ng, 4
+        per_32 = qpack.block_size(qtype) == 32
+        ng = _groups_a_step(qtype, k, 16 if per_32 else 32)
+        return min(4, 1 << (n - 1).bit_length()), ng, 4 if per_32 else 2
     ng = _groups_a_step(qtype, k, 8)
     return max(1, 4096 // (32 * ng)), ng, 4
 
