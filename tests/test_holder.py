@@ -195,6 +195,9 @@ def test_a_dead_holder_ends_its_sessions_with_an_error_that_says_so(host, tiny, 
         assert _ids(a) == expected
         loads, pid = host.status().shared_loads, _holders(host)[-1]
         os.kill(pid, signal.SIGKILL)
+        # Reaped, so its liveness pipe has hung up: a CUDA process takes a while to exit,
+        # and a request read before that still finds the holder's memory mapped.
+        _until(lambda: f"holder pid {pid} was killed (signal 9)" in host.log.read_text(), "the holder reaped")
         for model in (a, b):  # idle when it died: told at their next request
             with pytest.raises((RemoteError, HostGoneError), match="published model 'tiny' on its GPU went away"):
                 _ids(model)

@@ -132,7 +132,7 @@ class Session:
         # a published model's read-only copy and layout digest, by name (the daemon's; the
         # callable may tell the guest it waits for the copy to be loaded)
         self.published = published
-        self._holders: set[int] = set()  # liveness fds of the holders watched (_watch_holder)
+        self._holders: dict[int, str] = {}  # liveness fd -> published model (_watch_holder)
         # the guest's socket, watched for a hang-up (with rings, frames no longer use it)
         self.liveness = liveness
         self.deferred: m.Error | None = None  # first failure of a request nobody waited for
@@ -172,6 +172,7 @@ class Session:
                 self.requests += 1
                 for fd in fds:  # guests never send descriptors
                     os.close(fd)
+                self._check_holders()
                 # a Step stays a tuple of fields: the hot path makes no message objects
                 msg = m.parse_step(body) if header.opcode == m.STEP_OPCODE else decode_body(header.opcode, body)
             except ConnectionClosed:
@@ -283,29 +284,45 @@ class Session:
         """From now on, end this session when the holder of published model ``name``'s
         device copy ends (``alive``, a pipe only it writes, hangs up): the memory of a dead
         exporter is not to be read. The guest gets an Error that says so; the session's
-        next request, or the one running, would otherwise fail in a way nobody can read."""
+        next request, or the one running, would otherwise fail in a way nobody can read.
+        A thread waits for the hang-up during a request; the serving loop also looks
+        before each request (``_check_holders``), so a request read after the holder's
+        exit never runs on its memory, whichever thread the scheduler runs first."""
         if alive in self._holders:
             return
-        self._holders.add(alive)
+        self._holders[alive] = name
 
         def watch() -> None:
             poll = select.poll()
             poll.register(alive, select.POLLIN)  # POLLHUP is reported whatever is asked
             while not poll.poll():
                 pass
-            log.warning("session %d: the holder of published model %s ended; closing the session",
-                        self.config.session, name)
-            deadline = time.monotonic() + 1.0
-            while self.sending and time.monotonic() < deadline:  # a reply going out: let it finish
-                time.sleep(0.001)
-            try:
-                self.chan.send(m.Error(ErrorCode.INTERNAL, f"the host's copy of published model {name!r} "
-                                       "on its GPU went away (the process holding it ended); this "
-                                       "session is closed: start a new one"), 0)
-            finally:
-                os._exit(0)
+            self._holder_gone(name)
 
         threading.Thread(target=watch, name="holder", daemon=True).start()
+
+    def _check_holders(self) -> None:
+        """Before a request: end the session if a watched holder has ended (see above)."""
+        if not self._holders:
+            return
+        poll = select.poll()
+        for fd in self._holders:
+            poll.register(fd, select.POLLIN)
+        for fd, _ in poll.poll(0):
+            self._holder_gone(self._holders[fd])
+
+    def _holder_gone(self, name: str) -> None:
+        log.warning("session %d: the holder of published model %s ended; closing the session",
+                    self.config.session, name)
+        deadline = time.monotonic() + 1.0
+        while self.sending and time.monotonic() < deadline:  # a reply going out: let it finish
+            time.sleep(0.001)
+        try:
+            self.chan.send(m.Error(ErrorCode.INTERNAL, f"the host's copy of published model {name!r} "
+                                   "on its GPU went away (the process holding it ended); this "
+                                   "session is closed: start a new one"), 0)
+        finally:
+            os._exit(0)
 
     def _watchdog(self, limit: float) -> None:
         """``--max-compute-seconds``: a request still running ``limit`` seconds after its
