@@ -212,8 +212,12 @@ def test_fused_kernel_with_many_groups_a_step_matches_gguf(qtype, k):
 def test_batched_kernel_matches_gguf(qtype):
     # a batched decode step's rows: each weight tile dequantized once to f16 and multiplied
     # with every row (x rounded to f16 too, as the prefill path does)
-    # the last shape is split along K (k_splits: 4 parts, summed after)
-    for i, (m, n, k) in enumerate([(9, 13, 256), (17, 70, 512), (12, 20, 4096)]):
+    # the third shape is split along K (k_splits: 8 parts for the 4-bit types, summed
+    # after); for the 32-element types K = 480 too: 15 groups, steps of 8, one group masked
+    shapes = [(9, 13, 256), (17, 70, 512), (12, 20, 4096)]
+    if qpack.block_size(int(qtype)) == 32:
+        shapes.append((10, 129, 480))
+    for i, (m, n, k) in enumerate(shapes):
         raw = random_weight(qtype, n, k, seed=i)
         assert qm.batched(m)
         x = np.random.default_rng(i).standard_normal((m, k)).astype(np.float32)
@@ -224,12 +228,12 @@ def test_batched_kernel_matches_gguf(qtype):
 
 def test_batched_kernel_splits_k_until_the_gpu_is_full():
     # an 8B's down projection at 16 rows: 32 programs unsplit, 4 a multiprocessor wanted
-    # (17 parts), 224 steps of 2 groups: 16 parts of 14 steps (28 groups)
-    assert qm.k_splits(int(Q.Q4_0), 16, 4096, 14336, sms=132) == (16, 28)
-    assert qm.k_splits(int(Q.Q4_0), 16, 14336, 4096, sms=132) == (5, 26)
+    # (17 parts), 56 steps of 8 groups: 14 parts of 4 steps (32 groups)
+    assert qm.k_splits(int(Q.Q4_0), 16, 4096, 14336, sms=132) == (14, 32)
+    assert qm.k_splits(int(Q.Q4_0), 16, 14336, 4096, sms=132) == (4, 32)
     assert qm.k_splits(int(Q.Q4_0), 64, 14336, 4096, sms=132) == (2, 64)  # 4 row tiles
-    assert qm.k_splits(int(Q.Q4_0), 12, 20, 4096, sms=132) == (32, 4)  # at least 2 steps a part
-    assert qm.k_splits(int(Q.Q4_0), 12, 20, 512, sms=132) == (4, 4)
+    assert qm.k_splits(int(Q.Q4_0), 12, 20, 4096, sms=132) == (8, 16)  # at least 2 steps a part
+    assert qm.k_splits(int(Q.Q4_0), 12, 20, 512, sms=132) == (1, 16)
 
 
 def test_rows_choose_the_kernel():
@@ -241,7 +245,10 @@ def test_rows_choose_the_kernel():
     assert qm.tiles(int(Q.Q4_0), 2, 96, True) == (2, 1, 4)
     assert qm.tiles(int(Q.Q4_0), 4096, 4096, True) == (4, 16, 4)
     assert qm.tiles(int(Q.Q4_K), 4096, 4096, True) == (4, 32, 2)
-    assert qm.batch_tiles(int(Q.Q4_0), 4, 4096) == (16, 128, 2, 4)
+    assert qm.batch_tiles(int(Q.Q4_0), 4, 4096) == (16, 128, 8, 4)  # 32 low words a step
+    assert qm.batch_tiles(int(Q.Q8_0), 4, 4096) == (16, 128, 4, 4)
+    assert qm.batch_tiles(int(Q.Q2_K), 4, 4096) == (16, 128, 8, 4)
+    assert qm.batch_tiles(int(Q.Q4_0), 4, 480) == (16, 128, 8, 4)
 
 
 @needs_triton

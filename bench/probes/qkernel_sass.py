@@ -46,7 +46,7 @@ def _signature(qtype: int, kind: str) -> dict[str, str]:
         sig = {**x, **planes, "y_ptr": "*fp32", **({"M": "i32"} if kind == "batched" else {}),
                "N0": "i32", "N1": "i32", "N2": "i32", "T0": "i32", "T1": "i32", "K": "i32", "LDY": "i32",
                **({"SPLIT_GROUPS": "i32", "SPLIT_STRIDE": "i32"} if kind == "batched" else {})}
-    consts = ("QT", "LB", "HB", "OFF", "MIN", *(("ASM",) if kind == "fused" else ()),
+    consts = ("QT", "LB", "HB", "OFF", "MIN", *(("ASM",) if kind != "dequant" else ()),
               *(("P",) if kind != "dequant" else ()), *(("BM",) if kind == "batched" else ()), "BN", "NG")
     return sig | {name: "constexpr" for name in consts}
 
@@ -66,7 +66,7 @@ def compile_kernel(qtype: int, n: int, k: int, kind: str = "fused", parts: int =
     consts = dict(QT=qtype, LB=lb, HB=hb, OFF=off, MIN=mins)
     if kind == "batched":
         bm, bn, nc, warps = qmatmul.batch_tiles(qtype, n, k)
-        consts |= dict(BM=bm)
+        consts |= dict(BM=bm, ASM=True)
         fn, options, ints = qkernels._qmm_kernel, {"num_stages": 1}, (23, 24)  # K, LDY
     elif kind == "fused":
         bn, nc, warps = qmatmul.tiles(qtype, n, k, fused=True)
@@ -97,7 +97,7 @@ def loop_sass(qtype: int, n: int, k: int, batched: bool = False, parts: int = 1,
         cubin.write_bytes(kernel.asm["cubin"])
         sass = subprocess.run([str(BIN / "cuobjdump"), "-sass", str(cubin)], capture_output=True,
                               text=True, check=True).stdout.splitlines()
-    code = [line for line in sass if re.match(r"\s*/\*[0-9a-f]{4}\*/", line)]
+    code = [line for line in sass if re.match(r"\s*/\*[0-9a-f]{4,}\*/", line)]
     # the loop: from the target of the backward branch to that branch
     for i, line in enumerate(code):
         m = re.search(r"BRA 0x([0-9a-f]+)", line)

@@ -2,7 +2,7 @@
 moved into planes of words; the layout is described there).
 
     _qgemv_kernel    y (M, N) f32 = x (M, K) int8 @ W.T  for the few rows of a decode step
-    _qmm_kernel      y (M, N) f32 = x (M, K) @ W.T        for a batched decode step's rows
+    _qmm_kernel      y (M, N) f32 = x (M, K) f16 @ W.T    for a batched decode step's rows
                      (both: W up to three weights of one type stacked along N, one launch)
     _dequant_kernel  out (R, K) f16/f32 = rows of W        for prefill and row lookups
 
@@ -19,7 +19,9 @@ per multiprocessor at full bandwidth). A type's offset (Q4_0's q - 8) and min (Q
 multiply the sum of the group's int8 x: per group, y += dx * (d * (sum q x - OFF * sum x)
 + m * sum x).
 
-The other two dequantize a tile to floats, each value rounded as gguf-py rounds it.
+The other two dequantize to floats: the batched kernel a slot of every word of its tile at a
+time (``_qmm_kernel``), the dequantize kernel a lane an element, each value rounded as
+gguf-py rounds it.
 """
 
 from __future__ import annotations
@@ -324,31 +326,105 @@ def _qgemv_kernel(xq_ptr, xs_ptr, L0, H0, A0, B0, C0, L1, H1, A1, B1, C1, L2, H2
 
 
 @triton.jit
+def _byte(w, t: tl.constexpr, ASM: tl.constexpr):
+    # 0x4B0000XX, XX = byte t of the uint32 w: the bits of the f32 2**23 + XX, so a quant
+    # becomes a float without an int->float convert (a quarter of the f32 rate on Hopper).
+    # On a GPU a byte permute (PRMT) a value, the four of a word in one asm block that the
+    # calls for t = 0..3 share (it is pure, so it is emitted once)
+    if ASM:
+        r0, r1, r2, r3 = tl.inline_asm_elementwise(
+            """{
+            .reg .b32 m;
+            mov.b32 m, 0x4B000000;
+            prmt.b32 $0, $4, m, 0x7540;
+            prmt.b32 $1, $4, m, 0x7541;
+            prmt.b32 $2, $4, m, 0x7542;
+            prmt.b32 $3, $4, m, 0x7543;
+            }""", "=r,=r,=r,=r,r", [w], dtype=(tl.uint32, tl.uint32, tl.uint32, tl.uint32),
+            is_pure=True, pack=1)
+        if t == 0:
+            r = r0
+        elif t == 1:
+            r = r1
+        elif t == 2:
+            r = r2
+        else:
+            r = r3
+    else:
+        r = ((w >> (8 * t)) & 0xFF) | 0x4B000000
+    return r
+
+
+@triton.jit
+def _slot(lw, hw, s: tl.constexpr, QT: tl.constexpr, LB: tl.constexpr, HB: tl.constexpr,
+          OFF: tl.constexpr, ASM: tl.constexpr):
+    """q - OFF as f32, exactly, for slot s of the low words lw (uint32): the quant at byte
+    s % 4, bit LB (s // 4) of each word (element s of the word's S), with its high bits
+    from hw (its group's high word, shifted to the word's elements: see _qmm_kernel)."""
+    if LB == 8:
+        bits = _byte(lw ^ 0x80808080, s, ASM)  # int8 q -> q + 128 as a byte
+    else:
+        bits = _byte((lw >> (LB * (s // 4))) & (0x01010101 * ((1 << LB) - 1)), s % 4, ASM)
+    if HB > 0:
+        bits = bits | (((hw >> (8 * (s % 4) + HB * (s // 4))) & ((1 << HB) - 1)) << LB)
+    f = bits.to(tl.float32, bitcast=True)
+    if QT == 8:
+        return f - 8388736.0  # 2**23 + 128
+    return f - (8388608.0 + OFF)
+
+
+@triton.jit
 def _qmm_kernel(x_ptr, L0, H0, A0, B0, C0, L1, H1, A1, B1, C1, L2, H2, A2, B2, C2, y_ptr,
                 M, N0, N1, N2, T0, T1, K, LDY, SPLIT_GROUPS, SPLIT_STRIDE,
                 QT: tl.constexpr, LB: tl.constexpr, HB: tl.constexpr, OFF: tl.constexpr,
-                MIN: tl.constexpr, P: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, NG: tl.constexpr):
+                MIN: tl.constexpr, ASM: tl.constexpr, P: tl.constexpr, BM: tl.constexpr,
+                BN: tl.constexpr, NG: tl.constexpr):
     # program (i, t, h): rows i*BM.. of x times row tile t of the P stacked weights (as
     # _qgemv_kernel), over groups h*SPLIT_GROUPS.. of K, written SPLIT_STRIDE * h further on
-    # (the caller sums the splits). Each weight tile is dequantized once, to f16, and
-    # multiplied with every row on the tensor cores. x is rounded to f16, as the prefill
-    # path does
+    # (the caller sums the splits). A step loads the tile's (BN, NG, LB) low words, each
+    # row's one run, and their scales once, then walks the S = 32 / LB slots of a word as
+    # static steps: slot s is a K-slice of the product, the elements g * 32 + w * S + s of
+    # word w of group g, dequantized to f16 and multiplied with x's values at those
+    # elements on the tensor cores. x is rounded to f16, as the prefill path does
+    S: tl.constexpr = 32 // LB
     part, tile, N, col = _part(tl.program_id(1), T0, T1, N0, N1, N2, P)
     low_ptr, high_ptr = _pick(part, L0, L1, L2, P), _pick(part, H0, H1, H2, P)
     p0, p1, p2 = _pick(part, A0, A1, A2, P), _pick(part, B0, B1, B2, P), _pick(part, C0, C1, C2, P)
     m = tl.program_id(0) * BM + tl.arange(0, BM)
-    xm = x_ptr + tl.minimum(m, M - 1).to(tl.int64)[:, None] * K
+    xm = x_ptr + tl.minimum(m, M - 1).to(tl.int64)[:, None, None] * K
     r = tl.minimum(tile * BN + tl.arange(0, BN), N - 1)
+    row = r.to(tl.int64)[:, None, None]
     G = K // 32
+    w = tl.arange(0, LB)[None, None, :]  # a group's low words
+    upper = w >= LB // 2  # ... of its second half (the types that scale per 16)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     first = tl.program_id(2) * SPLIT_GROUPS
     for g0 in tl.range(first, tl.minimum(first + SPLIT_GROUPS, G), NG):
         g = g0 + tl.arange(0, NG)
-        v = _group_values(low_ptr, high_ptr, p0, p1, p2, r, g, K, QT, LB, HB, OFF, MIN)
-        wt = tl.reshape(v.to(tl.float16), (BN, NG * 32))
-        e = g0 * 32 + tl.arange(0, NG * 32)
-        x = tl.load(xm + e[None, :], mask=(m < M)[:, None] & (e < K)[None, :], other=0.0)
-        acc = tl.dot(x.to(tl.float16), tl.trans(wt), acc)
+        keep = (g < G)[None, :, None]
+        lw = tl.load(low_ptr + row * (G * LB) + (g * LB)[None, :, None] + w, mask=keep, other=0,
+                     eviction_policy="evict_first").to(tl.uint32, bitcast=True)  # (BN, NG, LB)
+        hw = lw
+        if HB > 0:  # the group's high word for the word's elements w*S.., shifted to bit 0
+            per: tl.constexpr = 32 // HB  # elements a high word
+            at = row * (G * HB) + (g * HB)[None, :, None] + (w * S) // per
+            hw = tl.load(high_ptr + at, mask=keep, other=0).to(tl.uint32, bitcast=True)
+            hw = hw >> (HB * ((w * S) % per // 4)).to(tl.uint32)
+        d0, d1, m0, m1 = _scales(p0, p1, p2, r, g, K, QT)
+        if QT == 10 or QT == 11 or QT == 14:  # a scale a half
+            d = tl.where(upper, d1[:, :, None], d0[:, :, None])
+            mn = tl.where(upper, m1[:, :, None], m0[:, :, None])
+        else:
+            d = d0[:, :, None]
+            mn = m0[:, :, None]
+        e = g[None, :, None] * 32 + w * S  # element 0 of each word
+        for s in tl.static_range(S):
+            v = d * _slot(lw, hw, s, QT, LB, HB, OFF, ASM)
+            if MIN:
+                v = v + mn
+            wt = tl.reshape(v.to(tl.float16), (BN, NG * LB))
+            x = tl.load(xm + e + s, mask=(m < M)[:, None, None] & keep, other=0.0)
+            acc = tl.dot(tl.reshape(x.to(tl.float16), (BM, NG * LB)), tl.trans(wt), acc)
     rows = tile * BN + tl.arange(0, BN)
     y = y_ptr + tl.program_id(2).to(tl.int64) * SPLIT_STRIDE + col
     tl.store(y + m[:, None] * LDY + rows[None, :], acc, mask=(m < M)[:, None] & (rows < N)[None, :])

@@ -93,9 +93,13 @@ def tiles(qtype: int, n: int, k: int, fused: bool) -> tuple[int, int, int]:
 
 def batch_tiles(qtype: int, n: int, k: int) -> tuple[int, int, int, int]:
     """(BM rows of x, BN rows of W, NG groups of 32 a K-step, num_warps) of the batched
-    kernel: a 16 x 128 tile, 64 values of K a step (a thread holds 64 values of the tile),
-    4 warps."""
-    return 16, 128, _groups_a_step(qtype, k, 2), 4
+    kernel: 16 x 128 in 4 warps, 8 groups a step (32 low words of a row for a 4-bit type,
+    16 for a 2-bit one; Q8_0: 4 groups, 32 words). On an H200 (bench/probes/qgemv.py --rows
+    16, 2026-12-02) this tile over 32 words a row was the fastest of five or within 13% of
+    it, 45.5 us for an 8B's 14336 x 4096 Q4_0 product at 16 rows; a lane an element with 64
+    values a step (2026-12-03) took 73.9. 16 groups of a 2-bit type spill registers
+    (bench/probes/qkernel_sass.py --batched)."""
+    return 16, 128, _groups_a_step(qtype, k, min(8, 32 // qpack.low_bits(qtype))), 4
 
 
 def k_splits(qtype: int, m: int, n: int, k: int, sms: int) -> tuple[int, int]:
@@ -214,7 +218,7 @@ if qkernels is not None:
         planes, args, tiles_n = _stack(ws, qtype, ns, k, bn)
         qkernels._qmm_kernel[(triton.cdiv(m, bm), tiles_n, splits)](
             x, *planes, out, M=m, K=k, LDY=out.stride(-2), SPLIT_GROUPS=per, SPLIT_STRIDE=m * n,
-            **args, BM=bm, BN=bn, NG=ng, num_warps=warps, num_stages=1)
+            **args, ASM=qkernels.ASM, BM=bm, BN=bn, NG=ng, num_warps=warps, num_stages=1)
         return out
 
     def _launch_dequant(w: torch.Tensor, qtype: int, n: int, k: int, dtype: torch.dtype,

@@ -67,6 +67,11 @@ def block_size(qtype: int) -> int:
     return _BITS[qtype][2]
 
 
+def low_bits(qtype: int) -> int:
+    """LB, the bits an element of ``qtype`` has in the low plane."""
+    return _BITS[qtype][0]
+
+
 @cache
 def geometry(qtype: int, n: int, k: int) -> Geometry:
     lb, hb, bs = _BITS[qtype]
