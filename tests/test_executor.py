@@ -15,7 +15,7 @@ from apir.backends.local import LocalBackend  # noqa: E402
 from apir.backends.local.kernels import ARGMAX_CHUNK, argmax  # noqa: E402
 from apir.backends.local.program import FusedMatmul, Leaf, Part  # noqa: E402
 from apir.engine import SamplingParams  # noqa: E402
-from apir.graph import SampleArgs  # noqa: E402
+from apir.graph import DType, SampleArgs  # noqa: E402
 
 IDS = [256, 72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100, 33]  # 14 tokens: padded to 16
 
@@ -43,9 +43,12 @@ def test_llama_blocks_fuse_qkv_and_gate_up(tiny):
 
 
 def test_fused_products_match_the_numpy_reference(tiny):
-    with apir.load(str(tiny), backend="local", device="cpu") as local, \
-            apir.load(str(tiny), backend="numpy") as ref:
-        np.testing.assert_allclose(local.logits(IDS), ref.logits(IDS), rtol=2e-3, atol=2e-3)
+    # An f32 KV cache: with the default f16 one, a key a few f32 ulps apart between the two
+    # executors can round to a neighbouring f16, and that one rounding moved one logit by
+    # 2.2e-3 on CI's CPU (the rest by 1e-6): a test of the cache's rounding, not of products
+    with apir.load(str(tiny), backend="local", device="cpu", cache_type=DType.F32) as local, \
+            apir.load(str(tiny), backend="numpy", cache_type=DType.F32) as ref:
+        np.testing.assert_allclose(local.logits(IDS), ref.logits(IDS), rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("n", [5, ARGMAX_CHUNK, ARGMAX_CHUNK + 1, 3 * ARGMAX_CHUNK + 17])
