@@ -10,14 +10,12 @@ Compiling is off (``APIR_COMPILE=0``, natively too) so that it takes well under 
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import signal
 import threading
-import time
 
 import pytest
-from hosts import WAIT, Host
+from hosts import WAIT, Host, running, until
 from test_warm import PROMPT, _ids
 from tiny_models import TinyConfig, write_tiny_gguf
 
@@ -71,31 +69,6 @@ def host(tmp_path_factory, tiny):
     h.stop()
 
 
-def _holders(host) -> list[int]:
-    """The pids of the holders the daemon's log says it started, in order."""
-    return [int(p) for p in re.findall(r"holder pid (\d+) loading", host.log.read_text())]
-
-
-def _running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ")[1][0] != "Z"
-    except OSError:
-        return False
-
-
-def _allocated(host, model) -> int:
-    return next(s.allocated for s in host.status().sessions if s.session == model.backend.session)
-
-
-def _until(cond, what: str, timeout: float = WAIT) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not reached in {timeout:g}s")
-        time.sleep(0.05)
-
-
 def test_sessions_compute_on_the_holders_one_device_copy(host, tiny, layout, expected, tmp_path):
     host.until(lambda st: not st.sessions and not st.shared, "an idle host")
     loads = host.status().shared_loads
@@ -108,14 +81,14 @@ def test_sessions_compute_on_the_holders_one_device_copy(host, tiny, layout, exp
         assert st.shared == (m.SharedInfo("tiny", "cuda", layout[1], 2),)  # one copy, on the GPU, used twice
         assert st.shared_bytes == layout[1] and st.shared_loads == loads + 1
         # the sharing sessions are charged everything the uploader is but the weights
-        assert _allocated(host, uploader) - _allocated(host, first) == layout[1]
-        assert _allocated(host, first) == _allocated(host, second)
-        pid = _holders(host)[-1]
-        assert _running(pid) and pid not in {s.pid for s in st.sessions}  # it runs no session
+        assert host.allocated(uploader) - host.allocated(first) == layout[1]
+        assert host.allocated(first) == host.allocated(second)
+        pid = host.holders()[-1]
+        assert running(pid) and pid not in {s.pid for s in st.sessions}  # it runs no session
     st = host.until(lambda st: not st.sessions, "sessions ended")
     assert st.shared in ((m.SharedInfo("tiny", "cuda", layout[1], 0),), ())  # kept alive, or gone already
     host.until(lambda st: not st.shared and st.shared_bytes == 0, "the copy unloaded after --keep-alive")
-    _until(lambda: not _running(pid), "the holder ended (its device memory freed)")
+    until(lambda: not running(pid), "the holder ended (its device memory freed)")
 
 
 def test_eight_guests_share_one_copy(host, tiny, layout):
@@ -137,7 +110,7 @@ def test_eight_guests_share_one_copy(host, tiny, layout):
             errors.append(e)
             opened.abort()
 
-    started = len(_holders(host))
+    started = len(host.holders())
     threads = [threading.Thread(target=guest) for _ in range(GUESTS)]
     for t in threads:
         t.start()
@@ -152,13 +125,13 @@ def test_eight_guests_share_one_copy(host, tiny, layout):
     assert not errors, errors
     assert st is not None and len(st.sessions) == GUESTS
     assert st.shared == (m.SharedInfo("tiny", "cuda", layout[1], GUESTS),) and st.shared_bytes == layout[1]
-    assert len(_holders(host)) <= started + 1  # one holder for all (a new one if the last had expired)
+    assert len(host.holders()) <= started + 1  # one holder for all (a new one if the last had expired)
 
 
 def test_a_killed_worker_leaves_the_holder_and_the_other_session(host, tiny, expected):
     with apir.load(tiny, backend="remote", remote=host.unix) as bystander, \
             apir.load(tiny, backend="remote", remote=host.unix) as victim:
-        pid, resident = _holders(host)[-1], host.status().shared_bytes
+        pid, resident = host.holders()[-1], host.status().shared_bytes
         steps = bystander.generate_ids(bystander.tokenize(PROMPT), SamplingParams(temperature=0, max_tokens=12))
         half = [next(steps) for _ in range(6)]
         workers = {s.session: s.pid for s in host.status().sessions}
@@ -167,7 +140,7 @@ def test_a_killed_worker_leaves_the_holder_and_the_other_session(host, tiny, exp
             _ids(victim)
         st = host.until(lambda st: [s.session for s in st.sessions] == [bystander.backend.session],
                         "only the bystander's session left")
-        assert st.shared_bytes == resident and _running(pid)
+        assert st.shared_bytes == resident and running(pid)
         assert half + list(steps) == expected
         assert _ids(bystander) == expected
     assert host.proc.poll() is None
@@ -177,11 +150,11 @@ def test_a_dead_holder_ends_its_sessions_and_a_new_one_serves_the_next(host, tin
     with apir.load(tiny, backend="remote", remote=host.unix) as a, \
             apir.load(tiny, backend="remote", remote=host.unix) as b:
         assert _ids(a) == expected
-        loads, pid = host.status().shared_loads, _holders(host)[-1]
+        loads, pid = host.status().shared_loads, host.holders()[-1]
         os.kill(pid, signal.SIGKILL)
         # Reaped, so its liveness pipe has hung up: a CUDA process takes a while to exit,
         # and a request read before that still finds the holder's memory mapped.
-        _until(lambda: f"holder pid {pid} was killed (signal 9)" in host.log.read_text(), "the holder reaped")
+        until(lambda: f"holder pid {pid} was killed (signal 9)" in host.log.read_text(), "the holder reaped")
         for model in (a, b):
             with pytest.raises((RemoteError, HostGoneError), match="published model 'tiny' on its GPU went away"):
                 _ids(model)
@@ -189,5 +162,5 @@ def test_a_dead_holder_ends_its_sessions_and_a_new_one_serves_the_next(host, tin
         assert f"holder pid {pid} was killed (signal 9)" in host.log.read_text()
     with apir.load(tiny, backend="remote", remote=host.unix) as again:
         assert _ids(again) == expected
-        assert host.status().shared_loads == loads + 1 and _holders(host)[-1] != pid
+        assert host.status().shared_loads == loads + 1 and host.holders()[-1] != pid
     assert host.proc.poll() is None

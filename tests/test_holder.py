@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 import shutil
 import signal
 import socket
@@ -25,7 +24,7 @@ import fake_holder
 import gguf
 import numpy as np
 import pytest
-from hosts import WAIT
+from hosts import WAIT, check_published_read_only, running, until
 from test_warm import PROMPT, _ids
 from tiny_models import TinyConfig, write_tiny_gguf
 
@@ -34,7 +33,7 @@ from apir.backends.base import BackendError
 from apir.backends.remote import HostGoneError, RemoteBackend, RemoteError
 from apir.cli import main
 from apir.engine import SamplingParams
-from apir.graph import DType, GraphBuilder
+from apir.graph import DType
 from apir.host import holder
 from apir.host.published import WAIT as WAIT_REPLY
 from apir.host.published import WANT, PublishedModel, Shelf
@@ -70,45 +69,20 @@ def host(tmp_path_factory, tiny):
     h.stop()
 
 
-def _holders(host) -> list[int]:
-    """The pids of the holders the daemon's log says it started, in order."""
-    return [int(p) for p in re.findall(r"holder pid (\d+) loading", host.log.read_text())]
-
-
-def _running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ")[1][0] != "Z"
-    except OSError:
-        return False
-
-
-def _allocated(host, model) -> int:
-    return next(s.allocated for s in host.status().sessions if s.session == model.backend.session)
-
-
-def _until(cond, what: str, timeout: float = WAIT) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not reached in {timeout:g}s")
-        time.sleep(0.02)
-
-
 # ---------------------------------------------------------------- through a daemon
 
 
 def test_sessions_share_the_holders_one_copy_which_ends_after_keep_alive(host, tiny, layout, expected, tmp_path,
                                                                         capsys):
     host.until(lambda st: not st.sessions and not st.shared_bytes, "an idle host")
-    loads, started = host.status().shared_loads, len(_holders(host))
+    loads, started = host.status().shared_loads, len(host.holders())
     own = shutil.copy(tiny, tmp_path / "unpublished.gguf")  # same tensors, a name not published
     with apir.load(tiny, backend="remote", remote=host.unix) as first, \
             apir.load(tiny, backend="remote", remote=host.unix) as second, \
             apir.load(own, backend="remote", remote=host.unix) as uploader:
         assert _ids(first) == _ids(second) == _ids(uploader) == expected
         st = host.status()
-        assert st.shared_loads == loads + 1 and len(_holders(host)) == started + 1  # one holder, once
+        assert st.shared_loads == loads + 1 and len(host.holders()) == started + 1  # one holder, once
         assert st.shared_bytes == layout[1]  # its one copy, counted once beside the sessions
         assert st.shared == (m.SharedInfo("tiny", "cpu", layout[1], 2),)  # held on the "device", used twice
         assert main(["host", "status", "--listen", host.unix]) == 0  # what the operator reads
@@ -116,19 +90,19 @@ def test_sessions_share_the_holders_one_copy_which_ends_after_keep_alive(host, t
             {"model": "tiny", "where": "cpu", "bytes": layout[1], "sessions": 2}]
         # the sharing sessions hold what the uploader holds but the weights (each makes its
         # own int8 forms, as on any CPU host)
-        assert _allocated(host, uploader) - _allocated(host, first) == layout[1]
-        assert _allocated(host, first) == _allocated(host, second)
-        pid = _holders(host)[-1]
-        assert _running(pid) and pid not in {s.pid for s in st.sessions}  # it runs no session
+        assert host.allocated(uploader) - host.allocated(first) == layout[1]
+        assert host.allocated(first) == host.allocated(second)
+        pid = host.holders()[-1]
+        assert running(pid) and pid not in {s.pid for s in st.sessions}  # it runs no session
     st = host.until(lambda st: not st.sessions, "sessions ended")
-    assert _running(pid)  # kept alive for --keep-alive seconds after the last session
+    assert running(pid)  # kept alive for --keep-alive seconds after the last session
     assert st.shared in ((m.SharedInfo("tiny", "cpu", layout[1], 0),), ())  # idle (or unloaded already)
     host.until(lambda st: st.shared_bytes == 0, "the copy unloaded after --keep-alive")
-    _until(lambda: not _running(pid), "the holder ended")
+    until(lambda: not running(pid), "the holder ended")
     assert "published model tiny unloaded from cpu: unused for 1s" in host.log.read_text()
     with apir.load(tiny, backend="remote", remote=host.unix) as again:  # a new holder, loaded anew
         assert _ids(again) == expected
-        assert host.status().shared_loads == loads + 2 and len(_holders(host)) == started + 2
+        assert host.status().shared_loads == loads + 2 and len(host.holders()) == started + 2
 
 
 def test_a_held_copy_is_refused_clearly_where_it_does_not_fit(host, layout):
@@ -146,33 +120,14 @@ def test_a_held_copy_is_refused_clearly_where_it_does_not_fit(host, layout):
 
 
 def test_a_held_copy_is_read_only(host, layout):
-    with RemoteBackend(host.unix) as b:
-        handle = b.open_published("tiny", *layout)
-        before = b.get_tensor(handle, 0, 4096)
-        own = b.alloc_buffer(64)
-        for write in (lambda: b.set_tensor(handle, 0, np.ones(16, np.float32)),
-                      lambda: b.clear_buffer(handle, 7),
-                      lambda: b.copy_tensor(own, 0, handle, 0, 64)):
-            write()
-            with pytest.raises(BackendError, match=f"buffer {handle} holds a published model's shared weights"):
-                b.synchronize()
-        g = GraphBuilder()  # a KV-style write into the weights: their leaf as a STATE
-        state = g.state(handle, 0, (4, 4), DType.F32)
-        rows = g.input("rows", (1, 4), DType.F32)
-        with pytest.raises(BackendError, match="holds shared weights, which are read-only"):
-            b.register_graph(g.build(g.set_rows(state, rows, g.input("ids", (1,), DType.I32))))
-        assert b.get_tensor(handle, 0, 4096) == before
-        b.free_buffer(handle)  # drops this session's use only
-        b.synchronize()
-    with RemoteBackend(host.unix) as other:
-        assert other.get_tensor(other.open_published("tiny", *layout), 0, 4096) == before
+    check_published_read_only(host, layout, 4096)
 
 
 def test_a_killed_worker_leaves_the_holder_and_the_other_sessions(host, tiny, expected):
     """The victim is killed while the bystander's decode is half done, on the same copy."""
     with apir.load(tiny, backend="remote", remote=host.unix) as bystander, \
             apir.load(tiny, backend="remote", remote=host.unix) as victim:
-        pid, resident = _holders(host)[-1], host.status().shared_bytes
+        pid, resident = host.holders()[-1], host.status().shared_bytes
         steps = bystander.generate_ids(bystander.tokenize(PROMPT), SamplingParams(temperature=0, max_tokens=12))
         first = [next(steps) for _ in range(6)]
         workers = {s.session: s.pid for s in host.status().sessions}
@@ -181,7 +136,7 @@ def test_a_killed_worker_leaves_the_holder_and_the_other_sessions(host, tiny, ex
             _ids(victim)
         st = host.until(lambda st: [s.session for s in st.sessions] == [bystander.backend.session],
                         "only the bystander's session left")
-        assert st.shared_bytes == resident and _running(pid)  # the copy outlives the worker
+        assert st.shared_bytes == resident and running(pid)  # the copy outlives the worker
         assert first + list(steps) == expected
         assert _ids(bystander) == expected
     assert host.proc.poll() is None
@@ -193,11 +148,11 @@ def test_a_dead_holder_ends_its_sessions_with_an_error_that_says_so(host, tiny, 
             apir.load(tiny, backend="remote", remote=host.unix) as b, \
             apir.load(own, backend="remote", remote=host.unix) as uploader:
         assert _ids(a) == expected
-        loads, pid = host.status().shared_loads, _holders(host)[-1]
+        loads, pid = host.status().shared_loads, host.holders()[-1]
         os.kill(pid, signal.SIGKILL)
         # Reaped, so its liveness pipe has hung up: a CUDA process takes a while to exit,
         # and a request read before that still finds the holder's memory mapped.
-        _until(lambda: f"holder pid {pid} was killed (signal 9)" in host.log.read_text(), "the holder reaped")
+        until(lambda: f"holder pid {pid} was killed (signal 9)" in host.log.read_text(), "the holder reaped")
         for model in (a, b):  # idle when it died: told at their next request
             with pytest.raises((RemoteError, HostGoneError), match="published model 'tiny' on its GPU went away"):
                 _ids(model)
@@ -218,15 +173,15 @@ def test_keep_alive_negative_starts_the_holder_with_the_daemon(tmp_path, tiny, l
     h = fake_holder.start(tmp_path, "--model", tiny, "--keep-alive", "-1")
     try:  # before any guest
         h.until(lambda st: st.shared_bytes == layout[1] and st.shared_loads == 1, "the copy loaded at start")
-        pid = _holders(h)[0]
+        pid = h.holders()[0]
         with apir.load(tiny, backend="remote", remote=h.unix) as model:
             assert _ids(model) == expected
         h.until(lambda st: not st.sessions, "the session ended")
         time.sleep(1.0)
-        assert h.status().shared_bytes == layout[1] and _running(pid) and h.status().shared_loads == 1
+        assert h.status().shared_bytes == layout[1] and running(pid) and h.status().shared_loads == 1
     finally:
         h.stop()
-    _until(lambda: not _running(pid), "the holder ended with its daemon")
+    until(lambda: not running(pid), "the holder ended with its daemon")
 
 
 def test_sessions_wait_for_a_loading_holder_and_are_told(tmp_path, tiny, layout, expected):
@@ -246,7 +201,7 @@ def test_sessions_wait_for_a_loading_holder_and_are_told(tmp_path, tiny, layout,
         for t in threads:
             t.join(WAIT)
         assert notices == ["loading published model tiny onto the host's GPU (its first session there)"] * 2
-        assert h.status().shared_loads == 1 and len(_holders(h)) == 1
+        assert h.status().shared_loads == 1 and len(h.holders()) == 1
         with apir.load(tiny, backend="remote", remote=h.unix) as model:  # resident now: no wait
             assert _ids(model) == expected
         assert len(notices) == 2

@@ -12,7 +12,7 @@ import signal
 
 import numpy as np
 import pytest
-from hosts import start_host
+from hosts import check_published_read_only, start_host
 from test_warm import PROMPT, _ids  # the same prompt
 from tiny_models import TinyConfig, write_tiny_gguf
 
@@ -61,10 +61,6 @@ def expected(tiny) -> list[int]:
         return _ids(local)
 
 
-def _allocated(host, model) -> int:
-    return next(s.allocated for s in host.status().sessions if s.session == model.backend.session)
-
-
 def _dequantized(tiny, int4: bool = False) -> list:
     """The weights a CPU session keeps dequantized (16-bit and quantized), but with
     ``int4`` those it computes in int4."""
@@ -101,8 +97,8 @@ def test_sessions_share_one_copy_uploaded_by_nobody(host, tiny, layout, expected
         assert st.shared_bytes == layout[1] + _forms_size(tiny)
         assert st.shared == (m.SharedInfo("tiny", "host", st.shared_bytes, 2),)  # one copy, two sessions
         # a sharing session holds what the uploader holds but its weights and their forms
-        assert _allocated(host, uploader) - _allocated(host, first) == layout[1] + _dequantized_elements(tiny) * 4
-        assert _allocated(host, first) == _allocated(host, second)
+        assert host.allocated(uploader) - host.allocated(first) == layout[1] + _dequantized_elements(tiny) * 4
+        assert host.allocated(first) == host.allocated(second)
     # after the last session, the copy stays keep-alive seconds, then goes
     st = host.until(lambda st: not st.sessions, "sessions ended")
     host.until(lambda st: st.shared_bytes == 0, "the copy unloaded after --keep-alive")
@@ -129,8 +125,8 @@ def test_by_default_sessions_share_the_weights_and_make_their_own_compact_forms(
                 apir.load(own, backend="remote", remote=h.unix) as uploader:
             assert _ids(first) == _ids(uploader)
             assert h.status().shared_bytes == size  # the weights alone
-            assert _allocated(h, uploader) - _allocated(h, first) == size
-            assert own_forms > 0 and _allocated(h, first) > own_forms
+            assert h.allocated(uploader) - h.allocated(first) == size
+            assert own_forms > 0 and h.allocated(first) > own_forms
     finally:
         h.stop()
 
@@ -146,26 +142,7 @@ def test_a_model_not_published_is_refused_clearly(host, layout):
 
 
 def test_shared_weights_are_read_only(host, layout):
-    with RemoteBackend(host.unix) as b:
-        handle = b.open_published("tiny", *layout)
-        before = b.get_tensor(handle, 0, 64)
-        own = b.alloc_buffer(64)
-        for write in (lambda: b.set_tensor(handle, 0, np.ones(16, np.float32)),
-                      lambda: b.clear_buffer(handle, 7),
-                      lambda: b.copy_tensor(own, 0, handle, 0, 64)):
-            write()
-            with pytest.raises(BackendError, match=f"buffer {handle} holds a published model's shared weights"):
-                b.synchronize()
-        g = GraphBuilder()  # a KV-style write into the weights: their leaf as a STATE
-        state = g.state(handle, 0, (4, 4), DType.F32)
-        rows = g.input("rows", (1, 4), DType.F32)
-        with pytest.raises(BackendError, match="holds shared weights, which are read-only"):
-            b.register_graph(g.build(g.set_rows(state, rows, g.input("ids", (1,), DType.I32))))
-        assert b.get_tensor(handle, 0, 64) == before
-        b.free_buffer(handle)  # drops this session's use only
-        b.synchronize()
-    with RemoteBackend(host.unix) as other:
-        assert other.get_tensor(other.open_published("tiny", *layout), 0, 64) == before
+    check_published_read_only(host, layout, 64)
 
 
 def test_a_killed_worker_leaves_the_copy_and_other_sessions(host, tiny, expected):
