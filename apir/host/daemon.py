@@ -22,8 +22,10 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import NoReturn
 
 from ..backends.base import DEFAULT_EXECUTOR, ExecutorConfig, Limits
 from ..errors import ApirError
@@ -152,6 +154,20 @@ class Idle:
 
     sock: socket.socket
     ready: bool = False  # it has said READY: its device is initialised
+
+
+def _child(what: str, run: Callable[[], None]) -> NoReturn:
+    """A forked child's whole life: ``run``, then exit (1 after logging a failure). It
+    never returns into the parent's loop, whatever ``run`` raises."""
+    code = 0
+    try:
+        run()
+    except BaseException:  # noqa: BLE001
+        log.exception("%s failed", what)
+        code = 1
+    finally:
+        logging.shutdown()
+        os._exit(code)
 
 
 def _die_with_parent() -> None:
@@ -433,16 +449,11 @@ class Daemon:
             self.idle[pid] = Idle(ours)
             self.selector.register(ours, selectors.EVENT_READ, pid)
             return
-        code = 0
-        try:  # the worker: it keeps no listener, no pending handshake, no other worker's pool end
+
+        def work() -> None:  # keeps no listener, no pending handshake, no other worker's pool end
             self._forked(ours)
             self._work(theirs)
-        except BaseException:  # noqa: BLE001 - a worker must never return into the parent's loop
-            log.exception("worker failed")
-            code = 1
-        finally:
-            logging.shutdown()
-            os._exit(code)
+        _child("worker", work)
 
     def _forked(self, *also: socket.socket) -> None:
         """In a child just forked (a worker or a holder): keep nothing of the daemon's. No
@@ -477,17 +488,12 @@ class Daemon:
             os.close(alive_w)
             ours.setblocking(False)
             return Holder(model.name, device, pid, ours, alive, time.monotonic())
-        code = 0
-        try:
+
+        def hold() -> None:
             self._forked(ours)
             os.close(alive)
             holder.serve(model.name, model.path, device, theirs)
-        except BaseException:  # noqa: BLE001 - a holder must never return into the parent's loop
-            log.exception("holder failed")
-            code = 1
-        finally:
-            logging.shutdown()
-            os._exit(code)
+        _child("holder", hold)
 
     def _work(self, pool: socket.socket) -> None:
         """A worker's life, in the forked process: initialise, wait for the session, serve it."""
