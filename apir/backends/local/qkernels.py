@@ -356,7 +356,7 @@ def _byte(w, t: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
-def _slot(lw, hw, s: tl.constexpr, QT: tl.constexpr, LB: tl.constexpr, HB: tl.constexpr,
+def _slot(lw, hw, hs, s: tl.constexpr, QT: tl.constexpr, LB: tl.constexpr, HB: tl.constexpr,
           OFF: tl.constexpr, ASM: tl.constexpr):
     """q - OFF as f32, exactly, for slot s of the low words lw (uint32): the quant at byte
     s % 4, bit LB (s // 4) of each word (element s of the word's S), with its high bits
@@ -366,7 +366,7 @@ def _slot(lw, hw, s: tl.constexpr, QT: tl.constexpr, LB: tl.constexpr, HB: tl.co
     else:
         bits = _byte((lw >> (LB * (s // 4))) & (0x01010101 * ((1 << LB) - 1)), s % 4, ASM)
     if HB > 0:
-        bits = bits | (((hw >> (8 * (s % 4) + HB * (s // 4))) & ((1 << HB) - 1)) << LB)
+        bits = bits | (((hw >> (hs + (8 * (s % 4) + HB * (s // 4)))) & ((1 << HB) - 1)) << LB)
     f = bits.to(tl.float32, bitcast=True)
     if QT == 8:
         return f - 8388736.0  # 2**23 + 128
@@ -405,11 +405,14 @@ def _qmm_kernel(x_ptr, L0, H0, A0, B0, C0, L1, H1, A1, B1, C1, L2, H2, A2, B2, C
         lw = tl.load(low_ptr + row * (G * LB) + (g * LB)[None, :, None] + w, mask=keep, other=0,
                      eviction_policy="evict_first").to(tl.uint32, bitcast=True)  # (BN, NG, LB)
         hw = lw
-        if HB > 0:  # the group's high word for the word's elements w*S.., shifted to bit 0
-            per: tl.constexpr = 32 // HB  # elements a high word
-            at = row * (G * HB) + (g * HB)[None, :, None] + (w * S) // per
+        hs = (w * 0).to(tl.uint32)  # where each word's high bits start in hw
+        if HB == 1:  # one high word a group, held once (BN, NG, 1): the words shift it
+            hw = tl.load(high_ptr + row * G + g[None, :, None], mask=keep, other=0).to(tl.uint32, bitcast=True)
+            hs = (w * (S // 4)).to(tl.uint32)
+        elif HB == 2:  # two a group, 16 elements each: each word's, shifted to its elements
+            at = row * (2 * G) + (2 * g)[None, :, None] + (w * S) // 16
             hw = tl.load(high_ptr + at, mask=keep, other=0).to(tl.uint32, bitcast=True)
-            hw = hw >> (HB * ((w * S) % per // 4)).to(tl.uint32)
+            hw = hw >> (2 * ((w * S) % 16 // 4)).to(tl.uint32)
         d0, d1, m0, m1 = _scales(p0, p1, p2, r, g, K, QT)
         if QT == 10 or QT == 11 or QT == 14:  # a scale a half
             d = tl.where(upper, d1[:, :, None], d0[:, :, None])
@@ -419,7 +422,7 @@ def _qmm_kernel(x_ptr, L0, H0, A0, B0, C0, L1, H1, A1, B1, C1, L2, H2, A2, B2, C
             mn = m0[:, :, None]
         e = g[None, :, None] * 32 + w * S  # element 0 of each word
         for s in tl.static_range(S):
-            v = d * _slot(lw, hw, s, QT, LB, HB, OFF, ASM)
+            v = d * _slot(lw, hw, hs, s, QT, LB, HB, OFF, ASM)
             if MIN:
                 v = v + mn
             wt = tl.reshape(v.to(tl.float16), (BN, NG * LB))
