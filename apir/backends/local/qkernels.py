@@ -360,7 +360,7 @@ def _slot(lw, hw, hs, s: tl.constexpr, QT: tl.constexpr, LB: tl.constexpr, HB: t
           OFF: tl.constexpr, ASM: tl.constexpr):
     """q - OFF as f32, exactly, for slot s of the low words lw (uint32): the quant at byte
     s % 4, bit LB (s // 4) of each word (element s of the word's S), with its high bits
-    from hw (its group's high word, shifted to the word's elements: see _qmm_kernel)."""
+    from hw, its group's high word, where the word's own start at bit hs (see _qmm_kernel)."""
     if LB == 8:
         bits = _byte(lw ^ 0x80808080, s, ASM)  # int8 q -> q + 128 as a byte
     else:
