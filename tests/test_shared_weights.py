@@ -190,6 +190,18 @@ def test_published_model_flags_are_checked(tiny, layout):
         PublishedModel.parse("small=/nonexistent/model.gguf")
 
 
+def test_a_published_file_that_is_not_gguf_fails_the_start(tmp_path):
+    """Found in QA: a --model file that is not GGUF (or cut short) started the daemon, and
+    every guest of it was refused and uploaded its own weights, the reason only in the log."""
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"garbage\n")
+    with pytest.raises(ApirError, match=r"--model .*bad.gguf.*is not a GGUF file"):
+        PublishedModel.parse(str(bad))
+    bad.write_bytes(b"GGUF\x03\x00")
+    with pytest.raises(ApirError, match="truncated or corrupt"):
+        PublishedModel.parse(f"small={bad}")
+
+
 @pytest.mark.parametrize("lends", [True, False], ids=["in-place", "device-copy"])
 def test_an_adopted_buffer_is_read_only_and_charged_only_when_copied(lends):
     """In place (a CPU) the mapping is computed on and charged to nobody; a device that

@@ -87,6 +87,12 @@ class PublishedModel:
                             "and . _ + - (not starting with one of those four)")
         if not Path(path).is_file():
             raise ApirError(f"--model {spec!r}: no file {path}")
+        from ..models.gguf_file import GGUFFile
+
+        try:  # its header now: a file that is not GGUF, or not readable, fails the daemon's start
+            GGUFFile(path)  # rather than each guest's load later, which would upload instead
+        except (ApirError, OSError) as e:
+            raise ApirError(f"--model {spec!r}: {getattr(e, 'strerror', None) or e}") from None
         return PublishedModel(name, Path(path))
 
 
