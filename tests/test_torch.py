@@ -179,6 +179,80 @@ def test_assorted_lowerings_match_eager() -> None:
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, equal_nan=True)
 
 
+def test_zero_dim_tensors_keep_their_shape(apir_backend) -> None:
+    """0-d results are 0-d, as in PyTorch: a backend gives a 0-d output back as (1,) (the
+    step layout's convention), which ``x * 2`` of a scalar tensor returned as is; and
+    softmax, transpose and reductions over a 0-d tensor's dim lower (a ZeroDivisionError)."""
+    def f(x, y):
+        return (x * 2, x + y, x.t() * 3, x.softmax(-1), x.sum(0, keepdim=True) + 1,
+                x.amax(-1) * y, x * torch.ones(2, 3))
+
+    compiled = torch.compile(f, backend="apir", options={"backend": apir_backend})
+    x, y = torch.tensor(3.0), torch.tensor(-1.5)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.filterwarnings("error", message="apir.torch")  # every op lowered
+        got = compiled(x, y)
+    want = f(x, y)
+    assert [t.shape for t in got] == [t.shape for t in want]
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+
+
+def test_integer_and_bool_operands_of_float_ops_are_promoted() -> None:
+    """PyTorch promotes an integer or bool operand of a float op (a mask, a position
+    table, token ids scaled); apir's ops take floats, so the lowering casts: these graphs
+    lowered whole failed and fell back to PyTorch, the whole graph, with a GraphError."""
+    def f(x, mask, keep, ids):
+        pooled = (x * mask.unsqueeze(-1)).sum(1)  # mean pooling under an attention mask
+        return pooled, x * keep + torch.arange(8), ids * 0.5, ids / 2, torch.exp(ids), \
+            ids.pow(0.5), ids.sum(-1, dtype=torch.float32)
+
+    compiled = torch.compile(f, backend="apir", options={"backend": "numpy"})
+    args = (torch.randn(2, 5, 8), torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]]),
+            torch.rand(2, 5, 8) > 0.5, torch.tensor([[1, 2, 3], [4, 5, 6]]))
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.filterwarnings("error", message="apir.torch")  # lowered whole
+        got = compiled(*args)
+    for a, b in zip(got, f(*args)):
+        assert a.dtype == b.dtype
+        torch.testing.assert_close(a, b)
+
+
+def test_batch_norm_without_affine_parameters_lowers() -> None:
+    """BatchNorm2d(affine=False) has no weight or bias (None in the graph): it lowered as
+    "computed statistics" and the whole graph ran in PyTorch."""
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4, affine=False)).eval()
+    model[1].running_mean.uniform_(-1.0, 1.0)
+    model[1].running_var.uniform_(0.5, 2.0)
+    compiled = torch.compile(model, backend="apir", options={"backend": "numpy"})
+    x = torch.randn(2, 3, 6, 6)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.filterwarnings("error", message="apir.torch")
+        torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-5)
+
+
+def test_arguments_without_a_lowering_are_a_graph_break_not_a_whole_graph_fallback() -> None:
+    """A pooling's ceil_mode (or count_include_pad=False, or addmm's beta) is seen in the
+    node's arguments: only that node runs in PyTorch, split out with one warning naming it;
+    it made the whole graph run in PyTorch ("cannot lower this graph for these inputs")."""
+    nn = torch.nn
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.MaxPool2d(2, ceil_mode=True), nn.ReLU(),
+                          nn.AvgPool2d(3, 2, 1, count_include_pad=False), nn.Conv2d(4, 2, 1)).eval()
+    be = create_backend("numpy")
+    compiled = torch.compile(model, backend="apir", options={"backend": be})
+    x = torch.randn(2, 3, 10, 10)
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = compiled(x)
+    messages = sorted(str(w.message) for w in caught if "apir.torch" in str(w.message))
+    assert messages == [f"apir.torch: {op} has no apir lowering: it runs in PyTorch on the guest "
+                        "(a graph break)" for op in ("aten.avg_pool2d.default", "aten.max_pool2d_with_indices.default")]
+    with torch.no_grad():
+        torch.testing.assert_close(got, model(x), rtol=1e-4, atol=1e-5)
+    # the convolutions ran on apir
+    assert apir.torch.session_for({"backend": be}).uploaded == sum(p.numel() * 4 for p in model.parameters())
+
+
 def test_op_without_a_lowering_is_a_graph_break_with_one_warning() -> None:
     class Cumulative(torch.nn.Module):
         def __init__(self) -> None:

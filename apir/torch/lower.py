@@ -192,6 +192,8 @@ def _permute(c: Lowering, x, dims):
 
 def _transpose(c: Lowering, x, a: int = 0, b: int = 1):
     x = c.val(x)
+    if not x.shape:  # PyTorch's transpose and t() of a 0-d tensor: itself
+        return x
     a, b = a % len(x.shape), b % len(x.shape)
     return _permute(c, x, [b if i == a else a if i == b else i for i in range(len(x.shape))])
 
@@ -218,16 +220,26 @@ def _scalar(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
+def _float(c: Lowering, x) -> Value:
+    """An operand of an op whose result is a float: an integer or bool one promoted, as
+    PyTorch does (``x * mask``, ``x + torch.arange(n)``, ``ids * 0.5``); the apir ops take
+    floats only."""
+    if isinstance(x, Known) and not x.tensor.is_floating_point():
+        return c.leaf(x.tensor.to(torch.float32))
+    x = c.val(x)
+    return c.g.op(Op.CAST, x) if x.dtype is DType.I32 else x
+
+
 def _add(c: Lowering, a, b, *, alpha=1):
     if alpha != 1:
         b = _mul(c, b, alpha)
-    return c.g.add(c.val(a), c.val(b))
+    return c.g.add(_float(c, a), _float(c, b))
 
 
 def _sub(c: Lowering, a, b, *, alpha=1):
     if alpha != 1:
         b = _mul(c, b, alpha)
-    return c.g.op(Op.SUB, c.val(a), c.val(b))
+    return c.g.op(Op.SUB, _float(c, a), _float(c, b))
 
 
 def _rsub(c: Lowering, a, b, *, alpha=1):
@@ -236,20 +248,20 @@ def _rsub(c: Lowering, a, b, *, alpha=1):
 
 def _mul(c: Lowering, a, b):
     if _scalar(b):
-        return c.g.scale(c.val(a), b)
+        return c.g.scale(_float(c, a), b)
     if _scalar(a):
-        return c.g.scale(c.val(b), a)
-    return c.g.mul(c.val(a), c.val(b))
+        return c.g.scale(_float(c, b), a)
+    return c.g.mul(_float(c, a), _float(c, b))
 
 
 def _div(c: Lowering, a, b):
     if _scalar(b):
-        return c.g.scale(c.val(a), 1.0 / b)
-    return c.g.op(Op.DIV, c.val(a), c.val(b))
+        return c.g.scale(_float(c, a), 1.0 / b)
+    return c.g.op(Op.DIV, _float(c, a), _float(c, b))
 
 
 def _unary(fn: Fn):
-    return lambda c, x: c.g.op(Op.UNARY, c.val(x), attrs=(int(fn),))
+    return lambda c, x: c.g.op(Op.UNARY, _float(c, x), attrs=(int(fn),))
 
 
 POWERS = {
@@ -265,7 +277,7 @@ POWERS = {
 def _pow(c: Lowering, x, e):
     if float(e) not in POWERS:
         raise Unsupported(f"aten.pow with exponent {e}")
-    return POWERS[float(e)](c, c.val(x))
+    return POWERS[float(e)](c, _float(c, x))
 
 
 def _to_last(c: Lowering, x: Value, dims: Sequence[int]) -> tuple[Value, tuple[int, ...]]:
@@ -278,8 +290,10 @@ def _to_last(c: Lowering, x: Value, dims: Sequence[int]) -> tuple[Value, tuple[i
 
 def _reduce(fn: Reduce):
     def lower(c: Lowering, x, dims=None, keepdim=False, *, dtype=None):
-        x = c.val(x)
+        x = _float(c, x)  # an integer sum with dtype=float
         rank = len(x.shape)
+        if rank == 0:  # a 0-d tensor's sum, mean or max (over dim 0 or -1, as PyTorch allows)
+            return x
         dims = list(range(rank)) if not dims else [d % rank for d in dims]
         moved, _ = _to_last(c, x, dims)
         kept = moved.shape[: rank - len(dims)]
@@ -292,6 +306,8 @@ def _reduce(fn: Reduce):
 
 def _softmax(c: Lowering, x, dim: int, *rest, **kwargs):
     x = c.val(x)
+    if not x.shape:  # a 0-d tensor (dim 0 or -1): softmax over its one element
+        return c.g.reshape(c.g.softmax(c.g.reshape(x, (1,))), ())
     moved, order = _to_last(c, x, [dim])
     out = c.g.softmax(moved)
     back = tuple(order.index(a) for a in range(len(order)))
@@ -398,11 +414,13 @@ def _conv(c: Lowering, x, w, bias, stride, padding, dilation, transposed, output
 
 def _batch_norm(c: Lowering, x, w, b, mean, var, momentum, eps):
     """Inference batch norm: one scale and one shift per channel, folded on the guest."""
-    if not all(isinstance(t, Known) for t in (w, b, mean, var)):
+    if not all(isinstance(t, Known) for t in (mean, var)) or \
+            not all(t is None or isinstance(t, Known) for t in (w, b)):
         raise Unsupported("aten._native_batch_norm_legit_no_training with computed statistics")
     x = c.val(x)
-    scale = w.tensor * torch.rsqrt(var.tensor + eps)
-    shift = b.tensor - mean.tensor * scale
+    scale = torch.rsqrt(var.tensor + eps)  # w and b are None where BatchNorm has affine=False
+    scale = scale if w is None else w.tensor * scale
+    shift = -mean.tensor * scale if b is None else b.tensor - mean.tensor * scale
     per_channel = (-1,) + (1,) * (len(x.shape) - 2)  # (C, 1, 1) for (N, C, H, W)
     out = c.g.add(c.g.mul(x, c.leaf(scale.reshape(per_channel))), c.leaf(shift.reshape(per_channel)))
     return out, None, None
@@ -540,4 +558,19 @@ def supported(node: torch.fx.Node) -> bool:
         return len(args[1]) == 1
     if node.target is aten.convolution.default:
         return not args[6] and len(args[3]) == 2
+    # what the arguments alone rule out is a graph break around the node, not the whole
+    # graph falling back to PyTorch when it is lowered (Compiled._lower)
+    if node.target is aten.addmm.default:
+        return kwargs.get("beta", 1) == 1 and kwargs.get("alpha", 1) == 1
+    if node.target is aten.max_pool2d_with_indices.default:
+        return tuple(_arg(node, 4, "dilation", (1, 1))) in ((1, 1), (1,)) and \
+            not _arg(node, 5, "ceil_mode", False)
+    if node.target is aten.avg_pool2d.default:
+        return not _arg(node, 4, "ceil_mode", False) and _arg(node, 5, "count_include_pad", True) \
+            and _arg(node, 6, "divisor_override", None) is None
     return True
+
+
+def _arg(node: torch.fx.Node, i: int, name: str, default):
+    """Argument ``i`` (keyword ``name``) of ``node``, or its default."""
+    return node.args[i] if len(node.args) > i else node.kwargs.get(name, default)

@@ -95,6 +95,7 @@ class Entry:
     inputs: tuple[tuple[int, str], ...]  # (argument index, apir input name)
     outputs: object  # the FX output structure: _Out marks an apir output, Known and Python as is
     dtypes: tuple[torch.dtype | None, ...]  # per apir output: the dtype PyTorch gives it
+    shapes: tuple[tuple[int, ...], ...]  # per apir output: its shape (a 0-d one comes back (1,))
     buffers: tuple[int, ...]  # constants' buffers, freed with the graph
 
 
@@ -122,8 +123,9 @@ class Compiled:
         if entry.gid is not None:
             feed = {name: to_numpy(args[i])[0] for i, name in entry.inputs}
             outs = self.session.backend.compute(entry.gid, feed)
-            results = [torch.from_numpy(o) if dt is None else torch.from_numpy(o).to(dt)
-                       for o, dt in zip(outs, entry.dtypes)]
+            results = [torch.from_numpy(o).reshape(shape) if dt is None else
+                       torch.from_numpy(o).reshape(shape).to(dt)
+                       for o, dt, shape in zip(outs, entry.dtypes, entry.shapes)]
         return _rebuild(entry.outputs, results)
 
     def _binding(self, a) -> tuple:
@@ -175,7 +177,8 @@ class Compiled:
             warn_once(str(e), f"cannot lower this graph for these inputs ({type(e).__name__}: {e}); "
                               "it runs in PyTorch on the guest")
             return None
-        return Entry(gid, tuple(inputs), structure, tuple(dtypes), tuple(consts))
+        return Entry(gid, tuple(inputs), structure, tuple(dtypes), tuple(v.shape for v in values),
+                     tuple(consts))
 
     def _free(self, entry: Entry | None) -> None:
         if entry is None:
