@@ -280,6 +280,30 @@ def test_op_without_a_lowering_is_a_graph_break_with_one_warning() -> None:
     assert apir.torch.session_for({"backend": be}).uploaded == sum(p.numel() * 4 for p in model.parameters())
 
 
+def test_random_ops_draw_at_every_call() -> None:
+    """torch.randn(3) or torch.randint(...) depend on no input, so they were folded while
+    lowering, a constant: every call gave the first call's draw. They run in PyTorch at
+    each call (a graph break), drawing what eager draws from the same seed."""
+    def f(x):
+        return x + torch.randn(3) * torch.randint(1, 5, (3,))
+
+    def g():  # a graph without inputs
+        return torch.rand(2, 3) * 2
+
+    for fn, args in ((f, (torch.ones(3),)), (g, ())):
+        torch._dynamo.reset()
+        compiled = torch.compile(fn, backend="apir", options={"backend": "numpy"})
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the graph breaks' warnings
+            torch.manual_seed(3)
+            got = [compiled(*args) for _ in range(3)]
+        torch.manual_seed(3)
+        want = [fn(*args) for _ in range(3)]
+        assert not torch.equal(got[0], got[1])
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b)
+
+
 def test_a_graph_its_inputs_cannot_lower_runs_eagerly_with_one_warning() -> None:
     model = torch.nn.Conv2d(3, 4, 1, padding=1).eval()  # CONV2D takes padding < kernel only
     compiled = torch.compile(model, backend="apir", options={"backend": "numpy"})

@@ -98,6 +98,8 @@ class Lowering:
         raise Unsupported("graph without an output")
 
     def call(self, target, args: tuple, kwargs: dict):
+        if is_random(target):  # never folded: a draw made once would be every call's
+            raise Unsupported(op_name(target))
         if not _any_value((args, kwargs)):  # fold: every operand is known on the guest
             return _known(target(*_unwrap(args), **_unwrap(kwargs)))
         fn = LOWER.get(target)
@@ -109,6 +111,12 @@ class Lowering:
 def layout(t: torch.Tensor) -> tuple:
     """What identifies a tensor's bytes: two views with the same layout are one value."""
     return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+
+
+def is_random(target) -> bool:
+    """Whether ``target`` draws from PyTorch's generator (randn, rand, randint, dropout...):
+    it must run at each call, in PyTorch, even where no operand depends on an input."""
+    return isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags
 
 
 def op_name(target) -> str:

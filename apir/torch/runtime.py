@@ -22,7 +22,7 @@ import torch.fx
 
 from ..backends import Backend, BufferPurpose
 from ..graph import DType, GraphBuilder, GraphError, Value
-from .lower import Known, Lowering, Unsupported, layout, op_name, supported
+from .lower import Known, Lowering, Unsupported, is_random, layout, op_name, supported
 
 log = logging.getLogger("apir.torch")
 
@@ -234,12 +234,14 @@ def compile_graph(session: Session, gm: torch.fx.GraphModule) -> Callable:
     """``gm`` as one apir graph, or, where some node has no lowering, split around those
     nodes (each named once in a warning): they run in PyTorch on the guest, the parts
     between them on apir."""
-    runtime: set[torch.fx.Node] = set()  # nodes that depend on a tensor input
+    runtime: set[torch.fx.Node] = set()  # nodes that depend on a tensor input, or on a random draw
     bad: set[torch.fx.Node] = set()
     for node in gm.graph.nodes:
         if node.op == "placeholder" and isinstance(node.meta.get("val"), torch.Tensor):
             runtime.add(node)
-        elif any(i in runtime for i in node.all_input_nodes):
+        elif any(i in runtime for i in node.all_input_nodes) or is_random(node.target):
+            # a random op with no input (torch.randn(3)) was folded while lowering: the
+            # same draw came back at every call
             runtime.add(node)
             if not supported(node):
                 bad.add(node)
