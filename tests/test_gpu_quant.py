@@ -36,7 +36,8 @@ def test_fused_decode_rows_match_gguf(qtype):
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_batched_decode_rows_match_gguf(qtype):
-    def product(x, raw, n, k):  # (K of 96, 64 or 160 take the dequantize path)
+    def product(x, raw, n, k):
+        assert qm.batched(x.shape[0])  # the batched kernel's path, K of 64 to 512 too
         return qm.qmatmul(_cuda(x), _packed(raw, qtype, n, k), qtype, n, k)
     # x and W are rounded to f16 before the tensor cores multiply them
     check_products(qtype, product, rel=2e-3, rows=(qm.FUSED_ROWS + 1, 16, 33, qm.BATCH_ROWS))

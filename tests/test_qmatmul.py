@@ -213,13 +213,15 @@ def test_batched_kernel_matches_gguf(qtype):
     # a batched decode step's rows: each weight tile dequantized once to f16 and multiplied
     # with every row (x rounded to f16 too, as the prefill path does)
     # the third shape is split along K (k_splits: 8 parts for the 4-bit types, summed
-    # after); for the 32-element types K = 480 too: 15 groups, steps of 8, one group masked
+    # after); for the 32-element types K = 480 too: 15 groups, steps of 8, one group masked;
+    # and K = 96: 3 groups in a step of 4 (a tensor-core dot takes 16 words or more)
     shapes = [(9, 13, 256), (17, 70, 512), (12, 20, 4096)]
     if qpack.block_size(int(qtype)) == 32:
-        shapes.append((10, 129, 480))
+        shapes += [(10, 129, 480), (9, 7, 96)]
     for i, (m, n, k) in enumerate(shapes):
         raw = random_weight(qtype, n, k, seed=i)
         assert qm.batched(m)
+        assert qm.batch_tiles(int(qtype), n, k)[2] * qpack.low_bits(int(qtype)) >= 16
         x = np.random.default_rng(i).standard_normal((m, k)).astype(np.float32)
         y = qm._launch_mm(torch.from_numpy(x), [packed(raw, qtype, n, k)], int(qtype), [n], k)
         assert y.shape[0] == qm.k_splits(int(qtype), m, n, k, sms=132)[0]
@@ -227,13 +229,25 @@ def test_batched_kernel_matches_gguf(qtype):
 
 
 def test_batched_kernel_splits_k_until_the_gpu_is_full():
-    # an 8B's down projection at 16 rows: 32 programs unsplit, 4 a multiprocessor wanted
-    # (17 parts), 56 steps of 8 groups: 14 parts of 4 steps (32 groups)
-    assert qm.k_splits(int(Q.Q4_0), 16, 4096, 14336, sms=132) == (14, 32)
-    assert qm.k_splits(int(Q.Q4_0), 16, 14336, 4096, sms=132) == (4, 32)
-    assert qm.k_splits(int(Q.Q4_0), 64, 14336, 4096, sms=132) == (2, 64)  # 4 row tiles
+    # an 8B's down projection at 16 rows: 16 programs of 256 rows unsplit, 4 a
+    # multiprocessor wanted (33 parts), 56 steps of 8 groups: 28 parts of 2 steps (16 groups)
+    assert qm.k_splits(int(Q.Q4_0), 16, 4096, 14336, sms=132) == (28, 16)
+    assert qm.k_splits(int(Q.Q4_0), 16, 14336, 4096, sms=132) == (8, 16)
+    assert qm.k_splits(int(Q.Q4_0), 64, 14336, 4096, sms=132) == (3, 48)  # 4 row tiles
     assert qm.k_splits(int(Q.Q4_0), 12, 20, 4096, sms=132) == (8, 16)  # at least 2 steps a part
     assert qm.k_splits(int(Q.Q4_0), 12, 20, 512, sms=132) == (1, 16)
+    assert qm.k_splits(int(Q.Q8_0), 12, 20, 512, sms=132) == (2, 8)  # steps of 4 groups
+
+
+def test_slot_order_puts_a_slots_values_in_one_run():
+    # Q4_0: 4 low words a group, 8 values a word; slot s of word w of group g is element
+    # 32 g + 8 w + s, at [s, g, w]
+    x = torch.arange(2 * 64, dtype=torch.float32).reshape(2, 64)
+    xs = qm.slot_order(x, int(Q.Q4_0))
+    assert xs.shape == (2, 8, 2, 4) and xs.dtype == torch.float16
+    assert xs[1, 3, 1, 2].item() == 64 + 32 + 8 * 2 + 3
+    assert sorted(xs[0].flatten().tolist()) == list(range(64))
+    assert qm.slot_order(x, int(Q.Q8_0)).shape == (2, 4, 2, 8)
 
 
 def test_rows_choose_the_kernel():
@@ -245,10 +259,12 @@ def test_rows_choose_the_kernel():
     assert qm.tiles(int(Q.Q4_0), 2, 96, True) == (2, 1, 4)
     assert qm.tiles(int(Q.Q4_0), 4096, 4096, True) == (4, 16, 4)
     assert qm.tiles(int(Q.Q4_K), 4096, 4096, True) == (4, 32, 2)
-    assert qm.batch_tiles(int(Q.Q4_0), 4, 4096) == (16, 128, 8, 4)  # 32 low words a step
-    assert qm.batch_tiles(int(Q.Q8_0), 4, 4096) == (16, 128, 4, 4)
-    assert qm.batch_tiles(int(Q.Q2_K), 4, 4096) == (16, 128, 8, 4)
-    assert qm.batch_tiles(int(Q.Q4_0), 4, 480) == (16, 128, 8, 4)
+    assert qm.batch_tiles(int(Q.Q4_0), 4, 4096) == (16, 256, 8, 8)  # 32 low words a step
+    assert qm.batch_tiles(int(Q.Q8_0), 4, 4096) == (16, 256, 4, 8)
+    assert qm.batch_tiles(int(Q.Q2_K), 4, 4096) == (16, 256, 8, 8)
+    assert qm.batch_tiles(int(Q.Q4_0), 4, 480) == (16, 256, 8, 8)
+    assert qm.batch_tiles(int(Q.Q4_0), 4, 96) == (16, 256, 4, 8)  # 16 words, one group masked
+    assert qm.batch_tiles(int(Q.Q8_0), 4, 64) == (16, 256, 2, 8)
 
 
 @needs_triton

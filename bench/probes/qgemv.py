@@ -32,6 +32,7 @@ from apir.backends.local.qmatmul import (
     _launch_mm,
     _stack,
     quantize_x,
+    slot_order,
     tiles,
 )
 from apir.graph.dtypes import DType
@@ -106,7 +107,7 @@ def batched(qtype, n, k, cfg=None):
         out = torch.empty((splits, x.shape[0], n), device="cuda", dtype=torch.float32)
         planes, args, _ = _stack([w], int(qtype), [n], k, bn)
         qkernels._qmm_kernel[(triton.cdiv(x.shape[0], bm), tiles_n, splits)](
-            x, *planes, out, M=x.shape[0], K=k, LDY=n, SPLIT_GROUPS=per, SPLIT_STRIDE=x.shape[0] * n,
+            slot_order(x, int(qtype)), *planes, out, M=x.shape[0], K=k, LDY=n, SPLIT_GROUPS=per, SPLIT_STRIDE=x.shape[0] * n,
             **args, ASM=qkernels.ASM, BM=bm, BN=bn, NG=ng, num_warps=warps, num_stages=stages)
         return out.sum(0)
     return run

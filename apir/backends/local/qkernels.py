@@ -385,7 +385,8 @@ def _qmm_kernel(x_ptr, L0, H0, A0, B0, C0, L1, H1, A1, B1, C1, L2, H2, A2, B2, C
     # row's one run, and their scales once, then walks the S = 32 / LB slots of a word as
     # static steps: slot s is a K-slice of the product, the elements g * 32 + w * S + s of
     # word w of group g, dequantized to f16 and multiplied with x's values at those
-    # elements on the tensor cores. x is rounded to f16, as the prefill path does
+    # elements on the tensor cores. x is f16 (rounded as the prefill path rounds it) in
+    # slot order, (M, S, G, LB): slot s of row m is the run at m * K + s * G * LB
     S: tl.constexpr = 32 // LB
     part, tile, N, col = _part(tl.program_id(1), T0, T1, N0, N1, N2, P)
     low_ptr, high_ptr = _pick(part, L0, L1, L2, P), _pick(part, H0, H1, H2, P)
@@ -420,14 +421,14 @@ def _qmm_kernel(x_ptr, L0, H0, A0, B0, C0, L1, H1, A1, B1, C1, L2, H2, A2, B2, C
         else:
             d = d0[:, :, None]
             mn = m0[:, :, None]
-        e = g[None, :, None] * 32 + w * S  # element 0 of each word
+        e = (g * LB)[None, :, None] + w  # each word's place in a slot's run
         for s in tl.static_range(S):
             v = d * _slot(lw, hw, hs, s, QT, LB, HB, OFF, ASM)
             if MIN:
                 v = v + mn
             wt = tl.reshape(v.to(tl.float16), (BN, NG * LB))
-            x = tl.load(xm + e + s, mask=(m < M)[:, None, None] & keep, other=0.0)
-            acc = tl.dot(tl.reshape(x.to(tl.float16), (BM, NG * LB)), tl.trans(wt), acc)
+            x = tl.load(xm + s * (G * LB) + e, mask=(m < M)[:, None, None] & keep, other=0.0)
+            acc = tl.dot(tl.reshape(x, (BM, NG * LB)), tl.trans(wt), acc)
     rows = tile * BN + tl.arange(0, BN)
     y = y_ptr + tl.program_id(2).to(tl.int64) * SPLIT_STRIDE + col
     tl.store(y + m[:, None] * LDY + rows[None, :], acc, mask=(m < M)[:, None] & (rows < N)[None, :])

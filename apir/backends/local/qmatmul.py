@@ -93,13 +93,28 @@ def tiles(qtype: int, n: int, k: int, fused: bool) -> tuple[int, int, int]:
 
 def batch_tiles(qtype: int, n: int, k: int) -> tuple[int, int, int, int]:
     """(BM rows of x, BN rows of W, NG groups of 32 a K-step, num_warps) of the batched
-    kernel: 16 x 128 in 4 warps, 8 groups a step (32 low words of a row for a 4-bit type,
-    16 for a 2-bit one; Q8_0: 4 groups, 32 words). On an H200 (bench/probes/qgemv.py --rows
-    16, 2026-12-02) this tile over 32 words a row was the fastest of five or within 13% of
-    it, 45.5 us for an 8B's 14336 x 4096 Q4_0 product at 16 rows; a lane an element with 64
-    values a step (2026-12-03) took 73.9. 16 groups of a 2-bit type spill registers
-    (bench/probes/qkernel_sass.py --batched)."""
-    return 16, 128, _groups_a_step(qtype, k, min(8, 32 // qpack.low_bits(qtype))), 4
+    kernel: 16 x 256 in 8 warps, 8 groups a step (32 low words of a row for a 4-bit type,
+    16 for a 2-bit one; Q8_0: 4 groups, 32 words), and never under 16 words: a slot's
+    product is a tensor-core dot, whose K must be 16 or more (the masks take the groups
+    past a short row's end). On an H200 (bench/probes/qgemv.py --rows 16 --configs,
+    2026-12-03) 256 rows in 8 warps was the fastest tile on every type and an 8B's two
+    products, 0.73-0.87 of the time of 128 rows in 4 warps (Q4_0's 14336 x 4096: 58.9 against
+    80.3 us); 16 groups of a 2-bit type spill registers (bench/probes/qkernel_sass.py
+    --batched)."""
+    low = qpack.low_bits(qtype)
+    return 16, 256, max(16 // low, _groups_a_step(qtype, k, min(8, 32 // low))), 8
+
+
+def slot_order(x: torch.Tensor, qtype: int) -> torch.Tensor:
+    """x (M, K) as the batched kernel reads it: f16 (M, S, K / 32, LB) for a type whose low
+    words are LB to a group and hold S = 32 / LB values each, [m, s, g, w] = x[m, 32 g + S w
+    + s]. A slot's x values are then one contiguous run a row, as its weight values are; read
+    in K's order, each load was LB strided f32 values a group (at 128 rows a tile, about as
+    many bytes as the weights')."""
+    m, k = x.shape
+    low = qpack.low_bits(qtype)
+    out = torch.empty((m, 32 // low, k // 32, low), device=x.device, dtype=torch.float16)
+    return out.copy_(x.reshape(m, k // 32, low, 32 // low).permute(0, 3, 1, 2))
 
 
 def k_splits(qtype: int, m: int, n: int, k: int, sms: int) -> tuple[int, int]:
@@ -208,16 +223,17 @@ if qkernels is not None:
 
     def _launch_mm(x: torch.Tensor, ws: Sequence[torch.Tensor], qtype: int, ns: Sequence[int],
                    k: int) -> torch.Tensor:
-        # x (M, K) f32 contiguous -> (splits, M, sum ns) f32: the product split along K in
-        # ``k_splits`` parts, which the caller sums (in a compiled step, into the kernel that
-        # reads the result)
+        # x (M, K) -> (splits, M, sum ns) f32: the product split along K in ``k_splits``
+        # parts, which the caller sums (in a compiled step, into the kernel that reads the
+        # result)
         m, n = x.shape[0], sum(ns)
+        xs = slot_order(x, qtype)
         bm, bn, ng, warps = batch_tiles(qtype, ns[0], k)
         splits, per = k_splits(qtype, m, n, k, multiprocessors(x.device))
         out = torch.empty((splits, m, n), device=x.device, dtype=torch.float32)
         planes, args, tiles_n = _stack(ws, qtype, ns, k, bn)
         qkernels._qmm_kernel[(triton.cdiv(m, bm), tiles_n, splits)](
-            x, *planes, out, M=m, K=k, LDY=out.stride(-2), SPLIT_GROUPS=per, SPLIT_STRIDE=m * n,
+            xs, *planes, out, M=m, K=k, LDY=out.stride(-2), SPLIT_GROUPS=per, SPLIT_STRIDE=m * n,
             **args, ASM=qkernels.ASM, BM=bm, BN=bn, NG=ng, num_warps=warps, num_stages=1)
         return out
 
@@ -320,7 +336,7 @@ def decode_product(x: torch.Tensor, ws: list[torch.Tensor], qtypes: list[int], n
     if x.shape[0] <= FUSED_ROWS:
         return _qgemv(x.float().contiguous(), ws, qtypes, ns, k)
     if batched(x.shape[0]):
-        xs = x.float().contiguous()
+        xs = x.contiguous()
         ys = [_qmm(xs, ws[a:b], qtypes[a], ns[a:b], k).sum(0) for a, b in runs(qtypes)]
         return ys[0] if len(ys) == 1 else torch.cat(ys, dim=1)
     return None
