@@ -215,7 +215,7 @@ def test_batched_kernel_matches_gguf(qtype):
     # the third shape is split along K (k_splits: 8 parts for the 4-bit types, summed
     # after); for the 32-element types K = 480 too: 15 groups, steps of 8, one group masked;
     # and K = 96: 3 groups in a step of 4 (a tensor-core dot takes 16 words or more)
-    shapes = [(9, 13, 256), (17, 70, 512), (12, 20, 4096)]
+    shapes = [(9, 13, 256), (16, 70, 512), (12, 20, 4096)]
     if qpack.block_size(int(qtype)) == 32:
         shapes += [(10, 129, 480), (9, 7, 96)]
     for i, (m, n, k) in enumerate(shapes):
@@ -229,11 +229,11 @@ def test_batched_kernel_matches_gguf(qtype):
 
 
 def test_batched_kernel_splits_k_until_the_gpu_is_full():
-    # an 8B's down projection at 16 rows: 16 programs of 256 rows unsplit, 4 a
-    # multiprocessor wanted (33 parts), 56 steps of 8 groups: 28 parts of 2 steps (16 groups)
+    # an 8B's down projection at 16 rows: 8 programs of 512 rows unsplit, 4 a
+    # multiprocessor wanted (66 parts), 56 steps of 8 groups: 28 parts of 2 steps (16 groups)
     assert qm.k_splits(int(Q.Q4_0), 16, 4096, 14336, sms=132) == (28, 16)
+    assert qm.k_splits(int(Q.Q8_0), 16, 4096, 14336, sms=132) == (28, 16)  # 16 of 256 rows
     assert qm.k_splits(int(Q.Q4_0), 16, 14336, 4096, sms=132) == (8, 16)
-    assert qm.k_splits(int(Q.Q4_0), 64, 14336, 4096, sms=132) == (3, 48)  # 4 row tiles
     assert qm.k_splits(int(Q.Q4_0), 12, 20, 4096, sms=132) == (8, 16)  # at least 2 steps a part
     assert qm.k_splits(int(Q.Q4_0), 12, 20, 512, sms=132) == (1, 16)
     assert qm.k_splits(int(Q.Q8_0), 12, 20, 512, sms=132) == (2, 8)  # steps of 4 groups
@@ -259,11 +259,12 @@ def test_rows_choose_the_kernel():
     assert qm.tiles(int(Q.Q4_0), 2, 96, True) == (2, 1, 4)
     assert qm.tiles(int(Q.Q4_0), 4096, 4096, True) == (4, 16, 4)
     assert qm.tiles(int(Q.Q4_K), 4096, 4096, True) == (4, 32, 2)
-    assert qm.batch_tiles(int(Q.Q4_0), 4, 4096) == (16, 256, 8, 8)  # 32 low words a step
+    assert qm.batch_tiles(int(Q.Q4_0), 4, 4096) == (16, 512, 8, 8)  # 32 low words a step
+    assert qm.batch_tiles(int(Q.Q6_K), 4, 4096) == (16, 256, 8, 8)
     assert qm.batch_tiles(int(Q.Q8_0), 4, 4096) == (16, 256, 4, 8)
     assert qm.batch_tiles(int(Q.Q2_K), 4, 4096) == (16, 256, 8, 8)
-    assert qm.batch_tiles(int(Q.Q4_0), 4, 480) == (16, 256, 8, 8)
-    assert qm.batch_tiles(int(Q.Q4_0), 4, 96) == (16, 256, 4, 8)  # 16 words, one group masked
+    assert qm.batch_tiles(int(Q.Q4_0), 4, 480) == (16, 512, 8, 8)
+    assert qm.batch_tiles(int(Q.Q4_0), 4, 96) == (16, 512, 4, 8)  # 16 words, one group masked
     assert qm.batch_tiles(int(Q.Q8_0), 4, 64) == (16, 256, 2, 8)
 
 

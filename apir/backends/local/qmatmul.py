@@ -43,8 +43,11 @@ except ImportError:  # CPU-only PyTorch
 
 # x with at most this many rows is multiplied by the fused kernel (a decode step's rows)
 FUSED_ROWS = 8
-# ... and with at most this many by the batched kernel (a batched decode step's rows)
-BATCH_ROWS = 64
+# ... and with at most this many by the batched kernel (a batched decode step's rows): one
+# tile of x's rows. Each further tile dequantizes the weight again: on an H200 at 64 rows
+# (four tiles) it took 2.1-3.9x the time of dequantizing once and a matmul
+# (bench/probes/qgemv.py --rows 64, 2026-12-04: Q4_0 14336 x 4096, 171.8 against 82.0 us)
+BATCH_ROWS = 16
 # weights of one type one decode launch takes (stacked along N: q, k, v)
 MAX_PARTS = 3
 # dequantized rows of one tile of the prefill path, in bytes
@@ -93,16 +96,18 @@ def tiles(qtype: int, n: int, k: int, fused: bool) -> tuple[int, int, int]:
 
 def batch_tiles(qtype: int, n: int, k: int) -> tuple[int, int, int, int]:
     """(BM rows of x, BN rows of W, NG groups of 32 a K-step, num_warps) of the batched
-    kernel: 16 x 256 in 8 warps, 8 groups a step (32 low words of a row for a 4-bit type,
-    16 for a 2-bit one; Q8_0: 4 groups, 32 words), and never under 16 words: a slot's
-    product is a tensor-core dot, whose K must be 16 or more (the masks take the groups
-    past a short row's end). On an H200 (bench/probes/qgemv.py --rows 16 --configs,
-    2026-12-03) 256 rows in 8 warps was the fastest tile on every type and an 8B's two
-    products, 0.73-0.87 of the time of 128 rows in 4 warps (Q4_0's 14336 x 4096: 58.9 against
-    80.3 us); 16 groups of a 2-bit type spill registers (bench/probes/qkernel_sass.py
+    kernel: 16 x 256 in 8 warps (16 x 512 for Q4_0, Q4_1 and Q4_K), 8 groups a step (32 low
+    words of a row for a 4-bit type, 16 for a 2-bit one; Q8_0: 4 groups, 32 words), and
+    never under 16 words: a slot's product is a tensor-core dot, whose K must be 16 or more
+    (the masks take the groups past a short row's end). On an H200, x in slot order, 16
+    rows, an 8B's two products (bench/probes/qgemv.py --rows 16 --configs, 2026-12-04):
+    Q4_0 and Q4_K 46.9-51.4 us at 512 rows, 56.6-63.8 at 256, 53.4-60.4 at 128 in 4 warps;
+    Q8_0 49.3-50.3 at 256 (within 2% of the best), 67.4 at 512; Q6_K 112.0-113.3 at 256, the
+    best. 16 groups of a 2-bit type spill registers (bench/probes/qkernel_sass.py
     --batched)."""
     low = qpack.low_bits(qtype)
-    return 16, 256, max(16 // low, _groups_a_step(qtype, k, min(8, 32 // low))), 8
+    bn = 512 if qtype in (2, 3, 12) else 256
+    return 16, bn, max(16 // low, _groups_a_step(qtype, k, min(8, 32 // low))), 8
 
 
 def slot_order(x: torch.Tensor, qtype: int) -> torch.Tensor:
