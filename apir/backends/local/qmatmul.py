@@ -41,8 +41,12 @@ try:
 except ImportError:  # CPU-only PyTorch
     triton = qkernels = None
 
-# x with at most this many rows is multiplied by the fused kernel (a decode step's rows)
-FUSED_ROWS = 8
+# x with at most this many rows is multiplied by the fused kernel (a decode step's rows).
+# Its time grows with the rows (each reads the weight's words again from cache), the
+# batched kernel's not below 16: on an H200 at 4 rows they were level on Q4_0 (45.9 against
+# 44.2 us, an 8B's 14336 x 4096), the fused one 1.3x slower on Q8_0 and Q4_K, 0.6x on Q6_K;
+# at 8 rows 1.1-2.5x slower on all four (bench/probes/qgemv.py --rows 4|8, 2026-12-04)
+FUSED_ROWS = 4
 # ... and with at most this many by the batched kernel (a batched decode step's rows): one
 # tile of x's rows. Each further tile dequantizes the weight again: on an H200 at 64 rows
 # (four tiles) it took 2.1-3.9x the time of dequantizing once and a matmul
