@@ -57,5 +57,5 @@ def test_a_tcp_guest_without_a_token_is_told_it_sent_none(tiny, tmp_path, monkey
 
 def test_the_hint_for_a_tcp_host_says_how_to_start_one_with_a_token(tiny):
     url = f"tcp://127.0.0.1:{free_port()}"
-    with pytest.raises(HostUnreachable, match=f"start one with `apir host` --listen {url} --token-file FILE"):
+    with pytest.raises(HostUnreachable, match=f"start one with `apir host --listen {url} --token-file FILE`"):
         apir.load(tiny, backend="remote", remote=url)

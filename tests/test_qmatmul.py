@@ -220,7 +220,7 @@ def test_batched_kernel_matches_gguf(qtype):
         shapes += [(10, 129, 480), (9, 7, 96)]
     for i, (m, n, k) in enumerate(shapes):
         raw = random_weight(qtype, n, k, seed=i)
-        assert qm.batched(m)
+        assert qm.batched(m, int(Q.Q4_0))
         assert qm.batch_tiles(int(qtype), n, k)[2] * qpack.low_bits(int(qtype)) >= 16
         x = np.random.default_rng(i).standard_normal((m, k)).astype(np.float32)
         y = qm._launch_mm(torch.from_numpy(x), [packed(raw, qtype, n, k)], int(qtype), [n], k)
@@ -251,7 +251,9 @@ def test_slot_order_puts_a_slots_values_in_one_run():
 
 
 def test_rows_choose_the_kernel():
-    assert [qm.batched(m) for m in (1, qm.FUSED_ROWS, qm.FUSED_ROWS + 1, qm.BATCH_ROWS, qm.BATCH_ROWS + 1)] \
+    assert not qm.batched(qm.FUSED_ROWS + 1, int(Q.Q6_K))  # dequantized once, then a matmul
+    assert [qm.batched(m, int(Q.Q4_K)) for m in (1, qm.FUSED_ROWS, qm.FUSED_ROWS + 1, qm.BATCH_ROWS,
+                                                qm.BATCH_ROWS + 1)] \
         == [False, False, True, True, False]
     # K = 96: three groups, a step of one (two would mask one of four); K = 4096: steps of
     # 16 groups (32 for a K-quant); never more rows a program than the weight's
@@ -272,13 +274,12 @@ def test_rows_choose_the_kernel():
 @pytest.mark.parametrize(("m", "rel"), [(2, 1e-2), (11, 2e-3)])
 def test_decode_kernels_write_stacked_weights_into_one_result(m, rel, monkeypatch):
     # the fused kernel (x rounded to int8) and the batched one (x and W rounded to f16), one launch a run
-    # of weights of one type
+    # of weights of one type; at 11 rows the Q6_K run is dequantized and multiplied instead
     assert qm.runs([12, 12, 14, 8, 8, 8, 8]) == [(0, 2), (2, 3), (3, 6), (6, 7)]
     monkeypatch.setattr(qm, "packs", lambda device: True)
 
     def product(x, parts):
-        ws, qtypes, ns = zip(*[(packed(r, t, n, 512), int(t), n) for r, t, n in parts])
-        return qm.decode_product(torch.from_numpy(x), list(ws), list(qtypes), list(ns), 512)
+        return qm.stacked_product(torch.from_numpy(x), [(packed(r, t, n, 512), int(t), n) for r, t, n in parts], 512)
     check_stacked(product, m, rel=rel)
 
 

@@ -314,7 +314,7 @@ def test_nobody_listening_is_one_clear_line(tmp_path):
     assert out.returncode == 1
     lines = out.stderr.strip().splitlines()
     assert lines == [f"error: no apir host is listening at unix://{sock} (no socket there): "
-                     f"start one with `apir host` --listen unix://{sock}"]
+                     f"start one with `apir host --listen unix://{sock}`"]
 
 
 def test_unix_socket_is_owner_only(host):

@@ -151,9 +151,11 @@ def _dial(address: Address) -> socket.socket:
         sock.connect(address.sockaddr)
     except (FileNotFoundError, ConnectionRefusedError) as e:
         sock.close()
-        hint = "start one with `apir host`" + (
+        command = "apir host" + (
             f" --listen {address}" if address.scheme != "unix" or Path(address.path) != default_socket_path() else ""
-        ) + (" --token-file FILE (a secret the guest passes too)" if address.scheme != "unix" else "")
+        ) + (" --token-file FILE" if address.scheme != "unix" else "")
+        hint = f"start one with `{command}`" + (
+            " (FILE: a secret the guest passes too)" if address.scheme != "unix" else "")
         what = "no socket there" if isinstance(e, FileNotFoundError) else "connection refused"
         raise HostUnreachable(f"no apir host is listening at {address} ({what}): {hint}") from None
     except (TimeoutError, OSError) as e:

@@ -90,7 +90,7 @@ def gemv16(n, k):
 
 
 def batched(qtype, n, k, cfg=None):
-    # the batched decode kernel (qmatmul's path for FUSED_ROWS < M <= BATCH_ROWS), its
+    # the batched decode kernel (qmatmul's path for FUSED_ROWS < M <= BATCH_ROWS, Q6_K aside), its
     # splits summed; cfg (BN, NG, warps, stages) for the sweep
     if cfg is None:
         return lambda x, w: _launch_mm(x, [w], int(qtype), [n], k).sum(0)

@@ -5,15 +5,15 @@
 
 ``w`` is 1-D uint8 holding W (N, K): on a device where ``packs`` is true (CUDA with
 Triton) in ``qpack``'s packed form, elsewhere as GGUF blocks, exactly as in the file.
-Two paths, chosen by the rows of x and the device:
+Three paths, chosen by the rows of x, the device and (for Q6_K) the type:
 
 - M <= FUSED_ROWS on CUDA: x is rounded to int8 per group of 32, then one Triton kernel
   reads every weight byte once and multiplies in integers (``qkernels._qgemv_kernel``).
   No memory beyond the (M, N) result and int8 x.
-- M <= BATCH_ROWS on CUDA (a batched decode step): a Triton kernel dequantizes each weight
-  tile once, to f16, and multiplies it with every row on the tensor cores
-  (``qkernels._qmm_kernel``), in parts along K that the caller sums. No memory beyond
-  those parts.
+- M <= BATCH_ROWS on CUDA (a batched decode step), a weight not Q6_K (``batched``): a
+  Triton kernel dequantizes each weight tile once, to f16, and multiplies it with every
+  row on the tensor cores (``qkernels._qmm_kernel``), in parts along K that the caller
+  sums. No memory beyond those parts.
   Both decode kernels take up to MAX_PARTS stacked weights of one type in one launch.
 - otherwise (prefill, or a CPU host): W is dequantized a tile of rows at a time into a
   scratch of at most SCRATCH_BYTES (f16 by a Triton kernel on CUDA, f32 by the torch
@@ -160,9 +160,12 @@ def runs(qtypes: Sequence[int]) -> list[tuple[int, int]]:
     return out
 
 
-def batched(m: int) -> bool:
-    """Whether x of ``m`` rows takes the batched kernel."""
-    return FUSED_ROWS < m <= BATCH_ROWS
+def batched(m: int, qtype: int) -> bool:
+    """Whether x of ``m`` rows times a packed weight of ``qtype`` takes the batched kernel.
+    Not Q6_K: its two high bits a value cost the kernel more than dequantizing the weight
+    once and a matmul (on an H200, 5 to 16 rows of an 8B's 14336 x 4096 product: 108-113
+    against 92-97 us, bench/probes/qgemv.py --rows 4|8|16, 2026-12-04)."""
+    return FUSED_ROWS < m <= BATCH_ROWS and qtype != 14
 
 
 if qkernels is not None:
@@ -335,22 +338,6 @@ def get_rows(w: torch.Tensor, qtype: int, n: int, k: int, ids: torch.Tensor) -> 
     return out.reshape(*ids.shape, k)
 
 
-def decode_product(x: torch.Tensor, ws: list[torch.Tensor], qtypes: list[int], ns: list[int],
-                   k: int) -> torch.Tensor | None:
-    """x (M, K) @ the stacked packed weights ws.T through a decode kernel, fused (M up to
-    FUSED_ROWS) or batched (up to BATCH_ROWS), without the argument checks (traceable by
-    a step's tracer); None where neither applies."""
-    if not packs(x.device):
-        return None
-    if x.shape[0] <= FUSED_ROWS:
-        return _qgemv(x.float().contiguous(), ws, qtypes, ns, k)
-    if batched(x.shape[0]):
-        xs = x.contiguous()
-        ys = [_qmm(xs, ws[a:b], qtypes[a], ns[a:b], k).sum(0) for a, b in runs(qtypes)]
-        return ys[0] if len(ys) == 1 else torch.cat(ys, dim=1)
-    return None
-
-
 def _check(x: torch.Tensor, w: torch.Tensor, qtype: int, n: int, k: int) -> str | None:
     """Why ``qmatmul`` cannot take these arguments, or None."""
     if qtype not in qpack.TYPES:
@@ -403,14 +390,31 @@ def qmatmul_stacked(x: torch.Tensor, parts: Sequence[tuple[torch.Tensor, int | D
 def stacked_product(x: torch.Tensor, parts: Sequence[tuple[torch.Tensor, int, int]], k: int) -> torch.Tensor:
     """``qmatmul_stacked`` for arguments known to pass its checks (int qtypes): torch ops
     and apir's custom ops only, so a step that calls it can be traced and compiled."""
-    y = decode_product(x, [w for w, _, _ in parts], [q for _, q, _ in parts], [n for _, _, n in parts], k)
-    if y is not None:
-        return y
+    ws, qtypes, ns = [w for w, _, _ in parts], [q for _, q, _ in parts], [n for _, _, n in parts]
+    packed = packs(x.device)
+    if packed and x.shape[0] <= FUSED_ROWS:
+        return _qgemv(x.float().contiguous(), ws, qtypes, ns, k)
+    y = torch.empty((x.shape[0], sum(ns)), device=x.device, dtype=torch.float32)
+    off = 0
+    for a, b in runs(qtypes):
+        width = sum(ns[a:b])
+        if packed and batched(x.shape[0], qtypes[a]):
+            y[:, off : off + width] = _qmm(x.contiguous(), ws[a:b], qtypes[a], ns[a:b], k).sum(0)
+        else:
+            _dequantized_product(x, parts[a:b], k, y[:, off : off + width])
+        off += width
+    return y
+
+
+def _dequantized_product(x: torch.Tensor, parts: Sequence[tuple[torch.Tensor, int, int]], k: int,
+                         y: torch.Tensor) -> None:
+    # x (M, K) @ the stacked weights, into y (M, sum N_i): each weight dequantized a tile of
+    # rows at a time into a scratch of at most SCRATCH_BYTES (CPU_SCRATCH_BYTES), then cuBLAS
+    # (or the CPU's matmul); the scratch is freed after
     packed = packs(x.device)
     wdtype = torch.float16 if packed else torch.float32
     rows = max(1, (SCRATCH_BYTES if packed else CPU_SCRATCH_BYTES) // (k * wdtype.itemsize))
     xs = x.to(wdtype)  # rounded as the dense path rounds x to its f16 weights
-    y = torch.empty((x.shape[0], sum(n for _, _, n in parts)), device=x.device, dtype=torch.float32)
     off = 0
     for w, qtype, n in parts:
         per_row = qpack.geometry(qtype, 1, k).nbytes
@@ -422,4 +426,3 @@ def stacked_product(x: torch.Tensor, parts: Sequence[tuple[torch.Tensor, int, in
                 tile = dequant.dequantize(w[r0 * per_row : r1 * per_row], DType(qtype), (r1 - r0, k))
             y[:, off + r0 : off + r1] = torch.matmul(xs, tile.T)
         off += n
-    return y
