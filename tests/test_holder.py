@@ -36,7 +36,7 @@ from apir.engine import SamplingParams
 from apir.graph import DType
 from apir.host import holder
 from apir.host.published import WAIT as WAIT_REPLY
-from apir.host.published import WANT, PublishedModel, Shelf
+from apir.host.published import PublishedModel, Shelf, request
 from apir.models.gguf_file import GGUFFile
 from apir.models.layout import layout_digest, weight_slots
 from apir.protocol import messages as m
@@ -271,17 +271,24 @@ def _reply(worker: socket.socket) -> tuple[bytes, list[int]]:
     return data, fds
 
 
-def test_the_books_of_a_holder(tiny):
+def test_the_books_of_a_holder(tiny, layout):
     """Who waits for a loading holder, who uses it, when it is told to end."""
     script = ScriptedHolder()
     shelf = Shelf((PublishedModel.parse(tiny),), keep_alive=10, device="cuda:0", spawn=script.spawn)
+    want = request("tiny", layout[1], layout[0])
     try:
+        d0, w0 = _worker()  # a guest whose file lays the model out otherwise: no holder is started
+        assert shelf.answer(d0, 0, request("tiny", layout[1], b"\0" * 32))
+        assert b"is not laid out as this guest's file" in _reply(w0)[0]
+        assert shelf.answer(d0, 0, request("tiny", layout[1] + 32, layout[0]))
+        assert b"is not laid out as this guest's file" in _reply(w0)[0]
+        assert not script.spawned and shelf.loads == 0
         d1, w1 = _worker()
         d2, w2 = _worker()
         d3, w3 = _worker()
-        assert shelf.answer(d1, 1, WANT + b"tiny") and _reply(w1) == (WAIT_REPLY, [])
-        assert shelf.answer(d2, 2, WANT + b"tiny") and _reply(w2) == (WAIT_REPLY, [])
-        assert shelf.answer(d3, 3, WANT + b"tiny") and _reply(w3) == (WAIT_REPLY, [])
+        assert shelf.answer(d1, 1, want) and _reply(w1) == (WAIT_REPLY, [])
+        assert shelf.answer(d2, 2, want) and _reply(w2) == (WAIT_REPLY, [])
+        assert shelf.answer(d3, 3, want) and _reply(w3) == (WAIT_REPLY, [])
         assert len(script.spawned) == 1 and shelf.loads == 1  # one holder for every waiter
         h = script.spawned[0]
         assert shelf.resident_bytes() == 0  # loading: nothing resident yet
@@ -299,7 +306,7 @@ def test_the_books_of_a_holder(tiny):
             _reply(w3)  # nothing for a session that ended
         assert h.users == {1, 2} and shelf.resident_bytes() == 4096
         d4, w4 = _worker()  # a later session is granted at once
-        assert shelf.answer(d4, 4, WANT + b"tiny") and _reply(w4)[0].startswith(holder.GRANT)
+        assert shelf.answer(d4, 4, want) and _reply(w4)[0].startswith(holder.GRANT)
         for s in (1, 2, 4):
             shelf.release(s, now=100.0)
         shelf.expire(now=105.0)
@@ -309,26 +316,28 @@ def test_the_books_of_a_holder(tiny):
         script.theirs.settimeout(5)
         assert script.theirs.recv(64) == b""  # the holder's EOF: it ends
         assert not shelf.answer(d1, 1, b"nonsense")  # not a request: not answered
-        assert shelf.answer(d1, 1, WANT + b"other")
+        assert not shelf.answer(d1, 1, want[:40])  # cut short
+        assert shelf.answer(d1, 1, request("other", *layout[::-1]))
         assert b"publishes no model named 'other' (published: tiny)" in _reply(w1)[0]
     finally:
         shelf.close()
         script.close()
 
 
-def test_a_failing_or_dying_holder_in_the_books(tiny):
+def test_a_failing_or_dying_holder_in_the_books(tiny, layout):
     script = ScriptedHolder()
     shelf = Shelf((PublishedModel.parse(tiny),), keep_alive=10, device="cuda:0", spawn=script.spawn)
+    want = request("tiny", layout[1], layout[0])
     try:
         d1, w1 = _worker()
-        shelf.answer(d1, 1, WANT + b"tiny")
+        shelf.answer(d1, 1, want)
         assert _reply(w1) == (WAIT_REPLY, [])
         script.theirs.send(holder.FAIL + b"CUDA out of memory")
         shelf.holder_event(script.spawned[0])
         assert b"could not load its published model 'tiny' onto its GPU" in _reply(w1)[0]
         assert not shelf.holders and shelf.resident_bytes() == 0
         script.ours, script.theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        shelf.answer(d1, 1, WANT + b"tiny")  # asked again: a new holder
+        shelf.answer(d1, 1, want)  # asked again: a new holder
         assert _reply(w1) == (WAIT_REPLY, []) and len(script.spawned) == 2 and shelf.loads == 2
         script.ready(4096, b"d" * 32)
         shelf.holder_event(script.spawned[1])

@@ -503,9 +503,9 @@ class Daemon:
             return
         copies: dict[str, Grant] = {}
 
-        def published(name: str, notify) -> Grant:
+        def published(name: str, size: int, digest: bytes, notify) -> Grant:
             if name not in copies:
-                copies[name] = ask(pool, name, self.config.io_timeout, notify)
+                copies[name] = ask(pool, name, size, digest, self.config.io_timeout, notify)
             return copies[name]
         bind, sock = got
         slot = bind.slot

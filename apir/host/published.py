@@ -27,7 +27,8 @@ MPS host keeps the memfd; each of its sessions copies it to the device.)
 
 The daemon and a worker speak over the worker's socketpair (SOCK_SEQPACKET):
 
-    worker -> daemon   b"want\\0" + name (UTF-8, at most NAME_MAX bytes)
+    worker -> daemon   b"want\\0" + i64 size + 32-byte layout digest (the guest's file's) +
+                       name (UTF-8, at most NAME_MAX bytes)
     daemon -> worker   b"ok" + i64 size + 32-byte layout digest + i64 forms size (0: none),
                     with the memfd and the forms' memfd if any (SCM_RIGHTS)
                     or holder.GRANT ... (a holder's device copy: see apir.host.holder)
@@ -63,7 +64,8 @@ NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,127}")
 NAME_MAX = 128
 WANT = b"want\0"
 WAIT = b"wait"
-REQUEST_MAX = len(WANT) + NAME_MAX
+_LAYOUT = struct.Struct("<q32s")  # after WANT: the layout's size and digest the guest expects
+REQUEST_MAX = len(WANT) + _LAYOUT.size + NAME_MAX
 LOAD_WAIT = holder.LOAD_TIMEOUT + 60  # seconds a worker waits for a loading holder's copy
 _GRANT = struct.Struct("<q32sq")  # after b"ok": size, layout digest, forms size
 FORM_CHUNK = 1 << 22  # elements dequantized at a time: the daemon's scratch stays small
@@ -74,6 +76,8 @@ KEEP_ALIVE = 300.0  # seconds a copy outlives its last session (Ollama's keep_al
 class PublishedModel:
     name: str
     path: Path
+    size: int  # bytes of its tensors laid out as a guest's engine lays them out
+    digest: bytes  # apir.models.layout.layout_digest of that layout (from the file's header)
 
     @staticmethod
     def parse(spec: str) -> PublishedModel:
@@ -88,12 +92,25 @@ class PublishedModel:
         if not Path(path).is_file():
             raise ApirError(f"--model {spec!r}: no file {path}")
         from ..models.gguf_file import GGUFFile
+        from ..models.layout import layout_digest, weight_slots
 
         try:  # its header now: a file that is not GGUF, or not readable, fails the daemon's start
-            GGUFFile(path)  # rather than each guest's load later, which would upload instead
+            gguf = GGUFFile(path)  # rather than each guest's load later, which would upload instead
         except (ApirError, OSError) as e:
             raise ApirError(f"--model {spec!r}: {getattr(e, 'strerror', None) or e}") from None
-        return PublishedModel(name, Path(path))
+        slots, size = weight_slots(gguf.tensors.values())
+        return PublishedModel(name, Path(path), size, layout_digest(slots))
+
+
+def misfit(name: str) -> BackendError:
+    """The refusal of a guest whose own file lays published model ``name`` out otherwise."""
+    return BackendError(f"the host's published model {name!r} is not laid out as this guest's file "
+                        "(another version or quantization of it?); upload the weights instead")
+
+
+def request(name: str, size: int, digest: bytes) -> bytes:
+    """A worker's request for published model ``name`` as its guest's file lays it out."""
+    return WANT + _LAYOUT.pack(size, digest) + name.encode()
 
 
 @dataclass
@@ -291,15 +308,23 @@ class Shelf:
 
     def answer(self, pool: socket.socket, session: int, data: bytes) -> bool:
         """Answer a worker's request ``data`` on its socketpair ``pool``; False: it is not a
-        request (the worker is not to be trusted: stop listening to it) or cannot be sent."""
-        if not data.startswith(WANT) or len(data) > REQUEST_MAX:
+        request (the worker is not to be trusted: stop listening to it) or cannot be sent.
+        A guest whose file lays the model out otherwise is refused before anything loads."""
+        if not data.startswith(WANT) or not len(WANT) + _LAYOUT.size < len(data) <= REQUEST_MAX:
             return False
-        name = data[len(WANT) :].decode(errors="replace")
+        size, digest = _LAYOUT.unpack_from(data, len(WANT))
+        name = data[len(WANT) + _LAYOUT.size :].decode(errors="replace")
+        try:
+            model = self.models[self._name(name)]
+        except BackendError as e:
+            return _send(pool, b"no" + str(e).encode(), [])
+        if (model.size, model.digest) != (size, digest):
+            return _send(pool, b"no" + str(misfit(model.name)).encode(), [])
         if self.device is not None:
-            return self._answer_held(pool, session, name)
+            return self._answer_held(pool, session, model.name)
         fds: list[int] = []
         try:
-            copy = self.acquire(name, session)
+            copy = self.acquire(model.name, session)
             reply = b"ok" + _GRANT.pack(copy.size, copy.digest, copy.forms_size)
             fds = [copy.fd] + ([copy.forms_fd] if copy.forms_fd >= 0 else [])
         except (BackendError, ApirError, OSError) as e:  # a missing or unreadable file too
@@ -426,16 +451,23 @@ class Grant(NamedTuple):
     device: holder.DeviceGrant | None = None
 
 
-def ask(pool: socket.socket, name: str, timeout: float, notify: Callable[[str], None] | None = None) -> Grant:
-    """In a worker: the daemon's copy of published model ``name``, mapped read-only, or a
-    holder's device copy opened; a BackendError says why not. ``notify`` tells the guest
-    when a holder is loading the model first (seconds)."""
-    raw = name.encode()
-    if not NAME.fullmatch(name) or len(raw) > NAME_MAX:
+# a worker's way to the daemon's published models: (name, size, digest, notify) -> Grant
+Asker = Callable[[str, int, bytes, Callable[[str], None]], Grant]
+
+
+def ask(pool: socket.socket, name: str, size: int, digest: bytes, timeout: float,
+        notify: Callable[[str], None] | None = None) -> Grant:
+    """In a worker: the daemon's copy of published model ``name``, laid out in ``size``
+    bytes as ``digest`` says (the guest's file's layout), mapped read-only, or a holder's
+    device copy opened; a BackendError says why not. ``notify`` tells the guest when a
+    holder is loading the model first (seconds)."""
+    if not NAME.fullmatch(name) or len(name.encode()) > NAME_MAX:
         raise BackendError(f"{name[:NAME_MAX]!r} is not a model name (1 to {NAME_MAX} letters, "
                            "digits and . _ + -)")
+    if len(digest) != _LAYOUT.size - 8 or not 0 <= size < 2**63:
+        raise BackendError("a published model's layout is a 32-byte digest and a size")
     pool.settimeout(timeout)
-    pool.send(WANT + raw)
+    pool.send(request(name, size, digest))
     data, fds, _, _ = socket.recv_fds(pool, holder.MESSAGE_MAX, holder.FDS_MAX)
     if data == WAIT and not fds:
         if notify is not None:

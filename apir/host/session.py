@@ -46,7 +46,7 @@ from ..protocol import (
 from ..protocol import messages as m
 from ..protocol.step import Placement, StepLayout, pack, private_copy
 from ..transport import Arena, ArenaError, Channel, ConnectionClosed
-from .published import Grant
+from .published import Asker, Grant, misfit
 
 log = logging.getLogger("apir.host")
 
@@ -127,10 +127,10 @@ def error_for(exc: BaseException) -> m.Error:
 class Session:
     def __init__(self, chan: Channel, backend: Executor, arena: Arena | None, config: SessionConfig,
                  publish=None, liveness: socket.socket | None = None,
-                 published: Callable[[str, Callable[[str], None]], Grant] | None = None) -> None:
+                 published: Asker | None = None) -> None:
         self.chan, self.backend, self.arena, self.config = chan, backend, arena, config
-        # a published model's read-only copy and layout digest, by name (the daemon's; the
-        # callable may tell the guest it waits for the copy to be loaded)
+        # a published model's read-only copy, by name and the guest's layout of it (the
+        # daemon's; the callable may tell the guest it waits for the copy to be loaded)
         self.published = published
         self._holders: dict[int, str] = {}  # liveness fd -> published model (_watch_holder)
         # the guest's socket, watched for a hang-up (with rings, frames no longer use it)
@@ -420,10 +420,9 @@ class Session:
         """The daemon's copy of published model ``name``, if it is laid out as the guest's."""
         if self.published is None:
             raise BackendError("this host shares no weights; upload them")
-        grant = self.published(name, partial(notify, self.chan))
-        if grant.digest != layout or grant.size != size:
-            raise BackendError(f"the host's published model {name!r} is not laid out as this guest's "
-                               "file (another version or quantization of it?); upload the weights instead")
+        grant = self.published(name, size, layout, partial(notify, self.chan))
+        if grant.digest != layout or grant.size != size:  # the file changed since the daemon read its header
+            raise misfit(name)
         return grant
 
     def _start_step(self, rid: int, gid: int, n_tokens: int, out_offset: int, capacity: int,

@@ -18,7 +18,6 @@ import resource
 import socket
 import struct
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,7 +26,7 @@ from ..errors import ApirError
 from ..protocol import PROTOCOL_VERSION, ErrorCode, ProtocolError
 from ..protocol import messages as m
 from ..transport import Connection, ConnectionClosed, accept, spin_seconds
-from .published import Grant
+from .published import Asker
 from .session import Session, SessionConfig, device_message, notify
 
 log = logging.getLogger("apir.host")
@@ -129,7 +128,7 @@ CGROUP = Path("/sys/fs/cgroup")  # the cgroup v2 hierarchy (a hybrid host's v1 c
 
 
 def run_worker(conn: Connection, hello: m.Hello, config: SessionConfig, publish,
-               published: Callable[[str, Callable[[str], None]], Grant] | None = None) -> None:
+               published: Asker | None = None) -> None:
     """Entry point of a session's worker process (after fork): build, welcome, serve.
     ``conn``: the guest's connection as the handshake left it (a socket, or a VM's rings
     and arena); ``published``: the daemon's published models, by name (see Session)."""
