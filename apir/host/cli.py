@@ -164,7 +164,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "on a GPU host, divided by --max-sessions, at most by 4)")
     p.add_argument("--max-compute-seconds", type=float, default=0, metavar="S",
                    help="a request (one compute) running longer ends its session with a QUOTA "
-                        "error (default 0: no limit)")
+                        "error (default 0: no limit). A graph's first compute includes compiling "
+                        "it and making its weights' forms (tens of seconds on a cold cache): "
+                        "allow for that")
     p.add_argument("--max-sessions", type=int, default=16, help="concurrent sessions (default 16)")
     p.add_argument("--max-handles", type=int, metavar="N",
                    help="live buffers + graphs per session (default 65536)")
