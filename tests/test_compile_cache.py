@@ -1,7 +1,8 @@
 """Compiled steps outlive the session (``ExecutorConfig.compile_cache``): a second session
 with the same graph loads its compiled decode step from the host's step store instead of
 tracing and compiling it (``inductor.STATS`` says which happened), a model whose graph
-differs in anything (here: only its RoPE base) never loads another's step, a corrupt entry
+differs in anything (here: only its RoPE base) never loads another's step, one whose
+buffers have other handles (a remote guest's are not a native process's) does, a corrupt entry
 is compiled again, not trusted, and tokens are those of an eager run throughout.
 
 On the CPU this needs ``compile_cpu`` (Inductor's C++ build, gcc); the CUDA path, where
@@ -25,12 +26,17 @@ torch = pytest.importorskip("torch")
 PROMPT = "Once upon a time"
 
 
-def _session(tiny: str, config: ExecutorConfig, device: str = "cpu") -> tuple[list[int], dict[str, int]]:
-    """A fresh session's greedy tokens and what its compiled steps did (counter deltas)."""
+def _session(tiny: str, config: ExecutorConfig, device: str = "cpu",
+             taken: int = 0) -> tuple[list[int], dict[str, int]]:
+    """A fresh session's greedy tokens and what its compiled steps did (counter deltas);
+    ``taken`` buffers allocated first, so that the model's have other handles."""
     from apir.backends.local import LocalBackend, inductor
 
     before = dict(inductor.STATS)
-    with apir.load(tiny, backend=LocalBackend(device, config=config)) as model:
+    backend = LocalBackend(device, config=config)
+    for _ in range(taken):
+        backend.alloc_buffer(64)
+    with apir.load(tiny, backend=backend) as model:
         ids = list(model.generate_ids(model.tokenize(PROMPT), SamplingParams(temperature=0, max_tokens=6)))
     return ids, {k: inductor.STATS[k] - before.get(k, 0) for k in ("compiled", "loaded", "saved")}
 
@@ -59,6 +65,8 @@ def test_a_second_session_loads_its_compiled_step_and_a_corrupt_one_is_rebuilt(t
     (step,) = (versioned / "steps").iterdir()
 
     assert _session(tiny, config) == (expected, LOADED)  # neither traced nor compiled
+    # buffers numbered otherwise (a remote guest's are not a native process's): the same step
+    assert _session(tiny, config, taken=3) == (expected, LOADED)
 
     # another model of the very same shapes, weights and vocabulary, whose graph differs
     # in one attribute: its own step, compiled (loading the first one's would be wrong)

@@ -18,6 +18,7 @@ opt-in: several times the memory, about the speed of the CPU's compact forms).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import logging
@@ -31,7 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ...graph import DType, Graph, Op, SampleArgs, T
+from ...graph import DType, Graph, Node, Op, SampleArgs, T
 from .. import forms as shared_forms
 from ..base import (
     ALIGNMENT,
@@ -517,7 +518,7 @@ class LocalBackend(Executor):
         and device, and the code that walks and compiles it."""
         dev = self.torch_device
         hardware = torch.cuda.get_device_capability(dev) if dev.type == "cuda" else platform.machine()
-        return repr((reg.graph.nodes, reg.graph.outputs, n_tokens, greedy,
+        return repr((_numbered_by_use(reg.graph.nodes), reg.graph.outputs, n_tokens, greedy,
                      self.dequant_cache, self.cpu_int4, self._packs, dev.type, hardware, _code_version()))
 
     def _compile_failed(self, key: tuple[int, bool], e: Exception) -> None:
@@ -595,6 +596,16 @@ def _code_version() -> str:
     for f in sorted(root.rglob("*.py")):
         h.update(f.relative_to(root).as_posix().encode() + f.read_bytes())
     return h.hexdigest()
+
+
+def _numbered_by_use(nodes: tuple[Node, ...]) -> tuple[Node, ...]:
+    """``nodes`` with each buffer handle of a WEIGHT or STATE leaf replaced by the order of
+    its first use. A handle is the session's count of its allocations, not the graph's: a
+    remote guest's weights were buffer 2 where a native process's were buffer 1 (the same
+    model, the same graph), and every step compiled again instead of loading the other's."""
+    first: dict[int, int] = {}
+    return tuple(dataclasses.replace(n, attrs=(first.setdefault(n.attrs[0], len(first)), *n.attrs[1:]))
+                 if n.op in (Op.WEIGHT, Op.STATE) else n for n in nodes)
 
 
 def _wire(t: torch.Tensor, dtype: DType) -> torch.Tensor:
