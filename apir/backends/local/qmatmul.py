@@ -391,30 +391,27 @@ def stacked_product(x: torch.Tensor, parts: Sequence[tuple[torch.Tensor, int, in
     """``qmatmul_stacked`` for arguments known to pass its checks (int qtypes): torch ops
     and apir's custom ops only, so a step that calls it can be traced and compiled."""
     ws, qtypes, ns = [w for w, _, _ in parts], [q for _, q, _ in parts], [n for _, _, n in parts]
-    packed = packs(x.device)
-    if packed and x.shape[0] <= FUSED_ROWS:
+    m, packed = x.shape[0], packs(x.device)
+    if packed and m <= FUSED_ROWS:
         return _qgemv(x.float().contiguous(), ws, qtypes, ns, k)
-    y = torch.empty((x.shape[0], sum(ns)), device=x.device, dtype=torch.float32)
-    off = 0
-    for a, b in runs(qtypes):
-        width = sum(ns[a:b])
-        if packed and batched(x.shape[0], qtypes[a]):
-            y[:, off : off + width] = _qmm(x.contiguous(), ws[a:b], qtypes[a], ns[a:b], k).sum(0)
-        else:
-            _dequantized_product(x, parts[a:b], k, y[:, off : off + width])
-        off += width
-    return y
+    if not (packed and any(batched(m, q) for q in qtypes)):
+        return _dequantized_product(x, parts, k)
+    # a batched decode step: each run of one type through the batched kernel, or (Q6_K)
+    # dequantized and multiplied
+    ys = [_qmm(x.contiguous(), ws[a:b], qtypes[a], ns[a:b], k).sum(0) if batched(m, qtypes[a])
+          else _dequantized_product(x, parts[a:b], k) for a, b in runs(qtypes)]
+    return ys[0] if len(ys) == 1 else torch.cat(ys, dim=1)
 
 
-def _dequantized_product(x: torch.Tensor, parts: Sequence[tuple[torch.Tensor, int, int]], k: int,
-                         y: torch.Tensor) -> None:
-    # x (M, K) @ the stacked weights, into y (M, sum N_i): each weight dequantized a tile of
+def _dequantized_product(x: torch.Tensor, parts: Sequence[tuple[torch.Tensor, int, int]], k: int) -> torch.Tensor:
+    # x (M, K) @ the stacked weights -> (M, sum N_i) f32: each weight dequantized a tile of
     # rows at a time into a scratch of at most SCRATCH_BYTES (CPU_SCRATCH_BYTES), then cuBLAS
     # (or the CPU's matmul); the scratch is freed after
     packed = packs(x.device)
     wdtype = torch.float16 if packed else torch.float32
     rows = max(1, (SCRATCH_BYTES if packed else CPU_SCRATCH_BYTES) // (k * wdtype.itemsize))
     xs = x.to(wdtype)  # rounded as the dense path rounds x to its f16 weights
+    y = torch.empty((x.shape[0], sum(n for _, _, n in parts)), device=x.device, dtype=torch.float32)
     off = 0
     for w, qtype, n in parts:
         per_row = qpack.geometry(qtype, 1, k).nbytes
@@ -426,3 +423,4 @@ def _dequantized_product(x: torch.Tensor, parts: Sequence[tuple[torch.Tensor, in
                 tile = dequant.dequantize(w[r0 * per_row : r1 * per_row], DType(qtype), (r1 - r0, k))
             y[:, off + r0 : off + r1] = torch.matmul(xs, tile.T)
         off += n
+    return y
