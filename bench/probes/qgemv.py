@@ -160,7 +160,8 @@ def main(types, rows, sweep):
                         res[f"fused{cfg}"] = t
                     if best is None or t < best[0]:
                         best = (t, cfg)
-                res[f"best{best[1]}"] = best[0]
+                if best is not None:  # None: no config compiled
+                    res[f"best{best[1]}"] = best[0]
             if rows > 1:
                 res["batched"] = time_us(batched(qtype, n, k), x, ws)
                 if want is not None:
@@ -179,7 +180,8 @@ def main(types, rows, sweep):
                             res[f"batched{cfg}"] = t
                         if best is None or t < best[0]:
                             best = (t, cfg)
-                    res[f"batched-best{best[1]}"] = best[0]
+                    if best is not None:  # None: no config compiled (a 64-row tile, 2026-12-04)
+                        res[f"batched-best{best[1]}"] = best[0]
             res["triton-dq+mm"] = time_us(triton_dq_mm(qtype, n, k), x, ws[:2])
             if want is not None and "--no-torch" not in sys.argv:
                 res["torch-dq+mm"] = time_us(torch_dq_mm(qtype, n, k), x, raws[:2])
