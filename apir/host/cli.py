@@ -147,7 +147,9 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("host", help="run the host daemon that executes guests' graphs")
+    p = sub.add_parser("host", help="run the host daemon that executes guests' graphs",
+                       epilog="apir host status [--listen URL] [--token-file FILE] prints a running "
+                              "daemon's status as JSON; the other options are the daemon's")
     p.add_argument("action", nargs="?", choices=("serve", "status"), default="serve",
                    help="serve (default) or print a running daemon's status")
     p.add_argument("--listen", action="append", metavar="URL",
