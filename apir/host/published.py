@@ -336,13 +336,12 @@ class Shelf:
 
     # ------------------------------------------------------------ holders (a CUDA host)
     def _answer_held(self, pool: socket.socket, session: int, name: str) -> bool:
+        # ``name``: a published model's own (``answer`` resolved it)
         try:
-            h = self.holders.get(self._name(name)) or self._start(self._name(name))
-        except (BackendError, OSError) as e:  # not published, or no holder could be forked
-            if not isinstance(e, BackendError):
-                log.warning("published model %s: no holder could be started: %s", name, e)
-                e = BackendError(f"the host cannot load its published model {name!r}")
-            return _send(pool, b"no" + str(e).encode(), [])
+            h = self.holders.get(name) or self._start(name)
+        except OSError as e:  # no holder could be forked
+            log.warning("published model %s: no holder could be started: %s", name, e)
+            return _send(pool, b"no" + f"the host cannot load its published model {name!r}".encode(), [])
         if h.ready:
             return self._grant(h, session, pool)
         h.waiting.append((session, pool))
