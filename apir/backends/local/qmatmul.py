@@ -398,7 +398,7 @@ def stacked_product(x: torch.Tensor, parts: Sequence[tuple[torch.Tensor, int, in
         return _dequantized_product(x, parts, k)
     # a batched decode step: each run of one type through the batched kernel, or (Q6_K)
     # dequantized and multiplied
-    ys = [_qmm(x.contiguous(), ws[a:b], qtypes[a], ns[a:b], k).sum(0) if batched(m, qtypes[a])
+    ys = [_qmm(x, ws[a:b], qtypes[a], ns[a:b], k).sum(0) if batched(m, qtypes[a])
           else _dequantized_product(x, parts[a:b], k) for a, b in runs(qtypes)]
     return ys[0] if len(ys) == 1 else torch.cat(ys, dim=1)
 
