@@ -49,7 +49,7 @@ except ImportError:  # CPU-only PyTorch
 FUSED_ROWS = 4
 # ... and with at most this many by the batched kernel (a batched decode step's rows): one
 # tile of x's rows. Each further tile dequantizes the weight again: on an H200 at 64 rows
-# (four tiles) it took 2.1-3.9x the time of dequantizing once and a matmul
+# (four tiles) it took 1.4-4.2x the time of dequantizing once and a matmul
 # (bench/probes/qgemv.py --rows 64, 2026-12-04: Q4_0 14336 x 4096, 171.8 against 82.0 us)
 BATCH_ROWS = 16
 # weights of one type one decode launch takes (stacked along N: q, k, v)
