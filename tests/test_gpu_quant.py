@@ -35,16 +35,18 @@ def test_fused_decode_rows_match_gguf(qtype):
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-def test_batched_decode_rows_match_gguf(qtype):
+def test_batched_decode_rows_match_gguf(qtype, monkeypatch):
+    monkeypatch.setattr(qm, "BATCH_MIN_VALUES", 0)  # these small weights through the batched kernel
+
     def product(x, raw, n, k):
         # the batched kernel's path (K of 64 to 512 too), called directly for Q6_K, which
         # qmatmul dequantizes at these rows
-        assert qm.batched(x.shape[0], int(qtype)) == (qtype != Q.Q6_K)
+        assert qm.batched(x.shape[0], int(qtype), n, k) == (qtype != Q.Q6_K)
         if qtype == Q.Q6_K:
             return qm._launch_mm(_cuda(x), [_packed(raw, qtype, n, k)], int(qtype), [n], k).sum(0)
         return qm.qmatmul(_cuda(x), _packed(raw, qtype, n, k), qtype, n, k)
     # x and W are rounded to f16 before the tensor cores multiply them
-    check_products(qtype, product, rel=2e-3, rows=(qm.FUSED_ROWS + 1, 13, qm.BATCH_ROWS))
+    check_products(qtype, product, rel=2e-3, rows=(qm.FUSED_ROWS + 1, 13, 16, 17, 40, qm.BATCH_ROWS))
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
@@ -65,8 +67,10 @@ def test_dequant_kernel_is_bit_exact_on_cuda(qtype):
         np.testing.assert_array_equal(got.cpu().numpy(), quants.dequantize(raw.reshape(n, -1), qtype))
 
 
-@pytest.mark.parametrize("m", [1, 13, 65])
-def test_stacked_weights_of_mixed_types_on_cuda(m):
+@pytest.mark.parametrize("m", [1, 13, 40, 65])
+def test_stacked_weights_of_mixed_types_on_cuda(m, monkeypatch):
+    monkeypatch.setattr(qm, "BATCH_MIN_VALUES", 0)  # 13 and 40 rows through the batched kernel
+
     def product(x, parts):
         return qm.qmatmul_stacked(_cuda(x), [(_packed(r, t, n, 512), t, n) for r, t, n in parts], 512)
     check_stacked(product, m, rel=INT8_X if m <= qm.FUSED_ROWS else 2e-3)

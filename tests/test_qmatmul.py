@@ -215,13 +215,14 @@ def test_batched_kernel_matches_gguf(qtype):
     # the third shape is split along K (k_splits: 8 parts for the 4-bit types, summed
     # after); for the 32-element types K = 480 too: 15 groups, steps of 8, one group masked;
     # and K = 96: 3 groups in a step of 4 (a tensor-core dot takes 16 words or more)
-    shapes = [(9, 13, 256), (16, 70, 512), (12, 20, 4096)]
+    # and K = 96: 3 groups in a step of 4 (a tensor-core dot takes 16 words or more); 33
+    # and 64 rows: one tile of 64 rows, the product as W x.T
+    shapes = [(9, 13, 256), (16, 70, 512), (12, 20, 4096), (33, 130, 512), (64, 20, 4096)]
     if qpack.block_size(int(qtype)) == 32:
-        shapes += [(10, 129, 480), (9, 7, 96)]
+        shapes += [(10, 129, 480), (9, 7, 96), (40, 129, 480)]
     for i, (m, n, k) in enumerate(shapes):
         raw = random_weight(qtype, n, k, seed=i)
-        assert qm.batched(m, int(Q.Q4_0))
-        assert qm.batch_tiles(int(qtype), n, k)[2] * qpack.low_bits(int(qtype)) >= 16
+        assert qm.batch_tiles(int(qtype), n, k, m)[2] * qpack.low_bits(int(qtype)) >= 16
         x = np.random.default_rng(i).standard_normal((m, k)).astype(np.float32)
         y = qm._launch_mm(torch.from_numpy(x), [packed(raw, qtype, n, k)], int(qtype), [n], k)
         assert y.shape[0] == qm.k_splits(int(qtype), m, n, k, sms=132)[0]
@@ -251,23 +252,34 @@ def test_slot_order_puts_a_slots_values_in_one_run():
 
 
 def test_rows_choose_the_kernel():
-    assert not qm.batched(qm.FUSED_ROWS + 1, int(Q.Q6_K))  # dequantized once, then a matmul
-    assert [qm.batched(m, int(Q.Q4_K)) for m in (1, qm.FUSED_ROWS, qm.FUSED_ROWS + 1, qm.BATCH_ROWS,
-                                                qm.BATCH_ROWS + 1)] \
-        == [False, False, True, True, False]
+    n, k = 4096, 4096  # BATCH_MIN_VALUES: 16M values
+    assert not qm.batched(qm.FUSED_ROWS + 1, int(Q.Q6_K), n, k)  # dequantized once, then a matmul
+    assert [qm.batched(m, int(Q.Q4_K), n, k) for m in (1, qm.FUSED_ROWS, qm.FUSED_ROWS + 1, 16, 17,
+                                                      qm.BATCH_ROWS, qm.BATCH_ROWS + 1)] \
+        == [False, False, True, True, True, True, False]
+    # a 1B's q, k, v (3072 x 2048) and output (2048 x 2048) are too small to fill the GPU
+    assert not qm.batched(16, int(Q.Q4_0), 3072, 2048)
+    assert qm.batched(16, int(Q.Q4_0), 2048, 8192) and qm.batched(16, int(Q.Q4_0), 16384, 2048)
     # K = 96: three groups, a step of one (two would mask one of four); K = 4096: steps of
     # 16 groups (32 for a K-quant); never more rows a program than the weight's
     assert qm.tiles(int(Q.Q4_0), 4, 96, True) == (4, 1, 4)
     assert qm.tiles(int(Q.Q4_0), 2, 96, True) == (2, 1, 4)
     assert qm.tiles(int(Q.Q4_0), 4096, 4096, True) == (4, 16, 4)
     assert qm.tiles(int(Q.Q4_K), 4096, 4096, True) == (4, 32, 2)
-    assert qm.batch_tiles(int(Q.Q4_0), 4, 4096) == (16, 512, 8, 8)  # 32 low words a step
-    assert qm.batch_tiles(int(Q.Q6_K), 4, 4096) == (16, 256, 8, 8)
-    assert qm.batch_tiles(int(Q.Q8_0), 4, 4096) == (16, 256, 4, 8)
-    assert qm.batch_tiles(int(Q.Q2_K), 4, 4096) == (16, 256, 8, 8)
-    assert qm.batch_tiles(int(Q.Q4_0), 4, 480) == (16, 512, 8, 8)
-    assert qm.batch_tiles(int(Q.Q4_0), 4, 96) == (16, 512, 4, 8)  # 16 words, one group masked
-    assert qm.batch_tiles(int(Q.Q8_0), 4, 64) == (16, 256, 2, 8)
+    # the batched kernel at 16 rows: 512 rows a tile for a 4-bit type where that still makes
+    # 128 programs (an 8B's down projection: 8 tiles, 28 parts; a 1B's: 4 and 16), else 256
+    assert qm.batch_tiles(int(Q.Q4_0), 4096, 14336, 16) == (16, 512, 8, 8, False)  # 32 low words a step
+    assert qm.batch_tiles(int(Q.Q4_0), 2048, 8192, 16) == (16, 256, 8, 8, False)
+    assert qm.batch_tiles(int(Q.Q4_K), 16384, 2048, 16) == (16, 512, 8, 8, False)
+    assert qm.batch_tiles(int(Q.Q6_K), 4096, 14336, 16) == (16, 256, 8, 8, False)
+    assert qm.batch_tiles(int(Q.Q8_0), 4096, 14336, 16) == (16, 256, 4, 8, False)
+    assert qm.batch_tiles(int(Q.Q2_K), 4096, 4096, 16) == (16, 256, 8, 8, False)
+    assert qm.batch_tiles(int(Q.Q4_0), 4, 96, 8) == (16, 256, 4, 8, False)  # 16 words, one group masked
+    assert qm.batch_tiles(int(Q.Q8_0), 4, 64, 8) == (16, 256, 2, 8, False)
+    # above 16 rows: 32 or 64 of them by 128 of W, 8 groups a step (Q8_0 too), as W x.T
+    assert qm.batch_tiles(int(Q.Q4_0), 4096, 14336, 17) == (32, 128, 8, 4, True)
+    assert qm.batch_tiles(int(Q.Q8_0), 4096, 14336, 64) == (64, 128, 8, 4, True)
+    assert qm.batch_tiles(int(Q.Q2_K), 4096, 4096, 33) == (64, 128, 8, 4, True)
 
 
 @needs_triton
@@ -277,6 +289,7 @@ def test_decode_kernels_write_stacked_weights_into_one_result(m, rel, monkeypatc
     # of weights of one type; at 11 rows the Q6_K run is dequantized and multiplied instead
     assert qm.runs([12, 12, 14, 8, 8, 8, 8]) == [(0, 2), (2, 3), (3, 6), (6, 7)]
     monkeypatch.setattr(qm, "packs", lambda device: True)
+    monkeypatch.setattr(qm, "BATCH_MIN_VALUES", 0)  # small weights through the batched kernel
 
     def product(x, parts):
         return qm.stacked_product(torch.from_numpy(x), [(packed(r, t, n, 512), int(t), n) for r, t, n in parts], 512)
@@ -327,6 +340,7 @@ def test_a_model_computes_from_packed_weights_as_from_the_cache(qtype, monkeypat
     with apir.load(path, backend=LocalBackend("cpu", config=ExecutorConfig(dequant_cache=True, cpu_int4=False))) as ref:
         want_logits, want = ref.logits(ids), list(ref.generate_ids(ids, greedy))
     monkeypatch.setattr(qm, "packs", lambda device: True)
+    monkeypatch.setattr(qm, "BATCH_MIN_VALUES", 0)  # a tiny model's products through the batched kernel
     with apir.load(path, backend=LocalBackend("cpu", config=ExecutorConfig(dequant_cache=False, cpu_int4=False))) as model:
         assert model.backend._packs
         np.testing.assert_allclose(model.logits(ids), want_logits, rtol=2e-2, atol=2e-2)

@@ -44,7 +44,7 @@ if "--big" in sys.argv:  # the 8B decode's largest products only
 if "--shapes" in sys.argv:  # NxK,NxK...
     SHAPES = [tuple(map(int, s.split("x"))) for s in sys.argv[sys.argv.index("--shapes") + 1].split(",")]
 # the (BN, NG, warps, stages) the sweep tries: --configs A,B.. with each as
-# BNxNGxWARPSxSTAGES, or a grid (the batched kernel's; the fused kernel's below)
+# BNxNGxWARPSxSTAGES[xWT], or a grid (the batched kernel's; the fused kernel's below)
 CONFIGS = ([tuple(map(int, c.split("x"))) for c in sys.argv[sys.argv.index("--configs") + 1].split(",")]
            if "--configs" in sys.argv else
            [(bn, ng, wp, st) for bn in (32, 64, 128) for ng in (2, 4, 8) for wp in (4, 8) for st in (1, 2, 3)])
@@ -94,7 +94,7 @@ def batched(qtype, n, k, cfg=None):
     # splits summed; cfg (BN, NG, warps, stages) for the sweep
     if cfg is None:
         return lambda x, w: _launch_mm(x, [w], int(qtype), [n], k).sum(0)
-    bn, ng, warps, stages = cfg
+    bn, ng, warps, stages, *wt = cfg  # a fifth field 1: the product as W x.T (WT)
     groups = k // 32
 
     def run(x, w):
@@ -108,7 +108,8 @@ def batched(qtype, n, k, cfg=None):
         planes, args, _ = _stack([w], int(qtype), [n], k, bn)
         qkernels._qmm_kernel[(triton.cdiv(x.shape[0], bm), tiles_n, splits)](
             slot_order(x, int(qtype)), *planes, out, M=x.shape[0], K=k, LDY=n, SPLIT_GROUPS=per, SPLIT_STRIDE=x.shape[0] * n,
-            **args, ASM=qkernels.ASM, BM=bm, BN=bn, NG=ng, num_warps=warps, num_stages=stages)
+            **args, ASM=qkernels.ASM, BM=bm, BN=bn, NG=ng, WT=bool(wt and wt[0]), num_warps=warps,
+            num_stages=stages)
         return out.sum(0)
     return run
 

@@ -42,21 +42,23 @@ def _signature(qtype: int, kind: str) -> dict[str, str]:
         sig |= {"out_ptr": "*fp16", "R0": "i32", "R1": "i32", "K": "i32"}
     else:  # the planes of three stacked weights (qkernels._part)
         planes = {f"{plane}{i}": t for i in range(3) for plane, t in zip("LHABC", types)}
-        x = {"xq_ptr": "*i32", "xs_ptr": "*fp32"} if kind == "fused" else {"x_ptr": "*fp32"}
+        x = {"xq_ptr": "*i32", "xs_ptr": "*fp32"} if kind == "fused" else {"x_ptr": "*fp16"}
         sig = {**x, **planes, "y_ptr": "*fp32", **({"M": "i32"} if kind == "batched" else {}),
                "N0": "i32", "N1": "i32", "N2": "i32", "T0": "i32", "T1": "i32", "K": "i32", "LDY": "i32",
                **({"SPLIT_GROUPS": "i32", "SPLIT_STRIDE": "i32"} if kind == "batched" else {})}
     consts = ("QT", "LB", "HB", "OFF", "MIN", *(("ASM",) if kind != "dequant" else ()),
-              *(("P",) if kind != "dequant" else ()), *(("BM",) if kind == "batched" else ()), "BN", "NG")
+              *(("P",) if kind != "dequant" else ()), *(("BM", "WT") if kind == "batched" else ()), "BN", "NG")
     return sig | {name: "constexpr" for name in consts}
 
 
-def compile_kernel(qtype: int, n: int, k: int, kind: str = "fused", parts: int = 1, tile=None):
+def compile_kernel(qtype: int, n: int, k: int, kind: str = "fused", parts: int = 1, tile=None,
+                   bm: int = 16, wt: bool | None = None):
     """The kernel of ``kind`` for a packed (n, k) weight (``parts`` of them stacked, the
     decode kernels), compiled for sm_90 with the tiles the host would launch it with, as
     Triton specializes at run time (aligned pointers, K and LDY multiples of 16). Returns
     (compiled kernel, BN, NG, num_warps). ``tile`` (BN, NG, warps, stages) overrides the
-    fused kernel's."""
+    decode kernel's; the batched one's are those for ``bm`` rows of x, ``wt`` overriding its
+    WT."""
     if kind == "quantize":  # x rounded to int8 for the fused kernel (no weight type)
         src = ASTSource(fn=qkernels._quantize_x_kernel, constexprs={"BG": 32},
                         signature={"x_ptr": "*fp32", "xq_ptr": "*i32", "xs_ptr": "*fp32", "K": "i32", "BG": "constexpr"},
@@ -65,9 +67,12 @@ def compile_kernel(qtype: int, n: int, k: int, kind: str = "fused", parts: int =
     lb, hb, off, mins = qkernels.TYPES[qtype]
     consts = dict(QT=qtype, LB=lb, HB=hb, OFF=off, MIN=mins)
     if kind == "batched":
-        bm, bn, nc, warps = qmatmul.batch_tiles(qtype, n, k)
-        consts |= dict(BM=bm, ASM=True)
-        fn, options, ints = qkernels._qmm_kernel, {"num_stages": 1}, (23, 24)  # K, LDY
+        bm, bn, nc, warps, wt0 = qmatmul.batch_tiles(qtype, n, k, bm)
+        stages = 1
+        if tile:
+            bn, nc, warps, stages = tile
+        consts |= dict(BM=bm, ASM=True, WT=wt0 if wt is None else wt)
+        fn, options, ints = qkernels._qmm_kernel, {"num_stages": stages}, (23, 24)  # K, LDY
     elif kind == "fused":
         bn, nc, warps = qmatmul.tiles(qtype, n, k, fused=True)
         stages = 2
@@ -87,10 +92,10 @@ def compile_kernel(qtype: int, n: int, k: int, kind: str = "fused", parts: int =
 
 
 def loop_sass(qtype: int, n: int, k: int, batched: bool = False, parts: int = 1,
-              tile=None) -> tuple[list[str], int]:
+              tile=None, bm: int = 16, wt: bool | None = None) -> tuple[list[str], int]:
     """The SASS lines of the kernel's main loop for a (n, k) weight, and the values a
     thread takes per iteration."""
-    kernel, bn, ng, warps = compile_kernel(qtype, n, k, "batched" if batched else "fused", parts, tile)
+    kernel, bn, ng, warps = compile_kernel(qtype, n, k, "batched" if batched else "fused", parts, tile, bm, wt)
     print(f"  (BN {bn}, NG {ng}, {warps} warps; {kernel.metadata.shared} bytes shared)")
     with tempfile.TemporaryDirectory() as tmp:
         cubin = Path(tmp) / "k.cubin"
@@ -116,12 +121,15 @@ def main() -> None:
     ap.add_argument("--batched", action="store_true", help="the batched kernel (16 rows of x)")
     ap.add_argument("--parts", type=int, default=1, help="weights stacked in one launch (1-3)")
     ap.add_argument("--show", action="store_true", help="print the loop")
-    ap.add_argument("--tile", help="the fused kernel's BNxNGxWARPSxSTAGES")
+    ap.add_argument("--tile", help="the decode kernel's BNxNGxWARPSxSTAGES")
+    ap.add_argument("--bm", type=int, default=16, help="the batched kernel's rows of x (16, 32, 64)")
+    ap.add_argument("--wt", type=int, choices=(0, 1), help="the batched kernel's WT (W x.T)")
     args = ap.parse_args()
     for name in args.types:
         qtype = int(Q[name])
         tile = tuple(map(int, args.tile.split("x"))) if args.tile else None
-        loop, values = loop_sass(qtype, 4096, args.k, args.batched, args.parts, tile)
+        wt = None if args.wt is None else bool(args.wt)
+        loop, values = loop_sass(qtype, 4096, args.k, args.batched, args.parts, tile, args.bm, wt)
         ops = collections.Counter(re.match(r"\s*/\*[0-9a-f]+\*/\s*(?:@!?U?P\w+\s+)?([A-Z0-9_]+)", line).group(1)
                                   for line in loop)
         loads = collections.Counter(m.group(0) for line in loop

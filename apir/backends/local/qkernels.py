@@ -378,7 +378,7 @@ def _qmm_kernel(x_ptr, L0, H0, A0, B0, C0, L1, H1, A1, B1, C1, L2, H2, A2, B2, C
                 M, N0, N1, N2, T0, T1, K, LDY, SPLIT_GROUPS, SPLIT_STRIDE,
                 QT: tl.constexpr, LB: tl.constexpr, HB: tl.constexpr, OFF: tl.constexpr,
                 MIN: tl.constexpr, ASM: tl.constexpr, P: tl.constexpr, BM: tl.constexpr,
-                BN: tl.constexpr, NG: tl.constexpr):
+                BN: tl.constexpr, NG: tl.constexpr, WT: tl.constexpr):
     # program (i, t, h): rows i*BM.. of x times row tile t of the P stacked weights (as
     # _qgemv_kernel), over groups h*SPLIT_GROUPS.. of K, written SPLIT_STRIDE * h further on
     # (the caller sums the splits). A step loads the tile's (BN, NG, LB) low words, each
@@ -386,19 +386,25 @@ def _qmm_kernel(x_ptr, L0, H0, A0, B0, C0, L1, H1, A1, B1, C1, L2, H2, A2, B2, C
     # static steps: slot s is a K-slice of the product, the elements g * 32 + w * S + s of
     # word w of group g, dequantized to f16 and multiplied with x's values at those
     # elements on the tensor cores. x is f16 (rounded as the prefill path rounds it) in
-    # slot order, (M, S, G, LB): slot s of row m is the run at m * K + s * G * LB
+    # slot order, (M, S, G, LB): slot s of row m is the run at m * K + s * G * LB.
+    # WT: the product is taken as W x.T, (BN, BM), so that the dequantized tile is the
+    # dot's first operand, which Hopper's wgmma reads from registers (the second one it
+    # reads from shared memory: as x.T that is x's few rows, not the tile's many)
     S: tl.constexpr = 32 // LB
     part, tile, N, col = _part(tl.program_id(1), T0, T1, N0, N1, N2, P)
     low_ptr, high_ptr = _pick(part, L0, L1, L2, P), _pick(part, H0, H1, H2, P)
     p0, p1, p2 = _pick(part, A0, A1, A2, P), _pick(part, B0, B1, B2, P), _pick(part, C0, C1, C2, P)
     m = tl.program_id(0) * BM + tl.arange(0, BM)
-    xm = x_ptr + tl.minimum(m, M - 1).to(tl.int64)[:, None, None] * K
+    xm = x_ptr + tl.minimum(m, M - 1).to(tl.int64)[:, None] * K
     r = tl.minimum(tile * BN + tl.arange(0, BN), N - 1)
     row = r.to(tl.int64)[:, None, None]
     G = K // 32
     w = tl.arange(0, LB)[None, None, :]  # a group's low words
     upper = w >= LB // 2  # ... of its second half (the types that scale per 16)
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    if WT:
+        acc = tl.zeros((BN, BM), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
     first = tl.program_id(2) * SPLIT_GROUPS
     for g0 in tl.range(first, tl.minimum(first + SPLIT_GROUPS, G), NG):
         g = g0 + tl.arange(0, NG)
@@ -421,17 +427,27 @@ def _qmm_kernel(x_ptr, L0, H0, A0, B0, C0, L1, H1, A1, B1, C1, L2, H2, A2, B2, C
         else:
             d = d0[:, :, None]
             mn = m0[:, :, None]
-        e = (g * LB)[None, :, None] + w  # each word's place in a slot's run
+        # x's words of this step in a slot's run: one contiguous (BM, NG * LB) block, loaded
+        # as such (as (BM, NG, LB) its last dim was too small for Triton's shared layouts
+        # of a dot operand: "Illegal shared layout" for 32 or more rows)
+        e = g0 * LB + tl.arange(0, NG * LB)
+        x_keep = (m < M)[:, None] & (e < G * LB)[None, :]
         for s in tl.static_range(S):
             v = d * _slot(lw, hw, hs, s, QT, LB, HB, OFF, ASM)
             if MIN:
                 v = v + mn
             wt = tl.reshape(v.to(tl.float16), (BN, NG * LB))
-            x = tl.load(xm + s * (G * LB) + e, mask=(m < M)[:, None, None] & keep, other=0.0)
-            acc = tl.dot(tl.reshape(x, (BM, NG * LB)), tl.trans(wt), acc)
+            x = tl.load(xm + s * (G * LB) + e[None, :], mask=x_keep, other=0.0)
+            if WT:
+                acc = tl.dot(wt, tl.trans(x), acc)
+            else:
+                acc = tl.dot(x, tl.trans(wt), acc)
     rows = tile * BN + tl.arange(0, BN)
     y = y_ptr + tl.program_id(2).to(tl.int64) * SPLIT_STRIDE + col
-    tl.store(y + m[:, None] * LDY + rows[None, :], acc, mask=(m < M)[:, None] & (rows < N)[None, :])
+    if WT:
+        tl.store(y + m[None, :] * LDY + rows[:, None], acc, mask=(m < M)[None, :] & (rows < N)[:, None])
+    else:
+        tl.store(y + m[:, None] * LDY + rows[None, :], acc, mask=(m < M)[:, None] & (rows < N)[None, :])
 
 
 @triton.jit

@@ -10,9 +10,10 @@ Three paths, chosen by the rows of x, the device and (for Q6_K) the type:
 - M <= FUSED_ROWS on CUDA: x is rounded to int8 per group of 32, then one Triton kernel
   reads every weight byte once and multiplies in integers (``qkernels._qgemv_kernel``).
   No memory beyond the (M, N) result and int8 x.
-- M <= BATCH_ROWS on CUDA (a batched decode step), a weight not Q6_K (``batched``): a
-  Triton kernel dequantizes each weight tile once, to f16, and multiplies it with every
-  row on the tensor cores (``qkernels._qmm_kernel``), in parts along K that the caller
+- M <= BATCH_ROWS on CUDA (a batched decode step), a weight not Q6_K of at least
+  BATCH_MIN_VALUES values (``batched``): a Triton kernel dequantizes each weight tile once,
+  to f16, and multiplies it with a tile of 16 to 64 rows on the tensor cores
+  (``qkernels._qmm_kernel``; above 16 rows as W x.T), in parts along K that the caller
   sums. No memory beyond those parts.
   Both decode kernels take up to MAX_PARTS stacked weights of one type in one launch.
 - otherwise (prefill, or a CPU host): W is dequantized a tile of rows at a time into a
@@ -48,10 +49,18 @@ except ImportError:  # CPU-only PyTorch
 # at 8 rows 1.1-2.5x slower on all four (bench/probes/qgemv.py --rows 4|8, 2026-12-04)
 FUSED_ROWS = 4
 # ... and with at most this many by the batched kernel (a batched decode step's rows): one
-# tile of x's rows. Each further tile dequantizes the weight again: on an H200 at 64 rows
-# (four tiles) it took 1.4-4.2x the time of dequantizing once and a matmul
-# (bench/probes/qgemv.py --rows 64, 2026-12-04: Q4_0 14336 x 4096, 171.8 against 82.0 us)
-BATCH_ROWS = 16
+# tile of x's rows, 16, 32 or 64. Above 16 the product is taken as W x.T, whose tile Hopper's
+# wgmma reads from registers, and a 64-row tile reads the weight once: on an H200 at 64
+# rows it took 0.66-0.80 of the time of dequantizing and a matmul, where four 16-row tiles
+# (the kernel before) took 1.4-4.2x (bench/probes/qgemv.py --rows 64, 2026-12-04: an 8B's
+# 14336 x 4096, Q4_0 61.0 against 81.7 us, Q8_0 59.4 against 94.1, Q4_K 74.6 against 90.0)
+BATCH_ROWS = 64
+# ... and only for a product of at least this many weight values (a run of stacked weights
+# together): below it a K of 2,048 gives too few programs to fill the GPU, and dequantizing
+# then a matmul was faster (an H200 at 16 rows: a 1B's q, k, v of 3072 x 2048 in Q4_0 took
+# 12.5 against at best 14.2 us, its 2048 x 2048 output 11.1 against 13.9; at 64 rows 12.9
+# against 17.9; the 16384 x 2048 gate and up 27.3 against 46.4, 38.8 against 48.3)
+BATCH_MIN_VALUES = 1 << 24
 # weights of one type one decode launch takes (stacked along N: q, k, v)
 MAX_PARTS = 3
 # dequantized rows of one tile of the prefill path, in bytes
@@ -98,20 +107,29 @@ def tiles(qtype: int, n: int, k: int, fused: bool) -> tuple[int, int, int]:
     return max(1, 4096 // (32 * ng)), ng, 4
 
 
-def batch_tiles(qtype: int, n: int, k: int) -> tuple[int, int, int, int]:
-    """(BM rows of x, BN rows of W, NG groups of 32 a K-step, num_warps) of the batched
-    kernel: 16 x 256 in 8 warps (16 x 512 for Q4_0, Q4_1 and Q4_K), 8 groups a step (32 low
-    words of a row for a 4-bit type, 16 for a 2-bit one; Q8_0: 4 groups, 32 words), and
-    never under 16 words: a slot's product is a tensor-core dot, whose K must be 16 or more
-    (the masks take the groups past a short row's end). On an H200, x in slot order, 16
-    rows, an 8B's two products (bench/probes/qgemv.py --rows 16 --configs, 2026-12-04):
-    Q4_0 and Q4_K 46.9-51.4 us at 512 rows, 56.6-63.8 at 256, 53.4-60.4 at 128 in 4 warps;
-    Q8_0 49.3-50.3 at 256 (within 2% of the best), 67.4 at 512; Q6_K 112.0-113.3 at 256, the
-    best. 16 groups of a 2-bit type spill registers (bench/probes/qkernel_sass.py
-    --batched)."""
+def batch_tiles(qtype: int, n: int, k: int, m: int) -> tuple[int, int, int, int, bool]:
+    """(BM rows of x, BN rows of W, NG groups of 32 a K-step, num_warps, WT) of the batched
+    kernel for x of ``m`` rows, WT: the product taken as W x.T (see ``BATCH_ROWS``).
+    Up to 16 rows: 16 x 256 in 8 warps, 16 x 512 for Q4_0, Q4_1 and Q4_K where that still
+    makes 128 programs (row tiles times parts of two K-steps, as ``k_splits`` splits); 8 groups a
+    step (32 low words of a row for a 4-bit type, 16 for a 2-bit one; Q8_0: 4 groups, 32
+    words). Above: 32 or 64 x 128 in 4 warps, 8 groups a step. Never under 16 words a
+    step: a slot's product is a tensor-core dot, whose K must be 16 or more (the masks take
+    the groups past a short row's end). On an H200, x in slot order (bench/probes/qgemv.py
+    --rows 16|64 --configs, 2026-12-04): at 16 rows Q4_0 and Q4_K 46.9-51.8 us at 512 rows
+    on an 8B's two products, 53.4-61.7 at 256, but on a 1B's 2048 x 8192 (64 programs at
+    512, 128 at 256) 19.3-21.0 at 256 against 25.3-28.0; Q8_0 48.5-50.1 at 256 (the best within 2%),
+    67 at 512; W x.T gained nothing at 16 rows. At 64 rows 128 x 8 groups in 4 warps was
+    the fastest of five tiles on all four shapes and types (Q4_0 61.0 us, 512 rows 95.6).
+    16 groups of a 2-bit type spill registers (bench/probes/qkernel_sass.py --batched)."""
     low = qpack.low_bits(qtype)
-    bn = 512 if qtype in (2, 3, 12) else 256
-    return 16, bn, max(16 // low, _groups_a_step(qtype, k, min(8, 32 // low))), 8
+    least = 16 // low  # groups that make 16 words
+    if m > 16:
+        return 32 if m <= 32 else 64, 128, max(least, _groups_a_step(qtype, k, 8)), 4, True
+    ng = max(least, _groups_a_step(qtype, k, min(8, 32 // low)))
+    programs = -(-n // 512) * max(1, -(-(k // 32) // ng) // 2)
+    bn = 512 if qtype in (2, 3, 12) and programs >= 128 else 256
+    return 16, bn, ng, 8, False
 
 
 def slot_order(x: torch.Tensor, qtype: int) -> torch.Tensor:
@@ -133,7 +151,7 @@ def k_splits(qtype: int, m: int, n: int, k: int, sms: int) -> tuple[int, int]:
     warps (64-row tiles) on an H200's 132 multiprocessors: 0.24 TB/s
     (bench/probes/qgemv.py --rows 16). The parts are summed in a fixed order: a shape
     always gives the same result."""
-    bm, bn, ng, _ = batch_tiles(qtype, n, k)
+    bm, bn, ng, _, _ = batch_tiles(qtype, n, k, m)
     programs = -(-m // bm) * -(-n // bn)
     steps = -(-(k // 32) // ng)
     want = max(1, min(steps // 2, -(-4 * sms // programs)))
@@ -160,12 +178,13 @@ def runs(qtypes: Sequence[int]) -> list[tuple[int, int]]:
     return out
 
 
-def batched(m: int, qtype: int) -> bool:
-    """Whether x of ``m`` rows times a packed weight of ``qtype`` takes the batched kernel.
-    Not Q6_K: its two high bits a value cost the kernel more than dequantizing the weight
-    once and a matmul (on an H200, 5 to 16 rows of an 8B's 14336 x 4096 product: 108-113
-    against 92-97 us, bench/probes/qgemv.py --rows 4|8|16, 2026-12-04)."""
-    return FUSED_ROWS < m <= BATCH_ROWS and qtype != 14
+def batched(m: int, qtype: int, n: int, k: int) -> bool:
+    """Whether x of ``m`` rows times a packed (n, k) weight of ``qtype`` (or a run of
+    stacked ones, n rows in all) takes the batched kernel (see BATCH_MIN_VALUES). Not Q6_K:
+    its two high bits a value cost the kernel more than dequantizing the weight once and a
+    matmul (on an H200, an 8B's 14336 x 4096 product: 108-113 against 92-97 us at 5 to 16
+    rows, 128 against 93 at 64; bench/probes/qgemv.py --rows 4|8|16|64, 2026-12-04)."""
+    return FUSED_ROWS < m <= BATCH_ROWS and qtype != 14 and n * k >= BATCH_MIN_VALUES
 
 
 if qkernels is not None:
@@ -240,13 +259,13 @@ if qkernels is not None:
         # result)
         m, n = x.shape[0], sum(ns)
         xs = slot_order(x, qtype)
-        bm, bn, ng, warps = batch_tiles(qtype, ns[0], k)
+        bm, bn, ng, warps, wt = batch_tiles(qtype, n, k, m)
         splits, per = k_splits(qtype, m, n, k, multiprocessors(x.device))
         out = torch.empty((splits, m, n), device=x.device, dtype=torch.float32)
         planes, args, tiles_n = _stack(ws, qtype, ns, k, bn)
         qkernels._qmm_kernel[(triton.cdiv(m, bm), tiles_n, splits)](
             xs, *planes, out, M=m, K=k, LDY=out.stride(-2), SPLIT_GROUPS=per, SPLIT_STRIDE=m * n,
-            **args, ASM=qkernels.ASM, BM=bm, BN=bn, NG=ng, num_warps=warps, num_stages=1)
+            **args, ASM=qkernels.ASM, BM=bm, BN=bn, NG=ng, WT=wt, num_warps=warps, num_stages=1)
         return out
 
     def _launch_dequant(w: torch.Tensor, qtype: int, n: int, k: int, dtype: torch.dtype,
@@ -394,12 +413,13 @@ def stacked_product(x: torch.Tensor, parts: Sequence[tuple[torch.Tensor, int, in
     m, packed = x.shape[0], packs(x.device)
     if packed and m <= FUSED_ROWS:
         return _qgemv(x.float().contiguous(), ws, qtypes, ns, k)
-    if not (packed and any(batched(m, q) for q in qtypes)):
+    takes = [(a, b, packed and batched(m, qtypes[a], sum(ns[a:b]), k)) for a, b in runs(qtypes)]
+    if not any(t for _, _, t in takes):
         return _dequantized_product(x, parts, k)
-    # a batched decode step: each run of one type through the batched kernel, or (Q6_K)
-    # dequantized and multiplied
-    ys = [_qmm(x, ws[a:b], qtypes[a], ns[a:b], k).sum(0) if batched(m, qtypes[a])
-          else _dequantized_product(x, parts[a:b], k) for a, b in runs(qtypes)]
+    # a batched decode step: each run of one type through the batched kernel, or (Q6_K, a
+    # small product) dequantized and multiplied
+    ys = [_qmm(x, ws[a:b], qtypes[a], ns[a:b], k).sum(0) if t
+          else _dequantized_product(x, parts[a:b], k) for a, b, t in takes]
     return ys[0] if len(ys) == 1 else torch.cat(ys, dim=1)
 
 
