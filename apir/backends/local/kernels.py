@@ -9,6 +9,7 @@ it) and widens per use on a CPU.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -21,7 +22,7 @@ from ...graph.ops import Fn, Pool, Reduce
 from ...graph.sampling import PARAMS_SIZE
 from ..base import BackendError
 from ..executor import check_positions
-from . import decode_attention, gemv, inductor, int4cpu, int8cpu, qmatmul
+from . import cpu_attention, decode_attention, gemv, inductor, int4cpu, int8cpu, qmatmul
 
 
 @dataclass(frozen=True)
@@ -61,9 +62,9 @@ def matmul(x: torch.Tensor, w: torch.Tensor | Blocks) -> torch.Tensor:
         return int8cpu.product(x, w)
     if gemv.usable(x, w):
         return gemv.gemv(x, w)
-    if w.device.type == "cpu" and w.dtype != torch.float32:
-        if w.dim() == 2:
-            return qmatmul.cpu_tiles(x, *w.shape, lambda r0, r1: w[r0:r1].float())
+    if w.device.type == "cpu" and w.dim() == 2:
+        return qmatmul.cpu_tiles(x, *w.shape, lambda r0, r1: w[r0:r1].float())
+    if w.device.type == "cpu":
         w = w.float()
     return torch.matmul(x.to(w.dtype), w.T).float()
 
@@ -176,14 +177,17 @@ def attend(q, k, v, mask: torch.Tensor, scale: float, softcap: float) -> torch.T
     S) allows. Grouped-query heads without copying k or v per query head: for each kv
     head one batched matmul of its group's queries, all positions at once:
         q (T, Hq, D) -> (Hkv, T*G, D);  k (S, Hkv, D) -> (Hkv, D, S);  scores (Hkv, T*G, S)
-    (decode steps traced for Inductor: the same as products and sums, see SMALL_ROWS;
-    without a softcap, PyTorch's fused attention)."""
+    (on a CPU ``cpu_attention``'s fixed-order form; decode steps traced for Inductor: the
+    same as products and sums, see SMALL_ROWS; elsewhere without a softcap, PyTorch's fused
+    attention)."""
     n_tok, n_head, dim = q.shape
     n_head_kv = k.shape[1]
     group = n_head // n_head_kv
     qh = q.float().reshape(n_tok, n_head_kv, group, dim).permute(1, 0, 2, 3).reshape(n_head_kv, n_tok * group, dim)
     kh, vh = k.transpose(0, 1), v.transpose(0, 1)  # (Hkv, S, D), (Hkv, S, Dv), as cached (F16 or F32)
-    if inductor.tracing() and n_tok <= SMALL_ROWS:
+    if q.device.type == "cpu" and not inductor.tracing():
+        out = cpu_attention.attend(qh, kh, vh, mask, scale, softcap)  # the same bits batched or alone
+    elif inductor.tracing() and n_tok <= SMALL_ROWS:
         kh, vh = kh.float(), vh.float()  # fused into the kernels that read the cache
         scores = (qh[:, :, None, :] * kh[:, None, :, :]).sum(-1) * scale
         if softcap:
@@ -205,9 +209,11 @@ def attend(q, k, v, mask: torch.Tensor, scale: float, softcap: float) -> torch.T
 
 
 def attention_filled(q, k, v, pos, scale: float, window: int, softcap: float, *, memo=None, key=None):
-    """CPU ATTENTION: only keys up to the highest position (a host sync, free on the CPU)."""
+    """CPU ATTENTION: only keys up to the highest position (a host sync, free on the CPU);
+    k in whole blocks of ``cpu_attention`` where the cache has them (see ``keys``)."""
     n_kv = int(pos.max()) + 1
-    return attention(q, k[:n_kv], v[:n_kv], pos, scale, window, softcap, memo=memo, key=key)
+    return attention(q, k[: cpu_attention.keys(n_kv, k.shape[0])], v[:n_kv], pos, scale, window, softcap,
+                     memo=memo, key=key)
 
 
 def attention_seq(q, k, v, pos, seq, scale: float, window: int, softcap: float) -> torch.Tensor:
@@ -228,10 +234,23 @@ def attention_seq(q, k, v, pos, seq, scale: float, window: int, softcap: float) 
 
 
 def attention_seq_filled(q, k, v, pos, seq, scale: float, window: int, softcap: float) -> torch.Tensor:
-    """CPU ATTENTION_SEQ: each slot's keys only up to the highest position of the step."""
-    check_positions(pos, k.shape[1])
-    n_kv = int(pos.max()) + 1
-    return attention_seq(q, k[:, :n_kv], v[:, :n_kv], pos, seq, scale, window, softcap)
+    """CPU ATTENTION_SEQ: one sequence at a time, its queries (a run of the step's tokens)
+    over its own slot's keys up to its own highest position, as ``attention_filled`` steps a
+    lone sequence. A query's result is then the same bits whatever else the step carries:
+    over every slot's keys under one mask, the keys of the slots before its own shifted
+    where the fused kernel's blocks fall, and a greedy request gave other tokens batched
+    than alone (tests/test_batch_invariance.py)."""
+    check_positions(pos, k.shape[1])  # the slots were checked before the step (OpSpec.index)
+    out = q.new_empty((*q.shape[:2], v.shape[-1]), dtype=torch.float32)
+    ids = seq.tolist()
+    start = 0
+    for s, run in itertools.groupby(ids):
+        end = start + len(list(run))
+        n_kv = int(pos[start:end].max()) + 1
+        out[start:end] = attention(q[start:end], k[s, : cpu_attention.keys(n_kv, k.shape[1])], v[s, :n_kv],
+                                   pos[start:end], scale, window, softcap)
+        start = end
+    return out
 
 
 ARGMAX_CHUNK = 1024

@@ -69,6 +69,14 @@ SCRATCH_BYTES = 64 << 20
 # is what makes it cheap: SmolLM2's Q8_0 output (49152 x 576) in one decode step, 1 thread,
 # took 13.4 ms in 2.3 MB tiles, 19.9 in 9.2 MB, 20.0 in 0.6 MB (the f32 copy: 7.5 ms)
 CPU_SCRATCH_BYTES = 2 << 20
+# ... and x padded to a multiple of this many rows: the CPU's f32 product (MKL, torch 2.13)
+# takes another kernel for 1 to 3 rows, and with 2 threads for a part of 1 to 3 rows, so a
+# row's result depended on the rows beside it; a greedy request then gave other tokens in
+# a batched step than alone (SmolLM2, "The color of the rainbow" against "... the most").
+# From 4 rows on, a row's bits are the same whatever rows are beside it
+# (tests/test_batch_invariance.py); the padding costs a decode step's products of one row
+# the time of four (0.07 against 0.18 ms for 1536 x 576, 1 thread).
+CPU_ROW_QUANTUM = 4
 
 # types the CPU path decodes: those with a torch decoder in ``dequant``
 _TORCH = {int(d) for d in dequant.SUPPORTED if d.is_quantized}
@@ -331,12 +339,20 @@ def cpu_tiles(x: torch.Tensor, n: int, k: int, values: Callable[[int, int], torc
     f32, CPU_SCRATCH_BYTES of them at a time: each tile is multiplied while it is in the
     cache (a whole f32 copy would be written to memory and read back)."""
     x2 = x.reshape(-1, k).float()
+    m = x2.shape[0]
+    x2 = cpu_rows(x2)
     y = torch.empty((x2.shape[0], n), dtype=torch.float32)
     step = max(1, CPU_SCRATCH_BYTES // (4 * k))
     for r0 in range(0, n, step):
         r1 = min(n, r0 + step)
         torch.matmul(x2, values(r0, r1).T, out=y[:, r0:r1])
-    return y.reshape(*x.shape[:-1], n)
+    return y[:m].reshape(*x.shape[:-1], n)
+
+
+def cpu_rows(x: torch.Tensor) -> torch.Tensor:
+    """x (M, K) with zero rows added up to a multiple of CPU_ROW_QUANTUM (see there)."""
+    pad = -x.shape[0] % CPU_ROW_QUANTUM
+    return torch.cat([x, x.new_zeros((pad, x.shape[1]))]) if pad else x
 
 
 def dequantize(w: torch.Tensor, qtype: int, n: int, k: int) -> torch.Tensor:
@@ -431,7 +447,10 @@ def _dequantized_product(x: torch.Tensor, parts: Sequence[tuple[torch.Tensor, in
     wdtype = torch.float16 if packed else torch.float32
     rows = max(1, (SCRATCH_BYTES if packed else CPU_SCRATCH_BYTES) // (k * wdtype.itemsize))
     xs = x.to(wdtype)  # rounded as the dense path rounds x to its f16 weights
-    y = torch.empty((x.shape[0], sum(n for _, _, n in parts)), device=x.device, dtype=torch.float32)
+    m = x.shape[0]
+    if not packed:
+        xs = cpu_rows(xs)
+    y = torch.empty((xs.shape[0], sum(n for _, _, n in parts)), device=x.device, dtype=torch.float32)
     off = 0
     for w, qtype, n in parts:
         per_row = qpack.geometry(qtype, 1, k).nbytes
@@ -443,4 +462,4 @@ def _dequantized_product(x: torch.Tensor, parts: Sequence[tuple[torch.Tensor, in
                 tile = dequant.dequantize(w[r0 * per_row : r1 * per_row], DType(qtype), (r1 - r0, k))
             y[:, off + r0 : off + r1] = torch.matmul(xs, tile.T)
         off += n
-    return y
+    return y[:m]
