@@ -28,8 +28,9 @@ import math
 import torch
 import torch.nn.functional as F
 
+from .qmatmul import CPU_ROW_QUANTUM
+
 BLOCK = 64  # keys a block
-ROW_QUANTUM = 4  # queries padded to a multiple of this (see qmatmul.CPU_ROW_QUANTUM)
 ROWS_A_PART = 1024  # queries a part, bounding the (Hkv, NB, rows, BLOCK) scores
 
 
@@ -69,7 +70,7 @@ def _f32(x: torch.Tensor, pad: int, extra: int) -> torch.Tensor:
 
 def _part(q, kb, vb, mask, scale: float, softcap: float) -> torch.Tensor:
     rows = q.shape[1]
-    pad = -rows % ROW_QUANTUM
+    pad = -rows % CPU_ROW_QUANTUM  # queries, padded as a product's rows are
     if pad:  # padding rows see every key: finite, and dropped
         q = F.pad(q, (0, 0, 0, pad))
         mask = torch.cat([mask, mask.new_ones((pad, mask.shape[1]))])
