@@ -43,7 +43,7 @@ def test_batched_decode_rows_match_gguf(qtype, monkeypatch):
         # qmatmul dequantizes at these rows
         assert qm.batched(x.shape[0], int(qtype), n, k) == (qtype != Q.Q6_K)
         if qtype == Q.Q6_K:
-            return qm._launch_mm(_cuda(x), [_packed(raw, qtype, n, k)], int(qtype), [n], k).sum(0)
+            return qm._launch_mm(qm.slot_order(_cuda(x), int(qtype)), [_packed(raw, qtype, n, k)], int(qtype), [n], k).sum(0)
         return qm.qmatmul(_cuda(x), _packed(raw, qtype, n, k), qtype, n, k)
     # x and W are rounded to f16 before the tensor cores multiply them
     check_products(qtype, product, rel=2e-3, rows=(qm.FUSED_ROWS + 1, 13, 16, 17, 40, qm.BATCH_ROWS))

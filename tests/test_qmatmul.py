@@ -214,7 +214,6 @@ def test_batched_kernel_matches_gguf(qtype):
     # with every row (x rounded to f16 too, as the prefill path does)
     # the third shape is split along K (k_splits: 8 parts for the 4-bit types, summed
     # after); for the 32-element types K = 480 too: 15 groups, steps of 8, one group masked;
-    # and K = 96: 3 groups in a step of 4 (a tensor-core dot takes 16 words or more)
     # and K = 96: 3 groups in a step of 4 (a tensor-core dot takes 16 words or more); 33
     # and 64 rows: one tile of 64 rows, the product as W x.T
     shapes = [(9, 13, 256), (16, 70, 512), (12, 20, 4096), (33, 130, 512), (64, 20, 4096)]
@@ -224,7 +223,7 @@ def test_batched_kernel_matches_gguf(qtype):
         raw = random_weight(qtype, n, k, seed=i)
         assert qm.batch_tiles(int(qtype), n, k, m)[2] * qpack.low_bits(int(qtype)) >= 16
         x = np.random.default_rng(i).standard_normal((m, k)).astype(np.float32)
-        y = qm._launch_mm(torch.from_numpy(x), [packed(raw, qtype, n, k)], int(qtype), [n], k)
+        y = qm._launch_mm(qm.slot_order(torch.from_numpy(x), int(qtype)), [packed(raw, qtype, n, k)], int(qtype), [n], k)
         assert y.shape[0] == qm.k_splits(int(qtype), m, n, k, sms=132)[0]
         check(y.sum(0), x, raw, qtype, n, k, rel=2e-3)
 
@@ -294,6 +293,25 @@ def test_decode_kernels_write_stacked_weights_into_one_result(m, rel, monkeypatc
     def product(x, parts):
         return qm.stacked_product(torch.from_numpy(x), [(packed(r, t, n, 512), int(t), n) for r, t, n in parts], 512)
     check_stacked(product, m, rel=rel)
+
+
+@needs_triton
+@pytest.mark.parametrize("scratch_rows", [68, 16], ids=["one-scratch", "tiles"])
+def test_prefill_dequantizes_stacked_weights_of_mixed_types(scratch_rows, monkeypatch):
+    # 70 rows (prefill): every weight dequantized to f16, then cuBLAS. Where the 68 rows of
+    # all seven fit one scratch, one matmul reads them (_qdequant_stacked); else a tile at a time
+    monkeypatch.setattr(qm, "packs", lambda device: True)
+    monkeypatch.setattr(qm, "SCRATCH_BYTES", scratch_rows * 512 * 2)
+    launches = []  # per dequantize launch: whether it wrote into a shared scratch
+    launch = qm._launch_dequant
+    monkeypatch.setattr(qm, "_launch_dequant", lambda *a, out=None: launches.append(out is not None)
+                        or launch(*a, out=out))
+
+    def product(x, parts):
+        return qm.stacked_product(torch.from_numpy(x), [(packed(r, t, n, 512), int(t), n) for r, t, n in parts], 512)
+    check_stacked(product, 70, rel=2e-3)
+    # one scratch: a launch a weight, all into it; tiles of 16 rows: the 37-row Q8_0 in three
+    assert launches == [True] * 7 if scratch_rows == 68 else launches == [False] * 9
 
 
 @needs_triton

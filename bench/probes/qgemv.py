@@ -6,7 +6,7 @@ weight copy (as a decode step's layers do), inside one CUDA graph. Prints µs pe
 effective read rate: the weight's bytes in its own format (GGUF blocks, or f16) per second.
 
     python3 bench/probes/qgemv.py [Q4_0 Q8_0 ...] [--rows M] [--sweep] [--big | --shapes NxK,..]
-                                  [--configs BNxNGxWARPSxSTAGES,..] [--no-torch]
+                                  [--configs BNxNGxWARPSxSTAGES,..] [--split PER_SMxMIN_STEPS] [--no-torch]
 
 --rows M (M > 1) times the batched kernel too (a batched decode step's M rows).
 
@@ -50,6 +50,10 @@ CONFIGS = ([tuple(map(int, c.split("x"))) for c in sys.argv[sys.argv.index("--co
            [(bn, ng, wp, st) for bn in (32, 64, 128) for ng in (2, 4, 8) for wp in (4, 8) for st in (1, 2, 3)])
 FUSED_CONFIGS = [(bn, ng, wp, st) for ng in (16, 32) for bn in (4, 8, 16, 32) for wp in (4, 8)
                  for st in (1, 2) if 1 <= bn * ng // (32 * wp) <= 16]  # groups a thread
+# the sweep's K-split (qmatmul.k_splits' rule): parts for PER_SM programs a multiprocessor,
+# each of at least MIN_STEPS K-steps (--split PER_SMxMIN_STEPS; qmatmul's is 4x2)
+PER_SM, MIN_STEPS = (map(int, sys.argv[sys.argv.index("--split") + 1].split("x")) if "--split" in sys.argv
+                     else (4, 2))
 TYPES = [Q.Q4_0, Q.Q8_0, Q.Q4_K, Q.Q6_K, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q5_K, Q.Q2_K, Q.Q3_K]
 # byte offsets of each type's f16 scales (kept finite so the products can be compared)
 SCALES = {Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q5_0: (0,), Q.Q5_1: (0, 2), Q.Q8_0: (0,),
@@ -93,7 +97,7 @@ def batched(qtype, n, k, cfg=None):
     # the batched decode kernel (qmatmul's path for FUSED_ROWS < M <= BATCH_ROWS, Q6_K aside), its
     # splits summed; cfg (BN, NG, warps, stages) for the sweep
     if cfg is None:
-        return lambda x, w: _launch_mm(x, [w], int(qtype), [n], k).sum(0)
+        return lambda x, w: _launch_mm(slot_order(x, int(qtype)), [w], int(qtype), [n], k).sum(0)
     bn, ng, warps, stages, *wt = cfg  # a fifth field 1: the product as W x.T (WT)
     groups = k // 32
 
@@ -101,7 +105,7 @@ def batched(qtype, n, k, cfg=None):
         bm = 16 if x.shape[0] <= 16 else 32 if x.shape[0] <= 32 else 64
         tiles_n = triton.cdiv(n, bn)
         steps = -(-groups // ng)
-        want = max(1, min(steps // 2, -(-4 * 132 // (tiles_n * triton.cdiv(x.shape[0], bm)))))
+        want = max(1, min(steps // MIN_STEPS, -(-PER_SM * 132 // (tiles_n * triton.cdiv(x.shape[0], bm)))))
         per = -(-steps // want) * ng
         splits = -(-groups // per)
         out = torch.empty((splits, x.shape[0], n), device="cuda", dtype=torch.float32)

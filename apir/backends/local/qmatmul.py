@@ -148,8 +148,10 @@ def slot_order(x: torch.Tensor, qtype: int) -> torch.Tensor:
     many bytes as the weights')."""
     m, k = x.shape
     low = qpack.low_bits(qtype)
-    out = torch.empty((m, 32 // low, k // 32, low), device=x.device, dtype=torch.float16)
-    return out.copy_(x.reshape(m, k // 32, low, 32 // low).permute(0, 3, 1, 2))
+    # torch ops outside the kernel's op: in a compiled step Inductor writes this layout from
+    # the kernel that makes x (a norm, silu * up), where the op's own copy was a launch of
+    # its own a product (33 a 1B's 16-stream step on an H200, 73 of its 1,673 us, 2026-12-04)
+    return x.reshape(m, k // 32, low, 32 // low).permute(0, 3, 1, 2).to(torch.float16).contiguous()
 
 
 def k_splits(qtype: int, m: int, n: int, k: int, sms: int) -> tuple[int, int]:
@@ -260,16 +262,16 @@ if qkernels is not None:
             num_warps=warps, num_stages=2)
         return y
 
-    def _launch_mm(x: torch.Tensor, ws: Sequence[torch.Tensor], qtype: int, ns: Sequence[int],
+    def _launch_mm(xs: torch.Tensor, ws: Sequence[torch.Tensor], qtype: int, ns: Sequence[int],
                    k: int) -> torch.Tensor:
-        # x (M, K) -> (splits, M, sum ns) f32: the product split along K in ``k_splits``
-        # parts, which the caller sums (in a compiled step, into the kernel that reads the
-        # result)
-        m, n = x.shape[0], sum(ns)
-        xs = slot_order(x, qtype)
+        # x (M, K) in ``slot_order`` -> (splits, M, sum ns) f32: the product split along K in
+        # ``k_splits`` parts, which the caller sums (in a compiled step, into the kernel that
+        # reads the result)
+        m, n = xs.shape[0], sum(ns)
+        xs = xs.contiguous()  # as slot_order makes it: a no-op unless a caller's layout differs
         bm, bn, ng, warps, wt = batch_tiles(qtype, n, k, m)
-        splits, per = k_splits(qtype, m, n, k, multiprocessors(x.device))
-        out = torch.empty((splits, m, n), device=x.device, dtype=torch.float32)
+        splits, per = k_splits(qtype, m, n, k, multiprocessors(xs.device))
+        out = torch.empty((splits, m, n), device=xs.device, dtype=torch.float32)
         planes, args, tiles_n = _stack(ws, qtype, ns, k, bn)
         qkernels._qmm_kernel[(triton.cdiv(m, bm), tiles_n, splits)](
             xs, *planes, out, M=m, K=k, LDY=out.stride(-2), SPLIT_GROUPS=per, SPLIT_STRIDE=m * n,
@@ -277,10 +279,12 @@ if qkernels is not None:
         return out
 
     def _launch_dequant(w: torch.Tensor, qtype: int, n: int, k: int, dtype: torch.dtype,
-                        r0: int = 0, r1: int | None = None) -> torch.Tensor:
-        # rows r0..r1 of a packed (n, k) weight -> (r1 - r0, k) of dtype
+                        r0: int = 0, r1: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+        # rows r0..r1 of a packed (n, k) weight -> (r1 - r0, k) of dtype, written into ``out``
+        # (contiguous) where given
         r1 = n if r1 is None else r1
-        out = torch.empty((r1 - r0, k), device=w.device, dtype=dtype)
+        if out is None:
+            out = torch.empty((r1 - r0, k), device=w.device, dtype=dtype)
         bn, ng, warps = tiles(qtype, n, k, fused=False)
         qkernels._dequant_kernel[(triton.cdiv(r1 - r0, bn), triton.cdiv(k // 32, ng))](
             *_planes(w, qtype, n, k), out, r0, r1, k, **_meta(qtype), BN=bn, NG=ng,
@@ -308,13 +312,13 @@ if qkernels is not None:
         return x.new_empty((x.shape[0], sum(ns)), dtype=torch.float32)
 
     @torch.library.custom_op("apir::qmm", mutates_args=())
-    def _qmm(x: torch.Tensor, ws: list[torch.Tensor], qtype: int, ns: list[int], k: int) -> torch.Tensor:
-        return _launch_mm(x, ws, qtype, ns, k)
+    def _qmm(xs: torch.Tensor, ws: list[torch.Tensor], qtype: int, ns: list[int], k: int) -> torch.Tensor:
+        return _launch_mm(xs, ws, qtype, ns, k)
 
     @_qmm.register_fake
-    def _(x: torch.Tensor, ws: list[torch.Tensor], qtype: int, ns: list[int], k: int) -> torch.Tensor:
-        splits = k_splits(qtype, x.shape[0], sum(ns), k, multiprocessors(x.device))[0]
-        return x.new_empty((splits, x.shape[0], sum(ns)), dtype=torch.float32)
+    def _(xs: torch.Tensor, ws: list[torch.Tensor], qtype: int, ns: list[int], k: int) -> torch.Tensor:
+        splits = k_splits(qtype, xs.shape[0], sum(ns), k, multiprocessors(xs.device))[0]
+        return xs.new_empty((splits, xs.shape[0], sum(ns)), dtype=torch.float32)
 
     @torch.library.custom_op("apir::qdequant", mutates_args=())
     def _qdequant(w: torch.Tensor, qtype: int, n: int, k: int, r0: int, r1: int) -> torch.Tensor:
@@ -323,6 +327,21 @@ if qkernels is not None:
     @_qdequant.register_fake
     def _(w: torch.Tensor, qtype: int, n: int, k: int, r0: int, r1: int) -> torch.Tensor:
         return w.new_empty((r1 - r0, k), dtype=torch.float16)
+
+    @torch.library.custom_op("apir::qdequant_stacked", mutates_args=())
+    def _qdequant_stacked(ws: list[torch.Tensor], qtypes: list[int], ns: list[int], k: int) -> torch.Tensor:
+        # whole weights stacked along N (q, k, v) -> one (sum ns, k) f16 scratch, each part
+        # in its own type: one matmul reads them all
+        out = torch.empty((sum(ns), k), device=ws[0].device, dtype=torch.float16)
+        off = 0
+        for w, qtype, n in zip(ws, qtypes, ns):
+            _launch_dequant(w, qtype, n, k, torch.float16, out=out[off : off + n])
+            off += n
+        return out
+
+    @_qdequant_stacked.register_fake
+    def _(ws: list[torch.Tensor], qtypes: list[int], ns: list[int], k: int) -> torch.Tensor:
+        return ws[0].new_empty((sum(ns), k), dtype=torch.float16)
 
     @torch.library.custom_op("apir::qrows", mutates_args=())
     def _qrows(w: torch.Tensor, qtype: int, n: int, k: int, ids: torch.Tensor) -> torch.Tensor:
@@ -434,7 +453,7 @@ def stacked_product(x: torch.Tensor, parts: Sequence[tuple[torch.Tensor, int, in
         return _dequantized_product(x, parts, k)
     # a batched decode step: each run of one type through the batched kernel, or (Q6_K, a
     # small product) dequantized and multiplied
-    ys = [_qmm(x, ws[a:b], qtypes[a], ns[a:b], k).sum(0) if t
+    ys = [_qmm(slot_order(x, qtypes[a]), ws[a:b], qtypes[a], ns[a:b], k).sum(0) if t
           else _dequantized_product(x, parts[a:b], k) for a, b, t in takes]
     return ys[0] if len(ys) == 1 else torch.cat(ys, dim=1)
 
@@ -448,9 +467,16 @@ def _dequantized_product(x: torch.Tensor, parts: Sequence[tuple[torch.Tensor, in
     rows = max(1, (SCRATCH_BYTES if packed else CPU_SCRATCH_BYTES) // (k * wdtype.itemsize))
     xs = x.to(wdtype)  # rounded as the dense path rounds x to its f16 weights
     m = x.shape[0]
+    n_all = sum(n for _, _, n in parts)
+    if packed and len(parts) > 1 and n_all <= rows:
+        # stacked weights that fit one scratch: one matmul for them all, not one a part (a
+        # 1B's q, k and v at 16 rows: three cuBLAS launches of ~5 us each, H200 2026-12-04)
+        tile = _qdequant_stacked([w for w, _, _ in parts], [q for _, q, _ in parts],
+                                 [n for _, _, n in parts], k)
+        return torch.matmul(xs, tile.T).float()
     if not packed:
         xs = cpu_rows(xs)
-    y = torch.empty((xs.shape[0], sum(n for _, _, n in parts)), device=x.device, dtype=torch.float32)
+    y = torch.empty((xs.shape[0], n_all), device=x.device, dtype=torch.float32)
     off = 0
     for w, qtype, n in parts:
         per_row = qpack.geometry(qtype, 1, k).nbytes
