@@ -160,7 +160,8 @@ def test_op_facts_name_real_operands() -> None:
     for op, spec in OPS.items():
         assert all(max(i, target) < spec.arity for i, target, _ in spec.index), op.name
         assert spec.alias is Alias.NONE or spec.arity >= 1, op.name
-        assert not spec.memo or op in (Op.ROPE, Op.ATTENTION), op.name  # their pos is last
+        # their pos (ATTENTION_SEQ: its seq, beside the pos) is the last operand
+        assert not spec.memo or op in (Op.ROPE, Op.ATTENTION, Op.ATTENTION_SEQ), op.name
     assert [op for op in OPS if OPS[op].quantized] == [Op.WEIGHT, Op.GET_ROWS, Op.MATMUL]
 
 

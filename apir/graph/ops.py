@@ -217,7 +217,9 @@ class OpSpec:
     # (index operand, indexed operand, what): values the executors bounds-check against
     # the indexed operand's first dim
     index: tuple[tuple[int, int, str], ...] = ()
-    memo: bool = False  # its kernels share work that depends only on the last operand (pos)
+    # its kernels share work that depends only on the last operand (positions, or slots and
+    # the positions beside them)
+    memo: bool = False
     scratch: ScratchRule | None = None
 
 
@@ -640,7 +642,7 @@ OPS: dict[Op, OpSpec] = {
     ),
     Op.ATTENTION_SEQ: OpSpec(
         5, (("scale", FLOAT), ("window", INT), ("softcap", FLOAT)), _attention_seq,
-        index=((4, 1, "ATTENTION_SEQ slot"),), scratch=_attention_seq_scratch,
+        index=((4, 1, "ATTENTION_SEQ slot"),), memo=True, scratch=_attention_seq_scratch,
     ),
     # a reshape of a permuted value copies (numpy and torch alike)
     Op.RESHAPE: OpSpec(1, (("shape", INTS),), _reshape, Alias.MAYBE),

@@ -209,14 +209,17 @@ def attend(q, k, v, mask: torch.Tensor, scale: float, softcap: float) -> torch.T
 
 
 def attention_filled(q, k, v, pos, scale: float, window: int, softcap: float, *, memo=None, key=None):
-    """CPU ATTENTION: only keys up to the highest position (a host sync, free on the CPU);
-    k in whole blocks of ``cpu_attention`` where the cache has them (see ``keys``)."""
+    """ATTENTION where the positions are on the host's side (a CPU, or a graph whose index
+    operands a device cannot check): only keys up to the highest position. On a CPU
+    ``cpu_attention``'s form, whose bits do not depend on the call's other queries."""
+    if q.device.type == "cpu":
+        return cpu_attention.attend_runs(q, k[None], v[None], pos, None, scale, window, softcap, memo)
     n_kv = int(pos.max()) + 1
-    return attention(q, k[: cpu_attention.keys(n_kv, k.shape[0])], v[:n_kv], pos, scale, window, softcap,
-                     memo=memo, key=key)
+    return attention(q, k[:n_kv], v[:n_kv], pos, scale, window, softcap, memo=memo, key=key)
 
 
-def attention_seq(q, k, v, pos, seq, scale: float, window: int, softcap: float) -> torch.Tensor:
+def attention_seq(q, k, v, pos, seq, scale: float, window: int, softcap: float, *, memo=None,
+                  key=None) -> torch.Tensor:
     """ATTENTION_SEQ: k (S, N, Hkv, D) laid end to end, one mask (T*G, S*N) keeping each
     query to its own slot (``seq``) at positions up to its own. Fixed shapes on a device;
     on CUDA with Triton each query reads only its own slot's visible keys instead."""
@@ -233,22 +236,24 @@ def attention_seq(q, k, v, pos, seq, scale: float, window: int, softcap: float) 
     return attend(q, k.reshape(flat), v.reshape(*flat[:2], v.shape[-1]), mask, scale, softcap)
 
 
-def attention_seq_filled(q, k, v, pos, seq, scale: float, window: int, softcap: float) -> torch.Tensor:
-    """CPU ATTENTION_SEQ: one sequence at a time, its queries (a run of the step's tokens)
-    over its own slot's keys up to its own highest position, as ``attention_filled`` steps a
-    lone sequence. A query's result is then the same bits whatever else the step carries:
-    over every slot's keys under one mask, the keys of the slots before its own shifted
-    where the fused kernel's blocks fall, and a greedy request gave other tokens batched
-    than alone (tests/test_batch_invariance.py)."""
+def attention_seq_filled(q, k, v, pos, seq, scale: float, window: int, softcap: float, *, memo=None,
+                         key=None) -> torch.Tensor:
+    """ATTENTION_SEQ where the positions are on the host's side: each sequence's queries
+    (a run of the step's tokens) over its own slot's keys up to its own highest position.
+    On a CPU one call of ``cpu_attention`` for the step's sequences, whose result for a
+    query is then the same bits whatever else the step carries: over every slot's keys
+    under one mask, the keys of the slots before its own shifted where the fused kernel's
+    blocks fall, and a greedy request gave other tokens batched than alone
+    (tests/test_batch_invariance.py)."""
     check_positions(pos, k.shape[1])  # the slots were checked before the step (OpSpec.index)
+    if q.device.type == "cpu":
+        return cpu_attention.attend_runs(q, k, v, pos, seq, scale, window, softcap, memo)
     out = q.new_empty((*q.shape[:2], v.shape[-1]), dtype=torch.float32)
-    ids = seq.tolist()
     start = 0
-    for s, run in itertools.groupby(ids):
+    for s, run in itertools.groupby(seq.tolist()):
         end = start + len(list(run))
         n_kv = int(pos[start:end].max()) + 1
-        out[start:end] = attention(q[start:end], k[s, : cpu_attention.keys(n_kv, k.shape[1])], v[s, :n_kv],
-                                   pos[start:end], scale, window, softcap)
+        out[start:end] = attention(q[start:end], k[s, :n_kv], v[s, :n_kv], pos[start:end], scale, window, softcap)
         start = end
     return out
 

@@ -130,7 +130,7 @@ def compile_program(graph: Graph, accelerated: bool, weight_dtype) -> Program:
         elif node.op in (Op.WEIGHT, Op.STATE):
             steps.append(Leaf(node))
         else:
-            key = node.inputs[-1] if OPS[node.op].memo else None  # pos is the last operand
+            key = node.inputs[-1] if OPS[node.op].memo else None  # pos (or seq) is the last operand
             on_device = () if accelerated else OPS[node.op].index  # else: index_checks do
             steps.append(Step(node.op, table[node.op], node.inputs, node.attrs, key, on_device))
     plain, stored = set(graph.outputs), set()
