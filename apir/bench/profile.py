@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from ..backends.base import ExecutorConfig
 from ..engine import Model
 
-
 TOP = 30  # kernels listed per step, the longest first
 
 

@@ -63,10 +63,11 @@ def attend_runs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Te
                 scale: float, window: int, softcap: float, memo: dict | None = None) -> torch.Tensor:
     """ATTENTION_SEQ on a CPU: q (T, Hq, D) the step's queries, k (S, N, Hkv, D) and v (S,
     N, Hkv, Dv) every slot's cache, pos and seq (T,) each query's position and slot (a
-    sequence's queries one run; None: every query in slot 0). A query sees its own slot's keys at positions up to its
-    own (within ``window`` of it where that is set); only keys up to a run's highest
-    position are read. -> (T, Hq, Dv) f32. ``memo`` keeps the plan (which tokens, slots,
-    keys and masks) for the step's other layers, which share pos and seq."""
+    sequence's queries one run; seq None: every query in slot 0). A query sees its own
+    slot's keys at positions up to its own (within ``window`` of it where that is set);
+    only keys up to a run's highest position are read. -> (T, Hq, Dv) f32. ``memo`` keeps
+    the plan (which tokens, slots, keys and masks) for the step's other layers, which
+    share pos and seq (graph inputs, alive for the whole run: their ids are unique)."""
     plans = memo.get(("runs", id(pos), id(seq))) if memo is not None else None
     if plans is None:
         plans = _plans(pos, seq, q.shape[1] // k.shape[2], window)
@@ -111,7 +112,7 @@ def _plans(pos: torch.Tensor, seq: torch.Tensor | None, group: int, window: int)
 
 
 def _plan(pos, runs, group: int, window: int, lone: bool) -> _Plan:
-    n, longest = len(runs), max(e - s for s, e, _, _ in runs)
+    longest = max(e - s for s, e, _, _ in runs)
     n_blocks = -(-max(f for _, _, _, f in runs) // BLOCK)
     if lone:
         ids, p = None, pos.long()[None]
@@ -175,7 +176,6 @@ def _blocked(q: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, hidden: torch.
     parts = []
     for r0 in range(0, q.shape[2], ROWS_A_PART):
         qp = q[:, :, r0 : r0 + ROWS_A_PART]
-        rows = qp.shape[2]
         scores = torch.matmul(qp[:, :, None], kb.transpose(-1, -2)) * scale  # (n, Hkv, NB, R, BLOCK)
         if softcap:
             scores = softcap * torch.tanh(scores / softcap)
