@@ -148,10 +148,8 @@ def slot_order(x: torch.Tensor, qtype: int) -> torch.Tensor:
     many bytes as the weights')."""
     m, k = x.shape
     low = qpack.low_bits(qtype)
-    # torch ops outside the kernel's op: in a compiled step Inductor writes this layout from
-    # the kernel that makes x (a norm, silu * up), where the op's own copy was a launch of
-    # its own a product (33 a 1B's 16-stream step on an H200, 73 of its 1,673 us, 2026-12-04)
-    return x.reshape(m, k // 32, low, 32 // low).permute(0, 3, 1, 2).to(torch.float16).contiguous()
+    out = torch.empty((m, 32 // low, k // 32, low), device=x.device, dtype=torch.float16)
+    return out.copy_(x.reshape(m, k // 32, low, 32 // low).permute(0, 3, 1, 2))  # one copy, eager too
 
 
 def k_splits(qtype: int, m: int, n: int, k: int, sms: int) -> tuple[int, int]:
@@ -452,7 +450,10 @@ def stacked_product(x: torch.Tensor, parts: Sequence[tuple[torch.Tensor, int, in
     if not any(t for _, _, t in takes):
         return _dequantized_product(x, parts, k)
     # a batched decode step: each run of one type through the batched kernel, or (Q6_K, a
-    # small product) dequantized and multiplied
+    # small product) dequantized and multiplied. x's slot order is made here, by torch ops,
+    # not inside the kernel's op: in a compiled step Inductor writes it from the kernel that
+    # makes x (a norm, silu * up), where the op's own copy was a launch of its own a product
+    # (33 of a 1B's 16-stream step on an H200, 73 of its 1,673 us in kernels, 2026-12-04)
     ys = [_qmm(slot_order(x, qtypes[a]), ws[a:b], qtypes[a], ns[a:b], k).sum(0) if t
           else _dequantized_product(x, parts[a:b], k) for a, b, t in takes]
     return ys[0] if len(ys) == 1 else torch.cat(ys, dim=1)
