@@ -115,3 +115,21 @@ def test_stop_strings_cut_the_text(tiny):
         stop = full[2:4]
         cut = model.generate(IDS, temperature=0, max_tokens=10, stop=(stop,))
         assert cut == full[: full.index(stop)]
+
+
+def test_gemma3_global_layers_see_past_the_window_on_the_cpu(tmp_path):
+    """Six layers: five sliding (window 4), the sixth global. The CPU executor shares one
+    attention plan across a step's layers; a global layer given the sliding layers' mask
+    would match numpy only up to the window. Whole pass and token by token, as numpy."""
+    cfg = TinyConfig(arch="gemma3", n_layer=6, sliding_window=4, tied=True)
+    path = write_tiny_gguf(tmp_path / "g6.gguf", cfg, "F16", seed=5)
+    with apir.load(str(path), backend="numpy") as model:
+        want = model.logits(IDS)
+    local = LocalBackend("cpu", config=ExecutorConfig(cpu_int4=False))
+    with apir.load(str(path), backend=local, cache_type=DType.F32) as model:
+        full = model.logits(IDS)
+        # within 1e-4 of the logits' range (3e-5 measured; a global layer masked as a sliding
+        # one is 1e-2 off and more from the fifth token on)
+        assert np.abs(full - want).max() <= 1e-4 * np.abs(want).max()
+        steps = [model.logits(IDS[:5])] + [model.logits(IDS[i : i + 1], start=i) for i in range(5, len(IDS))]
+        np.testing.assert_allclose(np.concatenate(steps), full, rtol=1e-4, atol=1e-4)
