@@ -61,9 +61,10 @@ def attend(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, mask: torch.Ten
 
 def attend_runs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, seq: torch.Tensor | None,
                 scale: float, window: int, softcap: float, memo: dict | None = None) -> torch.Tensor:
-    """ATTENTION_SEQ on a CPU: q (T, Hq, D) the step's queries, k (S, N, Hkv, D) and v (S,
-    N, Hkv, Dv) every slot's cache, pos and seq (T,) each query's position and slot (a
-    sequence's queries one run; seq None: every query in slot 0). A query sees its own
+    """ATTENTION_SEQ (and, seq None, ATTENTION) on a CPU: q (T, Hq, D) the step's queries,
+    k (S, N, Hkv, D) and v (S, N, Hkv, Dv) every slot's cache, pos and seq (T,) each
+    query's position and slot (a sequence's queries one run; seq None: every query in slot
+    0). A query sees its own
     slot's keys at positions up to its own (within ``window`` of it where that is set);
     only keys up to a run's highest position are read. -> (T, Hq, Dv) f32. ``memo`` keeps
     the plan (which tokens, slots, keys and masks) for the step's other layers of the same

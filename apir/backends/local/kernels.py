@@ -9,7 +9,6 @@ it) and widens per use on a CPU.
 
 from __future__ import annotations
 
-import itertools
 import math
 from dataclasses import dataclass
 
@@ -238,24 +237,17 @@ def attention_seq(q, k, v, pos, seq, scale: float, window: int, softcap: float, 
 
 def attention_seq_filled(q, k, v, pos, seq, scale: float, window: int, softcap: float, *, memo=None,
                          key=None) -> torch.Tensor:
-    """ATTENTION_SEQ where the positions are on the host's side: each sequence's queries
-    (a run of the step's tokens) over its own slot's keys up to its own highest position.
-    On a CPU one call of ``cpu_attention`` for the step's sequences, whose result for a
-    query is then the same bits whatever else the step carries: over every slot's keys
-    under one mask, the keys of the slots before its own shifted where the fused kernel's
-    blocks fall, and a greedy request gave other tokens batched than alone
-    (tests/test_batch_invariance.py)."""
+    """ATTENTION_SEQ where the positions are on the host's side: only keys up to the highest
+    position are read. On a CPU one call of ``cpu_attention`` for the step's sequences, each
+    over its own slot's keys, whose result for a query is then the same bits whatever else
+    the step carries: over every slot's keys under one mask, the keys of the slots before
+    its own shifted where the fused kernel's blocks fall, and a greedy request gave other
+    tokens batched than alone (tests/test_batch_invariance.py)."""
     check_positions(pos, k.shape[1])  # the slots were checked before the step (OpSpec.index)
     if q.device.type == "cpu":
         return cpu_attention.attend_runs(q, k, v, pos, seq, scale, window, softcap, memo)
-    out = q.new_empty((*q.shape[:2], v.shape[-1]), dtype=torch.float32)
-    start = 0
-    for s, run in itertools.groupby(seq.tolist()):
-        end = start + len(list(run))
-        n_kv = int(pos[start:end].max()) + 1
-        out[start:end] = attention(q[start:end], k[s, :n_kv], v[s, :n_kv], pos[start:end], scale, window, softcap)
-        start = end
-    return out
+    n_kv = int(pos.max()) + 1  # elsewhere every slot up to the step's highest position, one call
+    return attention_seq(q, k[:, :n_kv], v[:, :n_kv], pos, seq, scale, window, softcap)
 
 
 ARGMAX_CHUNK = 1024
