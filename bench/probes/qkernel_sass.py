@@ -67,8 +67,7 @@ def compile_kernel(qtype: int, n: int, k: int, kind: str = "fused", parts: int =
     lb, hb, off, mins = qkernels.TYPES[qtype]
     consts = dict(QT=qtype, LB=lb, HB=hb, OFF=off, MIN=mins)
     if kind == "batched":
-        bm, bn, nc, warps, wt0 = qmatmul.batch_tiles(qtype, n, k, bm)
-        stages = 1
+        bm, bn, nc, warps, stages, wt0 = qmatmul.batch_tiles(qtype, n, k, bm)
         if tile:
             bn, nc, warps, stages = tile
         consts |= dict(BM=bm, ASM=True, WT=wt0 if wt is None else wt)

@@ -115,29 +115,32 @@ def tiles(qtype: int, n: int, k: int, fused: bool) -> tuple[int, int, int]:
     return max(1, 4096 // (32 * ng)), ng, 4
 
 
-def batch_tiles(qtype: int, n: int, k: int, m: int) -> tuple[int, int, int, int, bool]:
-    """(BM rows of x, BN rows of W, NG groups of 32 a K-step, num_warps, WT) of the batched
-    kernel for x of ``m`` rows, WT: the product taken as W x.T (see ``BATCH_ROWS``).
-    Up to 16 rows: 16 x 256 in 8 warps, 16 x 512 for Q4_0, Q4_1 and Q4_K where that still
-    makes 128 programs (row tiles times parts of two K-steps, as ``k_splits`` splits); 8 groups a
-    step (32 low words of a row for a 4-bit type, 16 for a 2-bit one; Q8_0: 4 groups, 32
-    words). Above: 32 or 64 x 128 in 4 warps, 8 groups a step. Never under 16 words a
-    step: a slot's product is a tensor-core dot, whose K must be 16 or more (the masks take
-    the groups past a short row's end). On an H200, x in slot order (bench/probes/qgemv.py
-    --rows 16|64 --configs, 2026-12-04): at 16 rows Q4_0 and Q4_K 46.9-51.8 us at 512 rows
-    on an 8B's two products, 53.4-61.7 at 256, but on a 1B's 2048 x 8192 (64 programs at
-    512, 128 at 256) 19.3-21.0 at 256 against 25.3-28.0; Q8_0 48.5-50.1 at 256 (the best within 2%),
-    67 at 512; W x.T gained nothing at 16 rows. At 64 rows 128 x 8 groups in 4 warps was
-    the fastest of five tiles on all four shapes and types (Q4_0 61.0 us, 512 rows 95.6).
-    16 groups of a 2-bit type spill registers (bench/probes/qkernel_sass.py --batched)."""
+def batch_tiles(qtype: int, n: int, k: int, m: int) -> tuple[int, int, int, int, int, bool]:
+    """(BM rows of x, BN rows of W, NG groups of 32 a K-step, num_warps, num_stages, WT) of
+    the batched kernel for x of ``m`` rows, WT: the product taken as W x.T (see
+    ``BATCH_ROWS``). Never under 16 words a step: a slot's product is a tensor-core dot,
+    whose K must be 16 or more (the masks take the groups past a short row's end).
+    Up to 16 rows: Q4_0 and Q4_1 16 x 128 in 4 warps, 4 groups a step (16 words), two
+    stages; Q4_K 16 x 128 in 4 warps, 8 groups, one stage; any other type 16 x 256 in 8
+    warps, 8 groups (32 low words of a row for a 4-bit type, 16 for a 2-bit one; Q8_0: 4
+    groups, 32 words). On an H100 (bench/probes/batched_tiles.sh, 2026-12-06, seven
+    products of a 1B and an 8B, x in slot order, K split as ``k_splits`` does) those took
+    183 us in all for Q4_0 (the 16 x 256/512 tiles in 8 warps before: 256; 13 tiles tried)
+    and 257 for Q4_K (276): the wide tiles held 196-255 registers a thread, one program a
+    multiprocessor, and were latency-bound (ncu on an H200, 2026-12-04). Above 16 rows: 32
+    or 64 x 128 in 4 warps, 8 groups a step, as W x.T; at 64 rows the fastest of seven
+    tiles on the H100 too (Q4_0 213 us in all, Q4_K 246). 16 groups of a 2-bit type spill
+    registers (bench/probes/qkernel_sass.py --batched)."""
     low = qpack.low_bits(qtype)
     least = 16 // low  # groups that make 16 words
     if m > 16:
-        return 32 if m <= 32 else 64, 128, max(least, _groups_a_step(qtype, k, 8)), 4, True
+        return 32 if m <= 32 else 64, 128, max(least, _groups_a_step(qtype, k, 8)), 4, 1, True
+    if qtype in (2, 3):  # Q4_0, Q4_1
+        return 16, 128, max(least, _groups_a_step(qtype, k, 4)), 4, 2, False
     ng = max(least, _groups_a_step(qtype, k, min(8, 32 // low)))
-    programs = -(-n // 512) * max(1, -(-(k // 32) // ng) // 2)
-    bn = 512 if qtype in (2, 3, 12) and programs >= 128 else 256
-    return 16, bn, ng, 8, False
+    if qtype == 12:  # Q4_K
+        return 16, 128, ng, 4, 1, False
+    return 16, 256, ng, 8, 1, False
 
 
 def slot_order(x: torch.Tensor, qtype: int) -> torch.Tensor:
@@ -159,7 +162,7 @@ def k_splits(qtype: int, m: int, n: int, k: int, sms: int) -> tuple[int, int]:
     warps (64-row tiles) on an H200's 132 multiprocessors: 0.24 TB/s
     (bench/probes/qgemv.py --rows 16). The parts are summed in a fixed order: a shape
     always gives the same result."""
-    bm, bn, ng, _, _ = batch_tiles(qtype, n, k, m)
+    bm, bn, ng, *_ = batch_tiles(qtype, n, k, m)
     programs = -(-m // bm) * -(-n // bn)
     steps = -(-(k // 32) // ng)
     want = max(1, min(steps // 2, -(-4 * sms // programs)))
@@ -267,13 +270,13 @@ if qkernels is not None:
         # reads the result)
         m, n = xs.shape[0], sum(ns)
         xs = xs.contiguous()  # as slot_order makes it: a no-op unless a caller's layout differs
-        bm, bn, ng, warps, wt = batch_tiles(qtype, n, k, m)
+        bm, bn, ng, warps, stages, wt = batch_tiles(qtype, n, k, m)
         splits, per = k_splits(qtype, m, n, k, multiprocessors(xs.device))
         out = torch.empty((splits, m, n), device=xs.device, dtype=torch.float32)
         planes, args, tiles_n = _stack(ws, qtype, ns, k, bn)
         qkernels._qmm_kernel[(triton.cdiv(m, bm), tiles_n, splits)](
             xs, *planes, out, M=m, K=k, LDY=out.stride(-2), SPLIT_GROUPS=per, SPLIT_STRIDE=m * n,
-            **args, ASM=qkernels.ASM, BM=bm, BN=bn, NG=ng, WT=wt, num_warps=warps, num_stages=1)
+            **args, ASM=qkernels.ASM, BM=bm, BN=bn, NG=ng, WT=wt, num_warps=warps, num_stages=stages)
         return out
 
     def _launch_dequant(w: torch.Tensor, qtype: int, n: int, k: int, dtype: torch.dtype,
