@@ -212,9 +212,9 @@ def test_fused_kernel_with_many_groups_a_step_matches_gguf(qtype, k):
 def test_batched_kernel_matches_gguf(qtype):
     # a batched decode step's rows: each weight tile dequantized once to f16 and multiplied
     # with every row (x rounded to f16 too, as the prefill path does)
-    # the third shape is split along K (k_splits: 16 parts for Q4_0 and Q4_1, 8 for the
-    # other types, summed after); for the 32-element types K = 480 too: 15 groups, steps
-    # of 8 (4 for Q4_0 and Q4_1), one group masked; and K = 96: 3 groups in a step of 4 (a
+    # the third shape is split along K (k_splits: 16 parts for the 32-element types, 8 for
+    # the K-quants, summed after); for the 32-element types K = 480 too: 15 groups, steps
+    # of 4, one group masked; and K = 96: 3 groups in a step of 4 (a
     # tensor-core dot takes 16 words or more); 33 and 64 rows: one tile of 64 rows, the
     # product as W x.T
     shapes = [(9, 13, 256), (16, 70, 512), (12, 20, 4096), (33, 130, 512), (64, 20, 4096)]
@@ -233,8 +233,9 @@ def test_batched_kernel_splits_k_until_the_gpu_is_full():
     # an 8B's down projection at 16 rows: 32 programs of 128 rows unsplit, 4 a
     # multiprocessor wanted (17 parts), 112 steps of 4 groups: 16 parts of 7 steps (28 groups)
     assert qm.k_splits(int(Q.Q4_0), 16, 4096, 14336, sms=132) == (16, 28)
-    # Q8_0: 16 programs of 256 rows, 33 parts wanted, 112 steps of 4: 28 parts of 4 steps
-    assert qm.k_splits(int(Q.Q8_0), 16, 4096, 14336, sms=132) == (28, 16)
+    assert qm.k_splits(int(Q.Q8_0), 16, 4096, 14336, sms=132) == (16, 28)  # 4 groups a step too
+    # Q4_K: 8 groups a step, 56 steps, 17 parts wanted: 14 of 4 steps
+    assert qm.k_splits(int(Q.Q4_K), 16, 4096, 14336, sms=132) == (14, 32)
     assert qm.k_splits(int(Q.Q4_0), 16, 14336, 4096, sms=132) == (5, 28)
     assert qm.k_splits(int(Q.Q4_0), 12, 20, 4096, sms=132) == (16, 8)  # at least 2 steps a part
     assert qm.k_splits(int(Q.Q4_0), 12, 20, 512, sms=132) == (2, 8)
@@ -267,17 +268,19 @@ def test_rows_choose_the_kernel():
     assert qm.tiles(int(Q.Q4_0), 2, 96, True) == (2, 1, 4)
     assert qm.tiles(int(Q.Q4_0), 4096, 4096, True) == (4, 16, 4)
     assert qm.tiles(int(Q.Q4_K), 4096, 4096, True) == (4, 32, 2)
-    # the batched kernel at 16 rows: Q4_0 and Q4_1 128 rows a tile, 4 groups a step (16 low
-    # words), 4 warps, 2 stages; Q4_K 128 rows, 8 groups, 4 warps; other types 256 rows in 8
-    # warps
+    # the batched kernel at 16 rows: the 32-element types 128 rows a tile, 4 groups a step
+    # (16 low words, Q8_0 32), 4 warps, 2 stages; Q4_K and Q5_K 128 rows, 8 groups, 4 warps;
+    # Q2_K, Q3_K (and Q6_K, called directly) 256 rows in 8 warps
     assert qm.batch_tiles(int(Q.Q4_0), 4096, 14336, 16) == (16, 128, 4, 4, 2, False)
     assert qm.batch_tiles(int(Q.Q4_1), 2048, 8192, 16) == (16, 128, 4, 4, 2, False)
     assert qm.batch_tiles(int(Q.Q4_K), 16384, 2048, 16) == (16, 128, 8, 4, 1, False)
     assert qm.batch_tiles(int(Q.Q6_K), 4096, 14336, 16) == (16, 256, 8, 8, 1, False)
-    assert qm.batch_tiles(int(Q.Q8_0), 4096, 14336, 16) == (16, 256, 4, 8, 1, False)
+    assert qm.batch_tiles(int(Q.Q8_0), 4096, 14336, 16) == (16, 128, 4, 4, 2, False)
+    assert qm.batch_tiles(int(Q.Q5_0), 4096, 14336, 16) == (16, 128, 4, 4, 2, False)
+    assert qm.batch_tiles(int(Q.Q5_K), 4096, 14336, 16) == (16, 128, 8, 4, 1, False)
     assert qm.batch_tiles(int(Q.Q2_K), 4096, 4096, 16) == (16, 256, 8, 8, 1, False)
     assert qm.batch_tiles(int(Q.Q4_0), 4, 96, 8) == (16, 128, 4, 4, 2, False)  # 16 words, one group masked
-    assert qm.batch_tiles(int(Q.Q8_0), 4, 64, 8) == (16, 256, 2, 8, 1, False)
+    assert qm.batch_tiles(int(Q.Q8_0), 4, 64, 8) == (16, 128, 2, 4, 2, False)
     # above 16 rows: 32 or 64 of them by 128 of W, 8 groups a step (Q8_0 too), as W x.T
     assert qm.batch_tiles(int(Q.Q4_0), 4096, 14336, 17) == (32, 128, 8, 4, 1, True)
     assert qm.batch_tiles(int(Q.Q8_0), 4096, 14336, 64) == (64, 128, 8, 4, 1, True)

@@ -120,25 +120,27 @@ def batch_tiles(qtype: int, n: int, k: int, m: int) -> tuple[int, int, int, int,
     the batched kernel for x of ``m`` rows, WT: the product taken as W x.T (see
     ``BATCH_ROWS``). Never under 16 words a step: a slot's product is a tensor-core dot,
     whose K must be 16 or more (the masks take the groups past a short row's end).
-    Up to 16 rows: Q4_0 and Q4_1 16 x 128 in 4 warps, 4 groups a step (16 words), two
-    stages; Q4_K 16 x 128 in 4 warps, 8 groups, one stage; any other type 16 x 256 in 8
-    warps, 8 groups (32 low words of a row for a 4-bit type, 16 for a 2-bit one; Q8_0: 4
-    groups, 32 words). On an H100 (bench/probes/batched_tiles.sh, 2026-12-06, seven
-    products of a 1B and an 8B, x in slot order, K split as ``k_splits`` does) those took
-    183 us in all for Q4_0 (the 16 x 256/512 tiles in 8 warps before: 256; 13 tiles tried)
-    and 257 for Q4_K (276): the wide tiles held 196-255 registers a thread, one program a
-    multiprocessor, and were latency-bound (ncu on an H200, 2026-12-04). Above 16 rows: 32
-    or 64 x 128 in 4 warps, 8 groups a step, as W x.T; at 64 rows the fastest of seven
-    tiles on the H100 too (Q4_0 213 us in all, Q4_K 246). 16 groups of a 2-bit type spill
-    registers (bench/probes/qkernel_sass.py --batched)."""
+    Up to 16 rows: the 32-element types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) 16 x 128 in 4 warps,
+    4 groups a step (16 low words; Q8_0 32), two stages; Q4_K and Q5_K 16 x 128 in 4 warps,
+    8 groups, one stage; Q2_K and Q3_K 16 x 256 in 8 warps, 8 groups (16 words). On an H100
+    (bench/probes/batched_tiles.sh and qgemv.py --rows 16 --configs, 2026-12-06, seven
+    products of a 1B and an 8B, x in slot order, K split as ``k_splits`` does) those took,
+    in all: Q4_0 183 us (the 16 x 256/512 tiles in 8 warps before: 256; 13 tiles tried),
+    Q8_0 214 (252), Q5_0 282 (423), Q4_1 205 (its tile before: the same), Q4_K 257
+    (276), Q5_K 390 (460). The wide tiles held 196-255 registers a thread, one program a
+    multiprocessor, and were latency-bound (ncu on an H200, 2026-12-04). Q5_1 is taken
+    with Q5_0 and Q2_K, Q3_K are kept as they were, unmeasured. Above 16 rows: 32 or 64 x
+    128 in 4 warps, 8 groups a step, as W x.T; at 64 rows the fastest of seven tiles on the
+    H100 too (Q4_0 213 us in all, Q4_K 246). 16 groups of a 2-bit type spill registers
+    (bench/probes/qkernel_sass.py --batched)."""
     low = qpack.low_bits(qtype)
     least = 16 // low  # groups that make 16 words
     if m > 16:
         return 32 if m <= 32 else 64, 128, max(least, _groups_a_step(qtype, k, 8)), 4, 1, True
-    if qtype in (2, 3):  # Q4_0, Q4_1
+    if qpack.block_size(qtype) == 32:
         return 16, 128, max(least, _groups_a_step(qtype, k, 4)), 4, 2, False
-    ng = max(least, _groups_a_step(qtype, k, min(8, 32 // low)))
-    if qtype == 12:  # Q4_K
+    ng = max(least, _groups_a_step(qtype, k, 8))
+    if qtype in (12, 13):  # Q4_K, Q5_K
         return 16, 128, ng, 4, 1, False
     return 16, 256, ng, 8, 1, False
 
