@@ -271,6 +271,33 @@ def test_a_prefill_sized_step_is_answered_before_the_next_is_read():
     assert s.events == ["submit 0", "result 0", "submit 1", "result 1"]
 
 
+def test_a_fed_step_of_many_tokens_is_pipelined():
+    """A fed step (a batch's decode tokens, one a sequence, each step fed from the last)
+    has its guest's next step queued before its reply, however many tokens it has; the
+    unfed step that starts the chain is answered first, as a prefill chunk is."""
+    from apir.host.session import PIPELINED_MAX_TOKENS
+
+    n, steps = PIPELINED_MAX_TOKENS + 8, 5
+    reference = LocalBackend("cpu")
+    gid = _decoder(reference)[0]
+    tokens, want = np.arange(n, dtype=np.int32) % VOCAB, []
+    for i in range(steps):
+        tokens = reference.compute(gid, {"tokens": tokens, "pos": np.full(n, i, np.int32)})[0]
+        want.append(tokens.tolist())
+    s = _AheadSession()
+    tokens_at = s.layout.names.index("tokens")
+    s.send(0, {"tokens": np.arange(n, dtype=np.int32) % VOCAB, "pos": np.zeros(n, np.int32)})
+    got = []
+    for i in range(1, steps + 1):
+        if i < steps:
+            s.send(i, {"pos": np.full(n, i, np.int32)}, feed=((tokens_at, 0),))
+        got.append(s.tokens(i - 1, n))
+    s.close()
+    assert got == want
+    assert s.events == ["submit 0", "result 0", "submit 1", "submit 2", "result 1", "submit 3", "result 2",
+                        "submit 4", "result 3", "result 4"]
+
+
 @pytest.mark.parametrize("transport", ["unix", "tcp"])
 def test_synchronize_asks_the_host_only_after_a_request_without_a_reply(host, transport):
     with _remote(host, transport) as remote:
