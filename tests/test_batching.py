@@ -349,9 +349,21 @@ def test_bench_serve_reports_every_round():
                       [1, 3], n_prompt=8, n_gen=5, log=logged.append)
     rows = [line.split("|")[1:-1] for line in table.splitlines()[2:4]]
     assert [(r[0].strip(), int(r[1])) for r in rows] == [("native", 1), ("native", 3)]
-    assert all(float(r[2].replace(",", "")) > 0 and float(r[3].replace(",", "")) > 0 for r in rows)
+    assert all(float(r[i].replace(",", "")) > 0 for r in rows for i in (2, 3, 4, 5, 6))
     assert "solo (single-sequence path, tg5): native" in table and len(logged) == 4
     assert logged[0].startswith("native: 3 slots ready in ")
+
+
+def test_all_decoding_rate_counts_only_the_span_where_every_stream_decodes():
+    from apir.bench.serve import all_decoding_rate
+
+    # stream a decodes at 0, 1, .. 10 s; b starts at 4 s and ends at 8 s: the span is
+    # (4, 8], where a makes 4 tokens (5, 6, 7, 8) and b 2 (6, 8)
+    a, b = [float(t) for t in range(11)], [4.0, 6.0, 8.0]
+    assert all_decoding_rate([a, b]) == 6 / 4
+    assert all_decoding_rate([a]) == 10 / 10  # one stream: its own decode rate
+    assert all_decoding_rate([[0.0, 1.0], [2.0, 3.0]]) == 0.0  # never both at once
+    assert all_decoding_rate([a, [5.0]]) == 0.0  # a stream of one token decodes nothing
 
 
 def test_bench_serve_shared_prefix_finds_the_prefix_cached():

@@ -4,9 +4,12 @@ as llama.cpp's ``llama-batched-bench`` and vLLM's serving benchmark report them.
 Per backend and concurrency C: C requests of ``n_prompt`` random tokens (no shared prefix)
 are submitted together, each generating ``n_gen`` tokens greedily (fewer where a real
 model ends one). Reported: aggregate t/s (every generated token over the round's wall
-time, prefill included), per-stream decode t/s (median over streams, first token to
-last), time to first token p50/p99, and the aggregate against ``solo``: one stream on the
-single-sequence path (``Model.decode_steps``, what ``apir run`` uses).
+time, prefill included), decode t/s (every stream's tokens while all of them decode: from
+the last stream's first token to the first stream's last, as llama-batched-bench's S_TG
+counts decode steps of every sequence, prefill apart), per-stream decode t/s (median over
+streams, first token to last), time to first token p50/p99, and both aggregates against
+``solo``: one stream on the single-sequence path (``Model.decode_steps``, what ``apir run``
+uses).
 
 ``shared_prefix`` N adds prefix reuse (llama-server's ``cache_prompt``): a request of an
 N-token prefix (a system prompt) and 16 tokens of its own, then, once it has ended, one
@@ -42,6 +45,20 @@ class Round:
     seconds: float  # wall time of the round
     per_stream: float  # median decode t/s of one stream
     ttft: tuple[float, ...]  # seconds from submission to each stream's first token
+    decoding: float  # t/s of all streams while every one decodes (0: never all at once)
+
+
+def all_decoding_rate(times: Sequence[Sequence[float]]) -> float:
+    """Tokens per second of every stream together while all of them decode: the tokens
+    (each stream's token times, ascending) after the last stream's first token and up to
+    the first stream's last, over that span; 0 when the span is empty (a stream ended
+    before another began, or a stream made fewer than two tokens)."""
+    if not times or any(len(t) < 2 for t in times):
+        return 0.0
+    start, end = max(t[0] for t in times), min(t[-1] for t in times)
+    if end <= start:
+        return 0.0
+    return sum(int(np.searchsorted(t, end, "right") - np.searchsorted(t, start, "right")) for t in times) / (end - start)
 
 
 def run_round(scheduler: Scheduler, prompts: Sequence[Sequence[int]], n_gen: int, backend: str) -> Round:
@@ -59,7 +76,8 @@ def run_round(scheduler: Scheduler, prompts: Sequence[Sequence[int]], n_gen: int
     seconds = time.perf_counter() - t0
     rates = [(len(t) - 1) / (t[-1] - t[0]) for t in times if len(t) > 1 and t[-1] > t[0]]
     return Round(backend, len(prompts), sum(len(t) for t in times), seconds,
-                 float(np.median(rates)) if rates else 0.0, tuple(t[0] - t0 for t in times if t))
+                 float(np.median(rates)) if rates else 0.0, tuple(t[0] - t0 for t in times if t),
+                 all_decoding_rate(times))
 
 
 @dataclass(frozen=True)
@@ -128,19 +146,19 @@ def run(source: Source, backends: Sequence[str], options: BackendOptions, concur
             run_round(scheduler, prompts(1), n_gen, b)  # warm-up
             for c in concurrency:
                 r = run_round(scheduler, prompts(c), n_gen, b)
-                log(f"{b} {c} streams: {r.tokens / r.seconds:,.1f} t/s")
+                log(f"{b} {c} streams: {r.tokens / r.seconds:,.1f} t/s, {r.decoding:,.1f} while all decode")
                 rows.append((r, solo))
             if shared_prefix:
                 reuse.append(prefix_reuse(scheduler, rng, model.vocab_size, shared_prefix, n_gen, b))
                 log(f"{b} shared prefix: TTFT {reuse[-1].ttft[0] * 1e3:,.0f} then {reuse[-1].ttft[1] * 1e3:,.0f} ms")
-    head = ("| backend | streams | aggregate t/s | per-stream t/s | TTFT p50 ms | TTFT p99 ms | × solo |\n"
-            "| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    head = ("| backend | streams | aggregate t/s | × solo | decode t/s | × solo | per-stream t/s | "
+            "TTFT p50 ms | TTFT p99 ms |\n| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     lines = [head]
     for r, solo in rows:
         p50, p99 = (np.percentile(r.ttft, q) * 1e3 for q in (50, 99))
         agg = r.tokens / r.seconds
-        lines.append(f"| {r.backend} | {r.streams} | {agg:,.1f} | {r.per_stream:,.1f} | {p50:,.0f} | "
-                     f"{p99:,.0f} | {agg / solo:.2f} |")
+        lines.append(f"| {r.backend} | {r.streams} | {agg:,.1f} | {agg / solo:.2f} | {r.decoding:,.1f} | "
+                     f"{r.decoding / solo:.2f} | {r.per_stream:,.1f} | {p50:,.0f} | {p99:,.0f} |")
     lines.append(f"\nsolo (single-sequence path, tg{n_gen}): "
                  + ", ".join(f"{b} {s:,.1f} t/s" for b, s in dict((r.backend, s) for r, s in rows).items()))
     if reuse:
