@@ -193,10 +193,10 @@ class _AheadSession:
                 return self.done.result()
 
         class RunsAhead(LocalBackend):
-            def _pending(self, reg, outputs):
+            def _pending(self, reg, outputs, out=None):
                 i = sum(e.startswith("submit") for e in events)
                 events.append(f"submit {i}")
-                return OnDevice(super()._pending(reg, outputs), i)
+                return OnDevice(super()._pending(reg, outputs, out), i)
 
         backend = RunsAhead("cpu")
         session = Session(None, backend, None, SessionConfig("cpu", backend.limits, 0, 1, "test"))

@@ -57,6 +57,7 @@ class Registered:
     # minted again (maybe smaller) is a different buffer, and compute refuses it
     buffers: dict[int, Buffer] = field(default_factory=dict)
     states: frozenset[int] = frozenset()  # handles of the buffers its STATE leaves are in
+    in_place: frozenset[str] = frozenset()  # see Executor.inputs_read_in_place
     # the executor-native outputs of the last compute, for ``feed`` (None: none or it failed)
     last_outputs: list | None = None
 
@@ -235,8 +236,17 @@ class Executor(Backend):
             raise QuotaError(f"registering a graph of {len(graph.nodes)} nodes: {e}") from None
         self.ledger.add_graph(charge)
         states = frozenset(n.attrs[0] for n in graph.nodes if n.op is Op.STATE)
-        self._graphs[gid] = Registered(graph, program, Scratch.of(graph), inputs, used, states)
+        self._graphs[gid] = Registered(graph, program, Scratch.of(graph), inputs, used, states,
+                                       _computed_only(graph))
         return gid
+
+    def inputs_read_in_place(self, gid: int) -> frozenset[str]:
+        """The inputs of graph ``gid`` that the executor only computes with (floats): it may
+        read them where they arrived, in memory the guest shares, because a guest that
+        changes them during the step changes nothing but its own results. The others (I32
+        indices, which are bounds-checked before use, and SAMPLE's parameters, which the
+        host branches on) must be private copies: checked and used as the same bytes."""
+        return self._graph(gid).in_place
 
     def free_graph(self, gid: int) -> None:
         reg = self._graph(gid)
@@ -249,10 +259,16 @@ class Executor(Backend):
         reg, outputs = self._launch(gid, inputs, feed or {})
         return self._host_outputs(reg, outputs)
 
-    def submit(self, gid: int, inputs: Mapping[str, np.ndarray], feed: Feed | None = None) -> Pending:
+    def submit(self, gid: int, inputs: Mapping[str, np.ndarray], feed: Feed | None = None,
+               out: Sequence[np.ndarray] | None = None) -> Pending:
+        """``compute`` queued. ``out``: where the outputs should go (one writeable array per
+        graph output, its dtype and shape: the session's views of the reply's place in the
+        shared arena). An executor that copies its outputs back at once writes them there,
+        saving a copy; ``result()`` then returns those arrays. Any other output (a size off
+        the layout, outputs copied back behind the step) comes back as its own array."""
         try:
             reg, outputs = self._launch(gid, inputs, feed or {})
-            return self._pending(reg, outputs)
+            return self._pending(reg, outputs, out)
         except ApirError as e:
             return Pending(error=e)
 
@@ -438,13 +454,29 @@ class Executor(Backend):
         """Execute; returns the outputs in executor-native form. ``bounds``: see ``_fed``."""
 
     @abstractmethod
-    def _host_outputs(self, reg: Registered, outputs: list) -> list[np.ndarray]:
-        """``_run``'s outputs as numpy arrays of their nodes' dtypes, owned by the caller."""
+    def _host_outputs(self, reg: Registered, outputs: list,
+                      out: Sequence[np.ndarray] | None = None) -> list[np.ndarray]:
+        """``_run``'s outputs as numpy arrays of their nodes' dtypes, owned by the caller;
+        written into ``out`` where it is given and fits (see ``submit``)."""
 
-    def _pending(self, reg: Registered, outputs: list) -> Pending:
+    def _pending(self, reg: Registered, outputs: list, out: Sequence[np.ndarray] | None = None) -> Pending:
         """``submit``'s result: an executor whose device runs ahead of the host starts
         copying the outputs back here and lets ``result()`` wait for them."""
-        return Pending(self._host_outputs(reg, outputs))
+        return Pending(self._host_outputs(reg, outputs, out))
+
+
+def _computed_only(graph: Graph) -> frozenset[str]:
+    """The float inputs that no SAMPLE reads as its parameters (Executor.inputs_read_in_place)."""
+    nodes = graph.nodes
+    params = {n.inputs[1] for n in nodes if n.op is Op.SAMPLE}
+    return frozenset(n.attrs[0] for nid, n in enumerate(nodes)
+                     if n.op is Op.INPUT and n.dtype in (DType.F32, DType.F16, DType.BF16) and nid not in params)
+
+
+def fits(dest: np.ndarray | None, dtype: np.dtype, size: int) -> bool:
+    """Whether an output of ``dtype`` and ``size`` elements may be written into ``dest``."""
+    return (dest is not None and dest.dtype == dtype and dest.size == size and dest.flags.writeable
+            and dest.flags.c_contiguous)
 
 
 def check_indices(index: Sequence[tuple[int, int, str]], args: Sequence) -> None:

@@ -7,6 +7,8 @@ can still run a model on its own CPU ("guest-cpu").
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import gguf
 import numpy as np
 
@@ -14,7 +16,7 @@ from ..graph import OPS, DType, Graph, Op, SampleArgs
 from ..graph.dtypes import NUMPY_DTYPES
 from ..graph.ops import Fn, Pool, Reduce
 from .base import BackendError, DeviceInfo
-from .executor import Buffer, Executor, Registered, check_indices, check_positions
+from .executor import Buffer, Executor, Registered, check_indices, check_positions, fits
 
 
 def to_f32(arr: np.ndarray, dtype: DType, shape: tuple[int, ...]) -> np.ndarray:
@@ -330,8 +332,17 @@ class NumpyBackend(Executor):
         return self._cached((node,), lambda: to_f32(raw, node.dtype, node.shape).astype(
             np.float32 if f32 else np.int32, copy=f32))
 
-    def _host_outputs(self, reg: Registered, outputs: list) -> list[np.ndarray]:
-        return [o.copy() for o in outputs]  # the originals stay for ``feed``
+    def _host_outputs(self, reg: Registered, outputs: list,
+                      out: Sequence[np.ndarray] | None = None) -> list[np.ndarray]:
+        host = []
+        for i, o in enumerate(outputs):  # copies: the originals stay for ``feed``
+            dest = out[i] if out is not None else None
+            if fits(dest, o.dtype, o.size):
+                np.copyto(dest.reshape(o.shape), o)
+                host.append(dest)
+            else:
+                host.append(o.copy())
+        return host
 
     def _run(self, reg: Registered, inputs: dict[str, np.ndarray], bounds: dict) -> list[np.ndarray]:
         values: list[np.ndarray] = []

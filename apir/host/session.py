@@ -439,33 +439,57 @@ class Session:
             raise BackendError(f"unknown graph id {gid}")
         feed, fed = _step_feed(gid, layout, pairs)
         payload = self._blob_range(inline, arena_offset, size)
-        if arena_offset >= 0 or not isinstance(payload, memoryview):
-            # One copy, private (the guest may change the arena at any time) and writeable.
-            # Inline bytes that arrive as a view of the frame's body are both already.
-            payload = private_copy(payload)
-        pending = self.backend.submit(gid, layout.unpack_inputs(payload, n_tokens, fed), feed)
+        if arena_offset < 0:
+            # Inline bytes that arrive as a view of the frame's body are private and
+            # writeable already; others get one copy.
+            inputs = layout.unpack_inputs(payload if isinstance(payload, memoryview) else private_copy(payload),
+                                          n_tokens, fed)
+        else:
+            # In the arena the guest may change them at any time: what the executor only
+            # computes with is read where it lies, the rest (indices it checks, sampling
+            # parameters it branches on) copied once, privately, before anything looks at it.
+            in_place = self.backend.inputs_read_in_place(gid)
+            inputs = {name: a if name in in_place else a.copy()
+                      for name, a in layout.unpack_inputs(payload, n_tokens, fed).items()}
+        out = self._reply_views(layout, n_tokens, out_offset, capacity, arena_offset, size)
+        pending = self.backend.submit(gid, inputs, feed, out)
 
         def finish() -> tuple[bytes, int, int]:
             outs = pending.result()
-            return self._data(outs, layout.output_placement(outs, n_tokens), out_offset, capacity)
+            return self._data(outs, layout.output_placement(outs, n_tokens), out_offset, capacity, out or ())
 
         return InFlight(rid, pending, finish, bool(fed) or n_tokens <= PIPELINED_MAX_TOKENS)
 
     def _data(self, arrays: Sequence[np.ndarray], place: Placement, out_offset: int,
-              capacity: int) -> tuple[bytes, int, int]:
+              capacity: int, placed: Sequence[np.ndarray] = ()) -> tuple[bytes, int, int]:
         """The one output encoder: a Data reply's blob fields for ``arrays`` placed as
         ``place`` says, in the arena range the guest gave (``out_offset``, ``capacity``)
-        when there is one and the payload is over INLINE_MAX and fits, else inline."""
+        when there is one and the payload is over INLINE_MAX and fits, else inline.
+        ``placed``: ``_reply_views``' views; an array that is one is in place already."""
         size = place.size
         if self.arena is not None and out_offset >= 0 and INLINE_MAX < size <= capacity:
             self.arena.check(out_offset, size)
-            for arr, (offset, _) in zip(arrays, place.places):
+            for i, (arr, (offset, _)) in enumerate(zip(arrays, place.places)):
+                if i < len(placed) and arr is placed[i]:
+                    continue  # the executor copied it into its place
                 self.arena.write(out_offset + offset, memoryview(np.ascontiguousarray(arr)).cast("B"))
             return b"", out_offset, size
         if size > m.MAX_BODY:  # refused before it is built (a listing repeated, a huge read)
             raise BackendError(f"the reply cannot be sent: its {size} bytes exceed the {m.MAX_BODY}-byte "
                                "frame limit; read in smaller pieces or through the shared arena")
         return pack(arrays, place), -1, size
+
+    def _reply_views(self, layout: StepLayout, n_tokens: int, out_offset: int, capacity: int,
+                     in_offset: int, in_size: int) -> list[np.ndarray] | None:
+        """Where a step's outputs go in the arena, as writeable views for the executor to
+        copy them into (``Executor.submit``'s ``out``), when the reply will go there (as
+        ``_data`` decides) and the range is clear of the step's own inputs; else None."""
+        size = layout.placement(True, n_tokens).size
+        if self.arena is None or out_offset < 0 or not INLINE_MAX < size <= capacity:
+            return None
+        if in_offset >= 0 and out_offset < in_offset + in_size and in_offset < out_offset + size:
+            return None  # overlapping its inputs: written after the run, as any reply
+        return layout.unpack_outputs(self.arena.window(out_offset, size), n_tokens)
 
     def _blob_range(self, inline: bytes | memoryview, arena_offset: int, size: int) -> bytes | memoryview:
         """A blob's bytes, every field checked. In the arena: a window, for opaque tensor

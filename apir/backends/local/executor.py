@@ -26,13 +26,14 @@ import math
 import os
 import platform
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from ...graph import DType, Graph, Node, Op, SampleArgs, T
+from ...graph.dtypes import NUMPY_DTYPES
 from .. import forms as shared_forms
 from ..base import (
     ALIGNMENT,
@@ -45,7 +46,7 @@ from ..base import (
     Limits,
     Pending,
 )
-from ..executor import Buffer, Executor, Registered, check_indices
+from ..executor import Buffer, Executor, Registered, check_indices, fits
 from . import inductor, int4cpu, int8cpu, kernels, qmatmul, qpack
 from .capture import CapturedStep
 from .dequant import dequantize
@@ -460,27 +461,46 @@ class LocalBackend(Executor):
             outs = self._execute(reg, tensors, constants, greedy)
         return outs
 
-    def _host_outputs(self, reg: Registered, outputs: list[torch.Tensor]) -> list[np.ndarray]:
-        """One copy per output node, however often the graph lists it (see Scratch). On a
-        CPU that copy is made here (the tensor may be the executor's own: a cache view, an
-        input); from a GPU, ``cpu()`` is that copy already."""
+    def _host_outputs(self, reg: Registered, outputs: list[torch.Tensor],
+                      out: Sequence[np.ndarray] | None = None) -> list[np.ndarray]:
+        """One copy per output node, however often the graph lists it (see Scratch), made
+        straight into ``out[i]`` where it fits (from a GPU: the device's copy lands there,
+        no host copy after it). Otherwise on a CPU that copy is made here (the tensor may be
+        the executor's own: a cache view, an input); from a GPU, ``cpu()`` is that copy."""
         host: dict[int, np.ndarray] = {}
-        for t, o in zip(outputs, reg.program.outputs):
-            if o not in host:
-                dtype = reg.graph.nodes[o].dtype
-                wire = _wire(t, dtype)
+        result = []
+        for i, (t, o) in enumerate(zip(outputs, reg.program.outputs)):
+            dtype = reg.graph.nodes[o].dtype
+            dest = out[i] if out is not None else None
+            if o in host:  # the node listed again: its own slot gets the bytes too
+                if fits(dest, host[o].dtype, host[o].size):
+                    np.copyto(dest.reshape(host[o].shape), host[o])
+                    result.append(dest)
+                else:
+                    result.append(host[o])
+                continue
+            wire = _wire(t, dtype)
+            if fits(dest, NUMPY_DTYPES[dtype], wire.numel()):
+                sink = torch.from_numpy(dest.view(np.int16) if dtype is DType.BF16 else dest)
+                sink.view(-1).copy_(wire.reshape(-1))
+                arr = dest
+            else:
                 arr = _numpy(wire.cpu(), dtype)
-                host[o] = arr.copy() if wire.device.type == "cpu" else np.ascontiguousarray(arr)
-        return [host[o] for o in reg.program.outputs]
+                arr = arr.copy() if wire.device.type == "cpu" else np.ascontiguousarray(arr)
+            host[o] = arr
+            result.append(arr)
+        return result
 
-    def _pending(self, reg: Registered, outputs: list[torch.Tensor]) -> Pending:
+    def _pending(self, reg: Registered, outputs: list[torch.Tensor],
+                 out: Sequence[np.ndarray] | None = None) -> Pending:
         """On CUDA the host returns as soon as the step is queued: the outputs are copied
         into pinned memory behind it, so the next step can be queued before they are read
         and the GPU never waits for the host between steps. Large outputs (logits of a
-        chunk) are read back at once: their copy is the step's cost anyway, and pinned
-        memory is kept for small ones."""
+        chunk, a model's returned KV cache) are read back at once, into ``out`` where it
+        is given: their copy is the step's cost anyway, and pinned memory is kept for
+        small ones (which go inline, so ``out`` has nothing to save there)."""
         if self.torch_device.type != "cuda" or sum(t.nbytes for t in outputs) > ASYNC_MAX_BYTES:
-            return super()._pending(reg, outputs)
+            return super()._pending(reg, outputs, out)
         copies = []
         for t, o in zip(outputs, reg.program.outputs):
             dtype = reg.graph.nodes[o].dtype
