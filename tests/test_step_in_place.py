@@ -9,7 +9,9 @@ import numpy as np
 import pytest
 
 from apir.backends import BufferPurpose
+from apir.backends.base import DEFAULT_EXECUTOR, ExecutorConfig
 from apir.backends.local import LocalBackend
+from apir.backends.local.pinned import MIN_PINNED
 from apir.backends.numpy_ref import NumpyBackend
 from apir.graph import DType, GraphBuilder, SampleArgs, T
 from apir.graph.sampling import PARAMS_SIZE
@@ -40,8 +42,8 @@ class Recording(LocalBackend):
     """Keeps what each submit was given; ``during`` runs between binding and running, as a
     guest writing the arena while the host computes would."""
 
-    def __init__(self) -> None:
-        super().__init__("cpu")
+    def __init__(self, device: str = "cpu", config: ExecutorConfig = DEFAULT_EXECUTOR) -> None:
+        super().__init__(device, config=config)
         self.calls: list[tuple[dict, list | None]] = []
         self.during = lambda: None
 
@@ -54,31 +56,34 @@ class Recording(LocalBackend):
         return super()._run(reg, inputs, bounds)
 
 
-def _inputs() -> dict[str, np.ndarray]:
+def _inputs(tokens: int = TOKENS) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(5)
-    return {"x": rng.standard_normal((TOKENS, DIM)).astype(np.float32),
-            "ids": rng.integers(0, VOCAB, TOKENS).astype(np.int32),
+    return {"x": rng.standard_normal((tokens, DIM)).astype(np.float32),
+            "ids": rng.integers(0, VOCAB, tokens).astype(np.int32),
             "params": SampleArgs(0.7, 0, 1.0, 0.0, 0.25).pack()}
 
 
-@pytest.fixture
-def host():
-    backend = Recording()
-    memory = np.zeros(1 << 20, np.uint8)
+def _host(backend: Recording, arena_bytes: int = 1 << 20):
+    memory = np.zeros(arena_bytes, np.uint8)
     session = Session(None, backend, Arena(memoryview(memory)), SessionConfig("cpu", backend.limits, 0, 1, "test"))
     gid = _graph(backend)
     session.layouts[gid] = StepLayout.of(backend._graphs[gid].graph)
     return session, backend, memory, gid
 
 
-def _step(session, memory, gid, inputs):
+@pytest.fixture
+def host():
+    return _host(Recording())
+
+
+def _step(session, memory, gid, inputs, out_at: int = OUT_AT, capacity: int = 1 << 19):
     layout = session.layouts[gid]
     packed = layout.pack_inputs(inputs)
     packed.into(memoryview(memory)[IN_AT:IN_AT + packed.size])
-    inflight = session._start_step(1, gid, packed.n_tokens, OUT_AT, 1 << 19, b"", IN_AT, packed.size, ())
+    inflight = session._start_step(1, gid, packed.n_tokens, out_at, capacity, b"", IN_AT, packed.size, ())
     inline, at, size = inflight.finish()
-    assert (inline, at) == (b"", OUT_AT)
-    return layout.unpack_outputs(memory[OUT_AT:OUT_AT + size].copy(), packed.n_tokens), packed
+    assert (inline, at) == (b"", out_at)
+    return layout.unpack_outputs(memory[out_at:out_at + size].copy(), packed.n_tokens), packed
 
 
 def test_floats_are_read_in_the_arena_and_outputs_written_into_their_place(host):
@@ -129,3 +134,20 @@ def test_a_reply_range_over_the_steps_inputs_is_written_after_the_run(host):
     assert backend.calls[-1][1] is None  # no views handed out over its own inputs
     got = layout.unpack_outputs(memory[IN_AT:IN_AT + size].copy(), TOKENS)
     np.testing.assert_array_equal(got[0], backend.compute(gid, inputs)[0])
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_arena_is_registered_as_far_as_steps_reach_and_outputs_match():
+    """Inputs at the bottom, 1.5 MiB of logits (past the small outputs' pinned copies) asked
+    for above MIN_PINNED: the registered prefix grows to the next power of two over them,
+    and the reply, copied by DMA straight into the arena, equals compute's."""
+    session, backend, memory, gid = _host(Recording("cuda", ExecutorConfig(cuda_graphs=False)), 4 * MIN_PINNED)
+    tokens = 6144  # logits (6144, 64) f32: 1.5 MiB
+    inputs = _inputs(tokens)
+    outs, _ = _step(session, memory, gid, inputs, out_at=MIN_PINNED + 4096, capacity=2 * MIN_PINNED)
+    assert np.shares_memory(backend.calls[-1][1][0], memory)
+    assert backend._pinned is not None and not backend._pinned.failed
+    assert backend._pinned.pinned == 2 * MIN_PINNED
+    np.testing.assert_allclose(outs[0], backend.compute(gid, inputs)[0], rtol=1e-5, atol=1e-5)
+    backend.close()
+    assert backend._pinned.pinned == 0

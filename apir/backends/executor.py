@@ -248,6 +248,10 @@ class Executor(Backend):
         host branches on) must be private copies: checked and used as the same bytes."""
         return self._graph(gid).in_place
 
+    def use_host_memory(self, view: memoryview) -> None:
+        """``view`` (a session's shared arena) is where step inputs and outputs will live:
+        an executor whose device copies faster from page-locked memory may lock it."""
+
     def free_graph(self, gid: int) -> None:
         reg = self._graph(gid)
         del self._graphs[gid]

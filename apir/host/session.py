@@ -132,6 +132,8 @@ class Session:
                  publish=None, liveness: socket.socket | None = None,
                  published: Asker | None = None) -> None:
         self.chan, self.backend, self.arena, self.config = chan, backend, arena, config
+        if arena is not None:
+            backend.use_host_memory(arena.view)  # steps read and write there (_start_step)
         # a published model's read-only copy, by name and the guest's layout of it (the
         # daemon's; the callable may tell the guest it waits for the copy to be loaded)
         self.published = published

@@ -50,6 +50,7 @@ from ..executor import Buffer, Executor, Registered, check_indices, fits
 from . import inductor, int4cpu, int8cpu, kernels, qmatmul, qpack
 from .capture import CapturedStep
 from .dequant import dequantize
+from .pinned import PinnedPrefix
 from .program import FusedMatmul, Input, Leaf, Part, Program, Step, compile_program
 
 log = logging.getLogger("apir.local")
@@ -119,6 +120,7 @@ class LocalBackend(Executor):
         # offset -> (qtype, rows, K, bytes); reads and writes of the buffer see GGUF bytes
         self._packs = qmatmul.packs(self.torch_device)
         self._packed: dict[int, dict[int, tuple[int, int, int, int]]] = {}
+        self._pinned: PinnedPrefix | None = None  # the shared arena, as far as steps reach it
         # told before a graph is compiled (tens of seconds); a host session tells its guest
         self.on_compile: Callable[[str], None] = lambda what: None
 
@@ -145,9 +147,15 @@ class LocalBackend(Executor):
         self.synchronize()  # its recorded CUDA graphs' memory must not be reused while they run
         super().free_graph(gid)
 
+    def use_host_memory(self, view: memoryview) -> None:
+        if self.torch_device.type == "cuda":
+            self._pinned = PinnedPrefix(view)
+
     def close(self) -> None:
         if self.torch_device.type == "cuda" and not self.closed:
             torch.cuda.synchronize(self.torch_device)  # as free_graph, for every graph at once
+        if self._pinned is not None:
+            self._pinned.close()
         super().close()
 
     # ------------------------------------------------------------ storage
@@ -421,6 +429,10 @@ class LocalBackend(Executor):
     def _run(self, reg: Registered, inputs: dict[str, object], bounds: dict[str, int | None]) -> list[torch.Tensor]:
         """``inputs``: numpy arrays, or device tensors where fed (see Backend.compute)."""
         prog = reg.program
+        if self._pinned is not None:
+            for a in inputs.values():
+                if isinstance(a, np.ndarray):
+                    self._pinned.cover(a)
         n_tokens = next((inputs[name].shape[shape.index(T)] for name, (shape, _) in reg.inputs.items()
                          if T in shape), 0)  # as _bind checked it
         for name, limit, what in prog.index_checks:
@@ -481,6 +493,8 @@ class LocalBackend(Executor):
                 continue
             wire = _wire(t, dtype)
             if fits(dest, NUMPY_DTYPES[dtype], wire.numel()):
+                if self._pinned is not None:
+                    self._pinned.cover(dest)
                 sink = torch.from_numpy(dest.view(np.int16) if dtype is DType.BF16 else dest)
                 sink.view(-1).copy_(wire.reshape(-1))
                 arr = dest
