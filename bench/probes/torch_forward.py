@@ -5,11 +5,16 @@ warm-up (which includes Dynamo's tracing and the apir registration).
 
 Models, random weights (the speed does not depend on them):
 - transformers' LlamaForCausalLM with SmolLM2-135M's configuration: a prompt of --seq tokens
-  per sequence, logits of the last position (``logits_to_keep=1``, as generate()'s prefill);
+  per sequence, logits of the last position (``logits_to_keep=1``, as generate()'s prefill),
+  returning its KV cache (``smollm2``: at batch 32 and 128 tokens, 2 x 30 layers of
+  (32, 3, 128, 64) f32 = 180 MiB that must cross from host to guest every call) or not
+  (``smollm2-nocache``: the forward pass alone);
 - torchvision's ResNet-18 on 224x224 images.
 
 Inductor is timed twice: its input already on DEVICE, and copied there from host memory
-inside the timed call (where an apir guest's input starts). ``--profile`` adds, per case,
+inside the timed call (where an apir guest's input starts). apir is timed twice: its
+executor in this process (local: the graph's cost without the remoting) and behind the
+host daemon (remote: what a guest gets). ``--profile`` adds, per case,
 the top kernels of one apir forward with the executor in this process (the local backend).
 
     python3 bench/probes/torch_forward.py [--device cuda] [--seq 128] [--repeat 20] [--profile]
@@ -68,7 +73,7 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=128, help="prompt tokens per sequence (LLM)")
     ap.add_argument("--repeat", type=int, default=20)
     ap.add_argument("--batches", default="1,32")
-    ap.add_argument("--models", default="smollm2,resnet18")
+    ap.add_argument("--models", default="smollm2,smollm2-nocache,resnet18")
     ap.add_argument("--profile", action="store_true", help="top kernels of one apir forward, in process")
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -80,20 +85,21 @@ def main() -> None:
         unix = f"unix://{Path(tmp) / 'apir.sock'}"
         host = start_host([unix], Path(tmp) / "host.log", device=args.device)
         remote = create_backend("remote", remote=unix)
+        local = create_backend("local", device=args.device)
         try:
-            models = {"smollm2": ("smollm2-135m (transformers)", smollm2_shape),
-                      "resnet18": ("resnet18 (torchvision)", resnet18)}
-            for name, make in (models[m] for m in args.models.split(",")):
+            models = {"smollm2": ("smollm2-135m (transformers)", smollm2_shape, {"logits_to_keep": 1}),
+                      "smollm2-nocache": ("smollm2-135m, no KV returned", smollm2_shape,
+                                          {"logits_to_keep": 1, "use_cache": False}),
+                      "resnet18": ("resnet18 (torchvision)", resnet18, {})}
+            for name, make, kw in (models[m] for m in args.models.split(",")):
                 guest = make()
                 native = make().to(dev)
                 native.load_state_dict(guest.state_dict())
                 for b in (int(x) for x in args.batches.split(",")):
                     if name.startswith("resnet"):
                         x = torch.randn(b, 3, 224, 224)
-                        kw: dict = {}
                     else:
                         x = torch.randint(0, 49152, (b, args.seq))
-                        kw = {"logits_to_keep": 1}
 
                     def call(m, inp, kw=kw):
                         out = m(inp, **kw)
@@ -105,27 +111,32 @@ def main() -> None:
                     t_from_host = median_ms(lambda m, inp: call(m, inp.to(dev)), (inductor, x), {},
                                             args.repeat, sync)
                     torch._dynamo.reset()
+                    in_process = torch.compile(guest, backend="apir", options={"backend": local})
+                    t_local = median_ms(call, (in_process, x), {}, args.repeat, sync)
+                    torch._dynamo.reset()
                     compiled = torch.compile(guest, backend="apir", options={"backend": remote})
                     t_remote = median_ms(call, (compiled, x), {}, args.repeat, sync)
                     with torch.no_grad():
                         want = call(inductor, x.to(dev)).float().cpu()
                         got = call(compiled, x).float()
                     err = ((got - want).abs().max() / want.abs().max()).item()
-                    rows.append((name, b, t_native, t_from_host, t_remote, err))
+                    rows.append((name, b, t_native, t_from_host, t_local, t_remote, err))
                     print(f"{name} batch {b}: inductor {t_native:.2f} ms ({t_from_host:.2f} ms input from "
-                          f"host memory), apir remote {t_remote:.2f} ms, ratio {t_native / t_remote:.3f}, "
-                          f"max rel err {err:.1e}", flush=True)
+                          f"host memory), apir local {t_local:.2f} ms, remote {t_remote:.2f} ms, "
+                          f"ratio {t_native / t_remote:.3f}, max rel err {err:.1e}", flush=True)
                     if args.profile:
                         profile(guest, call, x, args.device)
         finally:
+            local.close()
             remote.close()
             host.stop()
     print(f"\n| model | batch | Inductor native ({args.device}) ms | input from host memory ms "
-          f"| apir remote (host {args.device}) ms | remote ÷ native | ÷ native from host memory "
-          "| max rel. error |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for name, b, tn, th, tr, err in rows:
-        print(f"| {name} | {b} | {tn:.2f} | {th:.2f} | {tr:.2f} | {tn / tr:.3f} | {th / tr:.3f} | {err:.1e} |")
+          f"| apir local ms | apir remote (host {args.device}) ms | remote ÷ native "
+          "| ÷ native from host memory | max rel. error |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for name, b, tn, th, tl, tr, err in rows:
+        print(f"| {name} | {b} | {tn:.2f} | {th:.2f} | {tl:.2f} | {tr:.2f} | {tn / tr:.3f} | {th / tr:.3f} "
+              f"| {err:.1e} |")
 
 
 def profile(guest: torch.nn.Module, call, x: torch.Tensor, device: str) -> None:
