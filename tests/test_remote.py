@@ -93,7 +93,7 @@ def test_host_gone_raises_typed_error_in_python(tmp_path, long_model):
     host.proc.send_signal(signal.SIGKILL)
     host.proc.wait()
     with pytest.raises(HostGoneError, match="went away during Compute"):
-        model.logits([1, 2, 3])
+        model.prefill([1, 2, 3])
     host.stop()
 
 

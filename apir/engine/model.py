@@ -142,7 +142,7 @@ class Model:
         self._pad = "graph_cache" in capabilities
         # a host that compiles every prefill length (APIR_COMPILE=all) wants them all warmed up
         self._compiled_prefill = "compiled_prefill" in capabilities
-        self._logits_graph = self._register(last_only=False)
+        self._logits: int | None = None  # the all-rows logits graph, registered on first use
         self._sample_graph = self._register(last_only=True)
         self._penalized_graph: int | None = None
         self._grammars = None  # apir.engine.constraint.Grammars, built on first use
@@ -167,6 +167,15 @@ class Model:
             if progress:
                 progress(done, self.file.nbytes)
         return WeightTable(buffer, slots)
+
+    @property
+    def _logits_graph(self) -> int:
+        """Registered on first use: generation samples from the last row only (the sample
+        graph), so most sessions never ask for every row's logits, and a one-shot run
+        saves the graph's build and its registration on the host."""
+        if self._logits is None:
+            self._logits = self._register(last_only=False)
+        return self._logits
 
     def _register(self, last_only: bool, penalized: bool = False) -> int:
         g = GraphBuilder()

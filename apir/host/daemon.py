@@ -42,6 +42,7 @@ from .worker import (
     MAX_SLOTS,
     READY,
     Bind,
+    preload_steps,
     release_cgroup,
     run_worker,
     session_cgroup,
@@ -497,7 +498,8 @@ class Daemon:
 
     def _work(self, pool: socket.socket) -> None:
         """A worker's life, in the forked process: initialise, wait for the session, serve it."""
-        warm_up(self.config.device, self.config.executor)
+        if warm_up(self.config.device, self.config.executor):
+            preload_steps(pool, self.config.executor)
         got = wait_for_bind(pool)
         if got is None:
             return

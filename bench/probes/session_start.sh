@@ -4,6 +4,7 @@
 # SmolLM2-135M-shaped llama GGUF (30 layers, 576 wide; the tests' byte-level vocabulary)
 # written by tests/tiny_models.py. Run from the repo root; prints one line per run.
 #   bench/probes/session_start.sh [DEVICE [HOST FLAGS...]]   e.g. cuda --compile-cache /tmp/cc
+# NATIVE_RUNS=N sets how many native runs follow the three remote ones (default 2).
 set -uo pipefail
 dev=${1:-cuda}
 shift || true
@@ -33,7 +34,7 @@ run() {  # label, then apir run's flags
   grep '^host compiling' "$tmp/run.log" | sed "s/^/  $label: /"
 }
 for i in 1 2 3; do run "remote session $i" --remote "unix://$tmp/apir.sock"; done
-for i in 1 2; do run "native $i" --device "$dev"; done
+for i in $(seq "${NATIVE_RUNS:-2}"); do run "native $i" --device "$dev"; done
 python3 -m apir.cli host status --listen "unix://$tmp/apir.sock"
 kill "$host"; wait "$host" 2>/dev/null
 rm -rf "$tmp"
