@@ -150,3 +150,26 @@ def test_a_warm_worker_has_paid_the_first_launches(caplog):
         warm_device(torch.device("cuda"), compiles=True)
     assert not caplog.records
     assert triton_key.cache_info().currsize == 1
+
+
+def test_a_fixed_shape_graph_that_compiles_runs_eagerly_first_then_replays_its_compiled_step():
+    """A fixed-shape graph whose compile succeeds (a scale of its input): the first run
+    is eager (no compiled step kept outside a recording, where the replay would find it),
+    later runs replay the compiled, recorded step; every run gives the input times 2."""
+    from apir.backends.local import LocalBackend
+    from apir.backends.local.capture import CapturedStep
+    from apir.graph import GraphBuilder
+
+    backend = LocalBackend("cuda")
+    try:
+        g = GraphBuilder()
+        gid = backend.register_graph(g.build(g.scale(g.input("x", (64, 256)), 2.0)))
+        prog = backend._graphs[gid].program
+        for run in range(3):
+            x = np.full((64, 256), run + 0.5, np.float32)
+            (out,) = backend.compute(gid, {"x": x})
+            np.testing.assert_array_equal(out, 2 * x)
+            assert all(isinstance(step, CapturedStep) for step in prog.captured.values())
+            assert bool(prog.captured) == (run >= 1)
+    finally:
+        backend.close()

@@ -451,7 +451,8 @@ class LocalBackend(Executor):
         # a fixed-shape graph is recorded (and compiled) from its second run on: one that
         # runs once (a transformers generate() registers one per cache length) costs no
         # capture and no compile
-        if prog.device_safe and self.cuda_graphs and (prog.runs > 1 if prog.fixed else capturable(n_tokens)):
+        replays = prog.device_safe and self.cuda_graphs  # its compiled steps live in CapturedSteps
+        if replays and (prog.runs > 1 if prog.fixed else capturable(n_tokens)):
             outs = self._replay(reg, inputs, n_tokens, greedy)
         else:
             dev = self.torch_device
@@ -462,7 +463,9 @@ class LocalBackend(Executor):
             }
             constants = self._constants(prog)
             key = (n_tokens, greedy)
-            if self.compile and self._decode(prog, n_tokens) and key not in self._uncompiled:  # compile_cpu
+            # compile_cpu, or a GPU graph that is never recorded (a fixed-shape one's first
+            # run is eager: _replay compiles it from the second)
+            if self.compile and not replays and self._decode(prog, n_tokens) and key not in self._uncompiled:
                 step = prog.captured.get(key) or self._compiled(reg, n_tokens, greedy)
                 try:
                     outs = step(reg, tensors, constants, greedy)
