@@ -110,29 +110,8 @@ def test_a_warm_worker_preloads_the_last_steps_and_its_session_runs_them_from_me
         before = inductor.STATS["preloaded"]
         preload_steps(pool, config)
         assert inductor.STATS["preloaded"] - before == 1 and list(inductor._PRELOADED) == [step]
-        preload_steps(pool, config)  # as wait_for_bind's idle calls it: nothing new to load
-        assert inductor.STATS["preloaded"] - before == 1
     step.write_bytes(step.read_bytes()[:100])  # no longer loadable from disk
     assert _session(tiny, config) == (expected, LOADED)
-
-
-def test_a_waiting_worker_calls_idle_until_its_bind_comes(monkeypatch):
-    import socket
-
-    from apir.host import worker
-
-    monkeypatch.setattr(worker, "IDLE_POLL", 0.01)
-    pool, daemon = socket.socketpair()
-    calls = []
-
-    def idle() -> None:
-        calls.append(1)
-        if len(calls) == 3:
-            daemon.close()  # the daemon stops: no Bind will come
-
-    with pool:
-        assert worker.wait_for_bind(pool, idle) is None
-    assert len(calls) == 3
 
 
 @pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++")), reason="Inductor on a CPU needs a C++ compiler")

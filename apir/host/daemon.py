@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import functools
 import logging
 import multiprocessing
 import os
@@ -499,11 +498,9 @@ class Daemon:
 
     def _work(self, pool: socket.socket) -> None:
         """A worker's life, in the forked process: initialise, wait for the session, serve it."""
-        idle = None
         if warm_up(self.config.device, self.config.executor):
-            idle = functools.partial(preload_steps, pool, self.config.executor)
-            idle()
-        got = wait_for_bind(pool, idle)
+            preload_steps(pool, self.config.executor)
+        got = wait_for_bind(pool)
         if got is None:
             return
         copies: dict[str, Grant] = {}

@@ -15,11 +15,9 @@ import logging
 import os
 import re
 import resource
-import select
 import socket
 import struct
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -105,9 +103,9 @@ PRELOAD_STEPS = 4  # a model's greedy and sampling decode steps, and one more mo
 def preload_steps(pool: socket.socket, executor: ExecutorConfig) -> None:
     """Load the compiled steps used last (see inductor.StepStore.preload) while this worker
     waits: a later session of the same model then runs its first decode step without
-    loading it. Skipped when a session is already waiting for this worker (a cold one).
-    Called again while the worker waits (wait_for_bind's ``idle``): a step that a session
-    saved after this worker warmed up (the first of a model) is loaded too."""
+    loading it. Skipped when a session is already waiting for this worker (a cold one)."""
+    import select
+
     from ..backends.local import inductor
     from ..backends.local.executor import DEFAULT_COMPILE_CACHE, use_compile_cache
 
@@ -118,13 +116,9 @@ def preload_steps(pool: socket.socket, executor: ExecutorConfig) -> None:
     log.debug("preloaded %d compiled steps", n)
 
 
-IDLE_POLL = 1.0  # seconds between wait_for_bind's calls of ``idle``
-
-
-def wait_for_bind(pool: socket.socket, idle: Callable[[], None] | None = None) -> tuple[Bind, socket.socket] | None:
+def wait_for_bind(pool: socket.socket) -> tuple[Bind, socket.socket] | None:
     """Tell the daemon this worker is ready, then wait for its session: the ``Bind`` and
-    the guest's socket, calling ``idle`` every IDLE_POLL seconds meanwhile. None: the
-    daemon closed the pool (it is stopping)."""
+    the guest's socket. None: the daemon closed the pool (it is stopping)."""
     # The daemon may send the Bind and close its end before it reads our READY (a cold
     # worker, bound while starting); Linux then reports a reset once, to whichever call
     # comes first (this send, or the recv), and the Bind is still queued.
@@ -132,8 +126,6 @@ def wait_for_bind(pool: socket.socket, idle: Callable[[], None] | None = None) -
         pool.sendall(READY)
     except (BrokenPipeError, ConnectionResetError):
         pass
-    while idle is not None and not select.select([pool], [], [], IDLE_POLL)[0]:
-        idle()
     try:
         data, fds, _, _ = socket.recv_fds(pool, BIND_MAX, 1)
     except ConnectionResetError:

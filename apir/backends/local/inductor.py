@@ -98,19 +98,15 @@ class StepStore:
         """Load the ``n`` steps used most recently, so that a session of the model last
         served starts without loading them (on a GPU ~0.1-0.4 s each: the wrapper's import
         and its kernels' binaries; a warm worker does it before its guest arrives). A step
-        no session asks for costs only its kernels' memory in this process. Called again,
-        it loads only steps saved since, and drops those no longer among the ``n``.
-        Returns how many are loaded."""
+        no session asks for costs only its kernels' memory in this process. Returns how
+        many were loaded."""
         steps = []
         for p in self.dir.glob("*.step"):
             with contextlib.suppress(FileNotFoundError):  # trimmed by another session
                 steps.append((p.stat().st_mtime, p))
-        recent = [path for _, path in sorted(steps, reverse=True)[:n]]
-        for path in set(_PRELOADED) - set(recent):
-            del _PRELOADED[path]
-        for path in recent:
-            artifact = _PRELOADED.get(path) or _read(path)
-            if artifact is not None and path not in _PRELOADED:
+        for _, path in sorted(steps, reverse=True)[:n]:
+            artifact = _read(path)
+            if artifact is not None:
                 _PRELOADED[path] = artifact
                 STATS["preloaded"] += 1
         return len(_PRELOADED)
