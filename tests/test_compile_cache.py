@@ -83,38 +83,6 @@ def test_a_second_session_loads_its_compiled_step_and_a_corrupt_one_is_rebuilt(t
 
 
 @pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++")), reason="Inductor on a CPU needs a C++ compiler")
-def test_a_warm_worker_preloads_the_last_steps_and_its_session_runs_them_from_memory(tmp_path, monkeypatch):
-    """What a warm worker does while it waits (worker.preload_steps): the store's most
-    recent steps are loaded into the process; the session then takes its step from memory
-    (the file, cut short after the preload, would have had to be compiled again). A worker
-    that a session is already waiting for preloads nothing."""
-    import socket
-
-    from apir.backends.local import inductor
-    from apir.host.worker import preload_steps
-
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "unused"))
-    monkeypatch.setattr(inductor, "_PRELOADED", {})
-    tiny = str(write_tiny_gguf(tmp_path / "tiny.gguf", TinyConfig(n_layer=1, context_length=64), seed=3))
-    expected = _eager(tiny)
-    config = ExecutorConfig(compile_cpu=True, compile_cache=str(tmp_path / "compiled"))
-    assert _session(tiny, config) == (expected, COMPILED)
-    (step,) = (tmp_path / "compiled").glob("*/steps/*.step")
-
-    pool, daemon = socket.socketpair()
-    with pool, daemon:
-        daemon.sendall(b"bind")  # a session is waiting: preloading would only delay it
-        preload_steps(pool, config)
-        assert inductor._PRELOADED == {}
-        pool.recv(4)
-        before = inductor.STATS["preloaded"]
-        preload_steps(pool, config)
-        assert inductor.STATS["preloaded"] - before == 1 and list(inductor._PRELOADED) == [step]
-    step.write_bytes(step.read_bytes()[:100])  # no longer loadable from disk
-    assert _session(tiny, config) == (expected, LOADED)
-
-
-@pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++")), reason="Inductor on a CPU needs a C++ compiler")
 def test_a_batched_decode_step_is_compiled_and_gives_the_eager_tokens(tmp_path, monkeypatch):
     """A batched graph's decode step (one sampled token for each of its B sequences) is a
     decode step: compiled once per B, as a one-sequence decode is (on a GPU, where every

@@ -42,7 +42,6 @@ from .worker import (
     MAX_SLOTS,
     READY,
     Bind,
-    preload_steps,
     release_cgroup,
     run_worker,
     session_cgroup,
@@ -498,8 +497,7 @@ class Daemon:
 
     def _work(self, pool: socket.socket) -> None:
         """A worker's life, in the forked process: initialise, wait for the session, serve it."""
-        if warm_up(self.config.device, self.config.executor):
-            preload_steps(pool, self.config.executor)
+        warm_up(self.config.device, self.config.executor)
         got = wait_for_bind(pool)
         if got is None:
             return

@@ -68,12 +68,11 @@ class Bind:
         return Bind(session, slot, peer, hello)
 
 
-def warm_up(device: str | None, executor: ExecutorConfig) -> bool:
+def warm_up(device: str | None, executor: ExecutorConfig) -> None:
     """Pay now what a session's worker pays before its first request: the host backend's
     imports and, on a GPU, the device's context (~5 s on CUDA), the compiler's imports
     (inductor's: 2-4 s) when its decode step will be compiled or loaded compiled, and the
-    first launch of each kind of kernel. Called after the fork: CUDA does not survive one.
-    Returns whether this worker's steps are compiled (see preload_steps)."""
+    first launch of each kind of kernel. Called after the fork: CUDA does not survive one."""
     import torch
 
     from ..backends.local.executor import pick_device
@@ -94,26 +93,6 @@ def warm_up(device: str | None, executor: ExecutorConfig) -> bool:
         from ..backends.local.warm import warm_device
 
         warm_device(dev, compiles)
-    return compiles
-
-
-PRELOAD_STEPS = 4  # a model's greedy and sampling decode steps, and one more model's
-
-
-def preload_steps(pool: socket.socket, executor: ExecutorConfig) -> None:
-    """Load the compiled steps used last (see inductor.StepStore.preload) while this worker
-    waits: a later session of the same model then runs its first decode step without
-    loading it. Skipped when a session is already waiting for this worker (a cold one)."""
-    import select
-
-    from ..backends.local import inductor
-    from ..backends.local.executor import DEFAULT_COMPILE_CACHE, use_compile_cache
-
-    if select.select([pool], [], [], 0)[0]:
-        return
-    store = inductor.StepStore(use_compile_cache(executor.compile_cache or DEFAULT_COMPILE_CACHE) / "steps")
-    n = store.preload(PRELOAD_STEPS)
-    log.debug("preloaded %d compiled steps", n)
 
 
 def wait_for_bind(pool: socket.socket) -> tuple[Bind, socket.socket] | None:

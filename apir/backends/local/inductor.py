@@ -43,8 +43,6 @@ PLAIN = (int, float, bool, str, type(None))  # argument values a step's digest a
 # what compiled steps did in this process: "compiled" (traced and compiled), "loaded" (from
 # the store), "saved" (into it); the host's counters, and the tests'
 STATS: Counter[str] = Counter()
-# steps a warm worker loaded before its session arrived (StepStore.preload), by file
-_PRELOADED: dict[Path, Callable] = {}
 
 
 def _forget_compile_threads() -> None:
@@ -88,28 +86,17 @@ class StepStore:
     def load(self, digest: str) -> Callable | None:
         """The artifact saved under ``digest``, or None (none, or unreadable: compiled again)."""
         path = self.path(digest)
-        artifact = _PRELOADED.get(path) or _read(path)
-        if artifact is not None:
-            with contextlib.suppress(OSError):
-                os.utime(path)  # used: the last to be trimmed
-        return artifact
+        if not path.is_file():
+            return None
+        from torch._inductor import CompiledArtifact
 
-    def preload(self, n: int) -> int:
-        """Load the ``n`` steps used most recently, so that a session of the model last
-        served starts without loading them (on a GPU ~0.1-0.4 s each: the wrapper's import
-        and its kernels' binaries; a warm worker does it before its guest arrives). A step
-        no session asks for costs only its kernels' memory in this process. Returns how
-        many were loaded."""
-        steps = []
-        for p in self.dir.glob("*.step"):
-            with contextlib.suppress(FileNotFoundError):  # trimmed by another session
-                steps.append((p.stat().st_mtime, p))
-        for _, path in sorted(steps, reverse=True)[:n]:
-            artifact = _read(path)
-            if artifact is not None:
-                _PRELOADED[path] = artifact
-                STATS["preloaded"] += 1
-        return len(_PRELOADED)
+        try:
+            artifact = CompiledArtifact.load(path=str(path), format="binary")
+        except Exception:  # noqa: BLE001 - a torn or stale file costs a compile, not the step
+            return None
+        with contextlib.suppress(OSError):
+            os.utime(path)  # used: the last to be trimmed
+        return artifact
 
     def save(self, digest: str, artifact) -> None:
         """Atomically: a concurrent session either finds the whole file or none. Then the
@@ -138,17 +125,6 @@ class StepStore:
                 with contextlib.suppress(FileNotFoundError):
                     p.unlink()
                 total -= size
-
-
-def _read(path: Path) -> Callable | None:
-    if not path.is_file():
-        return None
-    from torch._inductor import CompiledArtifact
-
-    try:
-        return CompiledArtifact.load(path=str(path), format="binary")
-    except Exception:  # noqa: BLE001 - a torn or stale file costs a compile, not the step
-        return None
 
 
 class Compiled:
