@@ -149,7 +149,7 @@ class LocalBackend(Executor):
 
     def use_host_memory(self, view: memoryview) -> None:
         if self.torch_device.type == "cuda":
-            self._pinned = PinnedPrefix(view)
+            self._pinned = PinnedPrefix(view, self.torch_device)
 
     def close(self) -> None:
         if self.torch_device.type == "cuda" and not self.closed:

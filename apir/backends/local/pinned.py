@@ -26,7 +26,8 @@ MIN_PINNED = 4 << 20
 
 
 class PinnedPrefix:
-    def __init__(self, view: memoryview) -> None:
+    def __init__(self, view: memoryview, device: torch.device) -> None:
+        self.device = device  # whose queued copies may read or write the registered pages
         # only the address is kept: holding an export of the view would stop its owner
         # from releasing it
         self.base = np.frombuffer(view, np.uint8).ctypes.data if len(view) else 0
@@ -45,7 +46,7 @@ class PinnedPrefix:
         want = min(self.size, max(MIN_PINNED, 1 << (end - 1).bit_length()))
         rt = torch.cuda.cudart()
         if self.pinned:
-            torch.cuda.synchronize()  # no queued copy may still use the old registration
+            torch.cuda.synchronize(self.device)  # no queued copy may still use the old registration
             rt.cudaHostUnregister(self.base)
             self.pinned = 0
         err = rt.cudaHostRegister(self.base, want, 0)
@@ -60,6 +61,6 @@ class PinnedPrefix:
 
     def close(self) -> None:
         if self.pinned:
-            torch.cuda.synchronize()
+            torch.cuda.synchronize(self.device)
             torch.cuda.cudart().cudaHostUnregister(self.base)
             self.pinned = 0
