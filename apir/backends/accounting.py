@@ -14,7 +14,7 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from ..graph import OPS, Alias, DType, Graph, Node, Op, T
+from ..graph import OPS, Alias, DType, Graph, Node, Op, T, last_reads
 from .base import Limits, QuotaError
 
 # Host memory one registered graph node costs besides its strings (decoded Node + compiled
@@ -140,48 +140,77 @@ def _poly(poly: Mapping[int, int], t: int) -> int:
     return sum(c * t**p for p, c in poly.items())
 
 
+# a graph's peaks kept apart at most (beyond it, merged into one bound: see Scratch.of)
+PEAKS_KEPT = 32
+
+
 @dataclass(frozen=True)
 class Scratch:
     """Bytes one compute of a graph holds besides its leaves, as polynomials in T (upper
-    bounds). The executors keep every node's value until the end of a compute, so the sum
-    over nodes (4 bytes an element: values are held as f32 at most) is what a compute
-    peaks at; ops that always return a view of their input (``Alias.ALWAYS``) add nothing.
-    ``transient``: what single ops need besides their result (``OpSpec.scratch``); only
-    the largest one is live at a time. Then the outputs: one host copy of each distinct
-    output node, and the reply they are packed into, which holds an output once per
-    listing and is built twice (the payload, then its frame)."""
+    bounds). The executors drop each value after its last reader (``graph.releases``), so
+    a compute peaks at the node where the values still to be read, with that op's own
+    scratch beside them (``OpSpec.scratch``), are largest. A value (4 bytes an element:
+    held as f32 at most) lives until the last read of anything that may view it: ops
+    that always return a view of their input (``Alias.ALWAYS``) add no bytes, ones that
+    may (``MAYBE``) are counted as copies and keep their input alive as well. ``peaks``:
+    that sum at every node, less those another one bounds everywhere. Then the outputs:
+    one host copy of each distinct output node, and the reply they are packed into,
+    which holds an output once per listing and is built twice (the payload, then its
+    frame)."""
 
-    total: Poly
-    transient: tuple[Poly, ...]
+    peaks: tuple[Poly, ...]
     outputs: Poly
     known: dict[int, int] = field(default_factory=dict, compare=False)  # T -> nbytes: decode asks one T
 
     @classmethod
     def of(cls, graph: Graph) -> Scratch:
-        total: Poly = Counter()
-        transient: dict[frozenset, Poly] = {}
-        for node in graph.nodes:
+        nodes = graph.nodes
+        last = list(last_reads(graph))
+        for nid in range(len(nodes) - 1, -1, -1):  # whatever views a value keeps it alive
+            node = nodes[nid]
+            if node.inputs and OPS[node.op].alias is not Alias.NONE:
+                last[node.inputs[0]] = max(last[node.inputs[0]], last[nid])
+        live: Poly = Counter()
+        expiring: dict[int, Poly] = {}
+        peaks: list[Poly] = []
+        for nid, node in enumerate(nodes):
             spec = OPS[node.op]
-            if node.op in (Op.WEIGHT, Op.STATE) or spec.alias is Alias.ALWAYS:
-                continue
-            total.update(_term(node.shape))
+            if node.op not in (Op.WEIGHT, Op.STATE) and spec.alias is not Alias.ALWAYS:
+                term = _term(node.shape)
+                live.update(term)
+                expiring.setdefault(last[nid], Counter()).update(term)
+            peak = live.copy()
             if spec.scratch is not None:
-                extra: Poly = Counter()
-                for shape, size in spec.scratch([graph.nodes[i].shape for i in node.inputs]):
-                    extra.update(_term(shape, size))
-                transient[frozenset(extra.items())] = extra
+                for shape, size in spec.scratch([nodes[i].shape for i in node.inputs]):
+                    peak.update(_term(shape, size))
+            _keep_peak(peaks, peak)
+            live.subtract(expiring.pop(nid, Counter()))
         outputs: Poly = Counter()
         for nid in set(graph.outputs):
-            outputs.update(_term(graph.nodes[nid].shape))
+            outputs.update(_term(nodes[nid].shape))
         for nid in graph.outputs:
-            outputs.update(_term(graph.nodes[nid].shape, 8))
-        return cls(total, tuple(transient.values()), outputs)
+            outputs.update(_term(nodes[nid].shape, 8))
+        return cls(tuple(peaks), outputs)
 
     def nbytes(self, n_tokens: int) -> int:
         size = self.known.get(n_tokens)
         if size is None:
-            size = _poly(self.total, n_tokens) + _poly(self.outputs, n_tokens) + max(
-                (_poly(p, n_tokens) for p in self.transient), default=0)
+            size = _poly(self.outputs, n_tokens) + max((_poly(p, n_tokens) for p in self.peaks), default=0)
             if len(self.known) < 64:  # a few T at most; others are worked out each time
                 self.known[n_tokens] = size
         return size
+
+
+def _keep_peak(peaks: list[Poly], peak: Poly) -> None:
+    """Adds ``peak`` to ``peaks`` unless one of them bounds it at every T >= 1 (no smaller
+    coefficient), dropping those it bounds. Past PEAKS_KEPT (a graph whose live bytes keep
+    changing form), all are merged into their coefficient-wise maximum: still a bound."""
+    if any(all(p[k] >= c for k, c in peak.items()) for p in peaks):
+        return
+    peaks[:] = [p for p in peaks if not all(peak[k] >= c for k, c in p.items())]
+    peaks.append(peak)
+    if len(peaks) > PEAKS_KEPT:
+        merged: Poly = Counter()
+        for p in peaks:
+            merged |= p
+        peaks[:] = [merged]

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import gguf
 import numpy as np
 
-from ..graph import OPS, DType, Graph, Op, SampleArgs
+from ..graph import OPS, DType, Graph, Op, SampleArgs, releases
 from ..graph.dtypes import NUMPY_DTYPES
 from ..graph.ops import Fn, Pool, Reduce
 from .base import BackendError, DeviceInfo
@@ -317,8 +317,10 @@ class NumpyBackend(Executor):
     def _read(self, buf: Buffer, offset: int, size: int) -> bytes:
         return bytes(buf.storage[offset : offset + size])
 
-    def _compile(self, graph: Graph) -> Graph:
-        return graph  # the reference interprets the node list directly
+    def _compile(self, graph: Graph) -> tuple[tuple[int, ...], ...]:
+        # the reference interprets the node list directly: its program is only when each
+        # value may be dropped
+        return releases(graph)
 
     def _leaf(self, node) -> np.ndarray:
         handle, offset = node.attrs
@@ -369,6 +371,8 @@ class NumpyBackend(Executor):
                 if node.dtype is DType.F32 and out.dtype == np.float16:
                     out = out.astype(np.float32)
                 values.append(out)
+            for i in reg.program[nid]:
+                values[i] = None
         return [_as_declared(values[o], reg.graph.nodes[o].dtype) for o in reg.graph.outputs]
 
 

@@ -209,3 +209,27 @@ class GraphBuilder:
         if not outputs:
             raise GraphError("a graph needs at least one output")
         return Graph(tuple(self._nodes), tuple(v.id for v in outputs))
+
+
+def last_reads(graph: Graph) -> tuple[int, ...]:
+    """Per node: the id of the last node that reads it (its own id if none does; one past
+    the last node for an output, whose value the compute returns)."""
+    last = list(range(len(graph.nodes)))
+    for nid, node in enumerate(graph.nodes):
+        for i in node.inputs:
+            last[i] = nid
+    for o in graph.outputs:
+        last[o] = len(graph.nodes)
+    return tuple(last)
+
+
+def releases(graph: Graph) -> tuple[tuple[int, ...], ...]:
+    """Per node: the nodes whose values an executor can drop once it has computed this
+    one (their last reader), so a compute holds only what is still to be read, not every
+    intermediate until it ends. Dropping a value frees its memory only when nothing else
+    holds it: a view keeps its base alive (``Graph``'s alias rules need not be known here)."""
+    out: list[list[int]] = [[] for _ in graph.nodes]
+    for nid, last in enumerate(last_reads(graph)):
+        if last < len(graph.nodes):
+            out[last].append(nid)
+    return tuple(tuple(ids) for ids in out)

@@ -83,9 +83,7 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         unix = f"unix://{Path(tmp) / 'apir.sock'}"
-        # one session, given all the device memory: a batch-32 eager first run holds every
-        # intermediate of the walk (20.9 GB for SmolLM2 at 128 tokens; accounting.Scratch)
-        host = start_host([unix], Path(tmp) / "host.log", device=args.device, options=["--max-sessions", "1"])
+        host = start_host([unix], Path(tmp) / "host.log", device=args.device)
         remote = create_backend("remote", remote=unix)
         local = create_backend("local", device=args.device)
         try:

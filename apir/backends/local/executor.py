@@ -424,6 +424,8 @@ class LocalBackend(Executor):
                 values.append(t.float() if step.dtype in (DType.F16, DType.BF16) else t)
             else:
                 values.append(constants.get(nid))  # None: a weight only fused products read
+            for i in reg.program.releases[nid]:
+                values[i] = None
         return [values[o] for o in reg.program.outputs]
 
     def _run(self, reg: Registered, inputs: dict[str, object], bounds: dict[str, int | None]) -> list[torch.Tensor]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ...graph import OPS, DType, Graph, Op, T
+from ...graph import OPS, DType, Graph, Op, T, releases
 from .kernels import DEVICE_KERNELS, KERNELS
 
 # (op, operand): where a kernel takes a WEIGHT as stored (kernels.Blocks, a 16-bit view)
@@ -82,6 +82,9 @@ class Program:
     # that many tokens samples every one of them, a decode step of that many sequences
     sampled_rows: int = 0
     runs: int = 0  # computes so far (counted for fixed graphs)
+    # per step: the values to drop once it ran (graph.releases): a walk holds what is still
+    # to be read, not every intermediate (SmolLM2's batch-32 prompt: 20.9 GB until it ends)
+    releases: tuple[tuple[int, ...], ...] = ()
 
 
 def fusable_groups(graph: Graph, weight_dtype) -> list[tuple[int, ...]]:
@@ -156,4 +159,5 @@ def compile_program(graph: Graph, accelerated: bool, weight_dtype) -> Program:
         sample_params,
         fixed=not any(T in n.shape for n in nodes if n.op is Op.INPUT),
         sampled_rows=sampled_rows,
+        releases=releases(graph),
     )
