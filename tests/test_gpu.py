@@ -173,3 +173,34 @@ def test_a_fixed_shape_graph_that_compiles_runs_eagerly_first_then_replays_its_c
             assert bool(prog.captured) == (run >= 1)
     finally:
         backend.close()
+
+
+def test_a_large_input_is_copied_straight_into_a_recorded_step():
+    """A recorded step's large input (a batch of images) skips the pinned host staging:
+    copied from where it lies, pageable or page-locked, into its device view. Every replay
+    computes with that step's own values, the small input's beside it too, also when the
+    caller rewrites the same array between steps."""
+    torch = pytest.importorskip("torch")
+    from apir.backends.local import LocalBackend
+    from apir.backends.local.capture import DIRECT_MIN_BYTES
+    from apir.graph import GraphBuilder
+
+    rows = DIRECT_MIN_BYTES // (4 * 256) * 3  # 3 MiB of f32
+    backend = LocalBackend("cuda")
+    try:
+        g = GraphBuilder()
+        big, small = g.input("big", (rows, 256)), g.input("small", (1, 256))
+        gid = backend.register_graph(g.build(g.add(big, small)))
+        prog = backend._graphs[gid].program
+        pinned = torch.empty((rows, 256), dtype=torch.float32, pin_memory=True).numpy()
+        pageable = np.empty((rows, 256), np.float32)
+        for run in range(6):
+            x = pinned if run % 2 else pageable
+            x[:] = np.arange(rows, dtype=np.float32)[:, None] + run
+            s = np.full((1, 256), 10.0 * run, np.float32)
+            (out,) = backend.compute(gid, {"big": x, "small": s})
+            np.testing.assert_array_equal(out, x + s)
+        (step,) = prog.captured.values()
+        assert step.staged_bytes == 256 * 4  # only the small input is staged
+    finally:
+        backend.close()
