@@ -151,3 +151,36 @@ def test_on_cuda_the_arena_is_registered_as_far_as_steps_reach_and_outputs_match
     np.testing.assert_allclose(outs[0], backend.compute(gid, inputs)[0], rtol=1e-5, atol=1e-5)
     backend.close()
     assert backend._pinned.pinned == 0
+
+
+def test_arena_bytes_are_split_where_the_registered_prefix_ends():
+    """CUDA refuses a copy from a host range registered only in part: ``split`` cuts such
+    a range at the prefix's end, and leaves ranges wholly on one side whole."""
+    from apir.backends.local.pinned import PinnedPrefix
+
+    memory = np.zeros(4 * MIN_PINNED, np.uint8)
+    prefix = PinnedPrefix(memoryview(memory), None)
+    assert prefix.split(memory[10:100])[0][1].nbytes == 90  # nothing registered yet
+    prefix.pinned = MIN_PINNED  # as cover() leaves it
+    runs = prefix.split(memory[MIN_PINNED - 64 : MIN_PINNED + 100])
+    assert [(at, part.nbytes) for at, part in runs] == [(0, 64), (64, 100)]
+    assert runs[1][1].ctypes.data - memory.ctypes.data == MIN_PINNED
+    for inside_or_beyond in (memory[:MIN_PINNED], memory[MIN_PINNED : MIN_PINNED + 8], np.zeros(8, np.uint8)):
+        assert [(at, part.nbytes) for at, part in prefix.split(inside_or_beyond)] == [(0, inside_or_beyond.nbytes)]
+
+
+@pytest.mark.gpu
+def test_on_cuda_an_upload_across_the_registered_prefix_lands_whole():
+    """After a step registered the arena's first MIN_PINNED bytes, a weight upload whose
+    bytes lie across that end (a SetTensor's piece where the ring had reached) is written
+    in full; as one copy CUDA would refuse it (an AcceleratorError, the session lost)."""
+    session, backend, memory, gid = _host(Recording("cuda", ExecutorConfig(cuda_graphs=False)), 4 * MIN_PINNED)
+    _step(session, memory, gid, _inputs(6144), out_at=1 << 20, capacity=2 << 20)  # 1.5 MiB of logits
+    assert backend._pinned.pinned == MIN_PINNED
+    handle = backend.alloc_buffer(1 << 20)
+    data = np.arange(1 << 20, dtype=np.uint32).astype(np.uint8)
+    at = MIN_PINNED - 1000
+    memory[at : at + data.nbytes] = data
+    backend.set_tensor(handle, 0, memory[at : at + data.nbytes])
+    assert backend.get_tensor(handle, 0, data.nbytes) == data.tobytes()
+    backend.close()

@@ -236,9 +236,11 @@ class LocalBackend(Executor):
                 span = buf.storage[start : start + size]
                 span.copy_(qpack.unpack(span, qtype, n, k))
             del spans[start]
-        # torch refuses read-only arrays (e.g. a GGUF memory map) without a warning; copy those
-        src = torch.from_numpy(data if data.flags.writeable else data.copy())
-        buf.storage[offset : offset + data.nbytes].copy_(src)
+        # from the arena, a part registered and a part not is two copies (pinned.py)
+        for at, part in self._pinned.split(data) if self._pinned is not None else [(0, data)]:
+            # torch refuses read-only arrays (e.g. a GGUF memory map) without a warning; copy those
+            src = torch.from_numpy(part if part.flags.writeable else part.copy())
+            buf.storage[offset + at : offset + at + part.nbytes].copy_(src)
 
     def _read(self, buf: Buffer, offset: int, size: int) -> bytes:
         out = buf.storage[offset : offset + size].clone()

@@ -10,6 +10,12 @@ growing it unregisters and registers again, at most log2(arena / MIN_PINNED) tim
 session. Steps are placed from the arena's bottom when nothing is in flight
 (backends/remote.py), so the prefix stays small.
 
+CUDA refuses a copy whose host range is registered in part ("memory regions spanning
+over allocations that are both registered and not registered ... return
+CUDA_ERROR_INVALID_VALUE"), so a copy of arena bytes that no step covered (a weight
+upload's piece, laid wherever the arena's ring had reached) is split at the prefix's end
+(``split``): one part by DMA, the rest pageable.
+
 A guest that writes its pages during a copy changes only its own results, as with any
 read in place (SECURITY.md, Compute inputs).
 """
@@ -58,6 +64,15 @@ class PinnedPrefix:
                         "step inputs and outputs are copied from pageable memory", want >> 20, int(err))
             return
         self.pinned = want
+
+    def split(self, a: np.ndarray) -> list[tuple[int, np.ndarray]]:
+        """``a`` (flat bytes) as (byte offset in ``a``, part) runs that each lie wholly
+        inside the registered prefix or wholly outside it: a copy of each one CUDA takes."""
+        start = a.ctypes.data - self.base
+        cut = self.pinned - start
+        if self.pinned and 0 < cut < a.nbytes:  # starts inside, ends beyond
+            return [(0, a[:cut]), (cut, a[cut:])]
+        return [(0, a)]
 
     def close(self) -> None:
         if self.pinned:
