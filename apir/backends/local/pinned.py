@@ -70,7 +70,7 @@ class PinnedPrefix:
         inside the registered prefix or wholly outside it: a copy of each one CUDA takes."""
         start = a.ctypes.data - self.base
         cut = self.pinned - start
-        if self.pinned and 0 < cut < a.nbytes:  # starts inside, ends beyond
+        if 0 <= start < self.pinned and cut < a.nbytes:  # starts inside, ends beyond
             return [(0, a[:cut]), (cut, a[cut:])]
         return [(0, a)]
 
