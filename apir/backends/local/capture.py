@@ -9,8 +9,9 @@ live in backend buffers), and the inputs are copied into one fixed device buffer
 so a step costs one host-to-device copy whatever the number of inputs, not one
 synchronous copy from pageable memory per input. A large input (``DIRECT_MIN_BYTES``: a
 batch of images, a model's KV cache passed back) is copied straight into its view
-instead: staging it would cost a host memcpy of all its bytes (2 ms for ResNet-18's batch
-of 32 on an H100's host, where the whole forward takes 1.5 ms on the GPU). From the
+instead: staging it would cost a host memcpy of all its bytes (ResNet-18's batch of 32
+took 4.2 ms in process on an H100 host, of which 1.5 ms was the GPU's; the memcpy was
+most of the rest). From the
 session's page-locked arena (pinned.py) that copy is DMA, queued like the staged one;
 from pageable memory CUDA returns only once it has read the source, so the caller may
 reuse it either way. A fed input (a device tensor, see Backend.compute) is copied device
