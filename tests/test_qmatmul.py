@@ -191,7 +191,7 @@ def test_fused_kernel_matches_gguf(qtype):
     # x rounded to int8 per group of 32 in the kernel, as llama.cpp's q8_1 x: an error of at
     # most half a step of each group's largest |x| / 127, for every value of W
     def product(x, raw, n, k):
-        return qm._launch_gemv(qm.quantize_x(torch.from_numpy(x)), [packed(raw, qtype, n, k)], int(qtype), [n], k)
+        return qm._launch_gemv(qm.quantize_x(torch.from_numpy(x), int(qtype)), [packed(raw, qtype, n, k)], int(qtype), [n], k)
     check_products(qtype, product, rel=INT8_X)
 
 
@@ -203,7 +203,7 @@ def test_fused_kernel_with_many_groups_a_step_matches_gguf(qtype, k):
     assert qm.tiles(int(qtype), 3, k, True)[1] == (32 if qtype == Q.Q6_K else 16)
     raw = random_weight(qtype, 3, k, seed=5)
     x = np.random.default_rng(6).standard_normal((2, k)).astype(np.float32)
-    y = qm._launch_gemv(qm.quantize_x(torch.from_numpy(x)), [packed(raw, qtype, 3, k)], int(qtype), [3], k)
+    y = qm._launch_gemv(qm.quantize_x(torch.from_numpy(x), int(qtype)), [packed(raw, qtype, 3, k)], int(qtype), [3], k)
     check(y, x, raw, qtype, 3, k, rel=INT8_X)
 
 

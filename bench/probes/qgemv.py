@@ -70,14 +70,14 @@ def random_raw(qtype, n, k):
 
 def fused(qtype, n, k, cfg=None):
     if cfg is None:
-        return lambda x, raw: _launch_gemv(quantize_x(x), [raw], int(qtype), [n], k)
+        return lambda x, raw: _launch_gemv(quantize_x(x, int(qtype)), [raw], int(qtype), [n], k)
     bn, ng, warps, stages = cfg
 
     def run(x, w):
         y = torch.empty((x.shape[0], n), device="cuda", dtype=torch.float32)
         planes, args, _ = _stack([w], int(qtype), [n], k, bn)
         qkernels._qgemv_kernel[(x.shape[0], triton.cdiv(n, bn))](
-            *quantize_x(x), *planes, y, K=k, LDY=n, **args, ASM=qkernels.ASM, BN=bn, NG=ng, num_warps=warps,
+            *quantize_x(x, int(qtype)), *planes, y, K=k, LDY=n, **args, ASM=qkernels.ASM, BN=bn, NG=ng, num_warps=warps,
             num_stages=stages)
         return y
     return run

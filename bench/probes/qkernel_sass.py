@@ -60,8 +60,8 @@ def compile_kernel(qtype: int, n: int, k: int, kind: str = "fused", parts: int =
     decode kernel's; the batched one's are those for ``bm`` rows of x, ``wt`` overriding its
     WT."""
     if kind == "quantize":  # x rounded to int8 for the fused kernel (no weight type)
-        src = ASTSource(fn=qkernels._quantize_x_kernel, constexprs={"BG": 32},
-                        signature={"x_ptr": "*fp32", "xq_ptr": "*i32", "xs_ptr": "*fp32", "K": "i32", "BG": "constexpr"},
+        src = ASTSource(fn=qkernels._quantize_x_kernel, constexprs={"BG": 32, "LB": 4},
+                        signature={"x_ptr": "*fp32", "xq_ptr": "*i32", "xs_ptr": "*fp32", "K": "i32", "LB": "constexpr", "BG": "constexpr"},
                         attrs={(i,): [["tt.divisibility", 16]] for i in range(4)})
         return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}), 0, 0, 4
     lb, hb, off, mins = qkernels.TYPES[qtype]

@@ -63,11 +63,10 @@ def _f16(p):
 
 @triton.jit
 def _scales(p0, p1, p2, r, g, K, QT: tl.constexpr):
-    """(d0, d1, m0, m1), each (BN, NG) f32: the scales and mins of the two halves of groups g
-    (NG,) of rows r (BN,), from the scale planes at p0, p1, p2; a half's value is d q + m
-    (the offset taken off q first). The types that scale per 32 give both halves one d."""
-    r = r[:, None]
-    g = g[None, :]
+    """(d0, d1, m0, m1) f32, each of the shape r and g broadcast to: the scales and mins of
+    the two halves of groups g of rows r, from the scale planes at p0, p1, p2; a half's
+    value is d q + m (the offset taken off q first). The types that scale per 32 give both
+    halves one d."""
     keep = g < K // 32
     if QT == 2 or QT == 3 or QT == 6 or QT == 7 or QT == 8:
         at = r * (K // 32) + g
@@ -156,7 +155,7 @@ def _group_values(low_ptr, high_ptr, p0, p1, p2, r, g, K, QT: tl.constexpr, LB: 
         qf = (q ^ 0x80).to(tl.float32) - 128.0  # int8 q, read as q + 128
     else:
         qf = q.to(tl.float32) - OFF
-    d0, d1, m0, m1 = _scales(p0, p1, p2, r, g, K, QT)
+    d0, d1, m0, m1 = _scales(p0, p1, p2, r[:, None], g[None, :], K, QT)
     if QT == 10 or QT == 11 or QT == 14:  # a scale a half
         upper = i >= 16
         v = tl.where(upper, d1[:, :, None], d0[:, :, None]) * qf
@@ -192,18 +191,27 @@ def _dp4a(a, b, c, SIGNED: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
-def _high_quad(high_ptr, r, g, G, t: tl.constexpr, LB: tl.constexpr, HB: tl.constexpr):
-    """(BN, NG, LB) uint32: the high bits of quad t of each low word of groups g of rows r,
-    one field a byte at bit 0."""
-    QPW: tl.constexpr = 8 // LB
-    j = tl.arange(0, LB)[None, None, :] * QPW + t  # the quad in its group
+def _high_words(high_ptr, r, g, G, HB: tl.constexpr):
+    """The high words of groups g (NG,) of rows r (BN,), each (BN, NG, 1) uint32: the
+    group's one or two (the first again where it has one)."""
     keep = (g < G)[None, :]
     base = r.to(tl.int64)[:, None] * (G * HB) + (g * HB)[None, :]
     h0 = tl.load(high_ptr + base, mask=keep, other=0).to(tl.uint32, bitcast=True)[:, :, None]
+    h1 = h0
+    if HB == 2:
+        h1 = tl.load(high_ptr + base + 1, mask=keep, other=0).to(tl.uint32, bitcast=True)[:, :, None]
+    return h0, h1
+
+
+@triton.jit
+def _high_quad(h0, h1, t: tl.constexpr, LB: tl.constexpr, HB: tl.constexpr):
+    """(BN, NG, LB) uint32: the high bits of quad t of each low word of a group whose high
+    words are h0, h1 (_high_words), one field a byte at bit 0."""
+    QPW: tl.constexpr = 8 // LB
+    j = tl.arange(0, LB)[None, None, :] * QPW + t  # the quad in its group
     if HB == 1:  # one word a group: quad j at bit j
         h = h0 >> j.to(tl.uint32)
     else:  # two: quads 0-3 in the first, 4-7 in the second, 2 bits each
-        h1 = tl.load(high_ptr + base + 1, mask=keep, other=0).to(tl.uint32, bitcast=True)[:, :, None]
         h = tl.where(j < 4, h0, h1) >> (2 * (j % 4)).to(tl.uint32)
     return h & (0x01010101 * ((1 << HB) - 1))
 
@@ -238,10 +246,12 @@ def _pick(part, a0, a1, a2, P: tl.constexpr):
 
 
 @triton.jit
-def _quantize_x_kernel(x_ptr, xq_ptr, xs_ptr, K, BG: tl.constexpr):
+def _quantize_x_kernel(x_ptr, xq_ptr, xs_ptr, K, LB: tl.constexpr, BG: tl.constexpr):
     # program (m, j): groups j*BG.. of row m of x (M, K) f32, rounded to int8 per group of 32
-    # (dx = max |x| / 127): xq (M, K/32, 8) int32, four values a word in element order; xs
-    # (M, K/32, 4) f32: dx, the sums of the int8 values of each half, 0
+    # (dx = max |x| / 127): xq (M, K/32, 8) int32, four values a word, for a weight type of
+    # LB low words a group (QPW = 8 / LB quads each): quad w * QPW + t of a group (elements
+    # 4 (w QPW + t) ..) at word t * LB + w, so that the x of quad t of every low word is
+    # one run; xs (M, K/32, 4) f32: dx, the sums of the int8 values of each half, 0
     m = tl.program_id(0)
     G = K // 32
     g = tl.program_id(1) * BG + tl.arange(0, BG)
@@ -254,13 +264,30 @@ def _quantize_x_kernel(x_ptr, xq_ptr, xs_ptr, K, BG: tl.constexpr):
     byte = (t.to(tl.int32, bitcast=True) & 0xFF) << (8 * (tl.arange(0, 32) % 4))[None, :]
     words = tl.sum(tl.reshape(byte, (BG, 8, 4)), axis=2)  # disjoint bytes: the sum is their OR
     at = (m.to(tl.int64) * G + g) * 8
-    tl.store(xq_ptr + at[:, None] + tl.arange(0, 8)[None, :], words, mask=keep[:, None])
+    j = tl.arange(0, 8)
+    QPW: tl.constexpr = 8 // LB
+    tl.store(xq_ptr + at[:, None] + ((j % QPW) * LB + j // QPW)[None, :], words, mask=keep[:, None])
     halves = tl.sum(tl.reshape(t - MAGIC, (BG, 2, 16)), axis=2)  # exact: small integers
     at = (m.to(tl.int64) * G + g) * 4
     tl.store(xs_ptr + at, amax * (1.0 / 127.0), mask=keep)
     tl.store(xs_ptr + at + 1, tl.sum(tl.where(tl.arange(0, 2)[None, :] == 0, halves, 0.0), axis=1), mask=keep)
     tl.store(xs_ptr + at + 2, tl.sum(tl.where(tl.arange(0, 2)[None, :] == 1, halves, 0.0), axis=1), mask=keep)
     tl.store(xs_ptr + at + 3, amax * 0.0, mask=keep)
+
+
+@triton.jit
+def _qgemv_words(low_ptr, high_ptr, r, g, w, G, LB: tl.constexpr, HB: tl.constexpr):
+    # groups g (NG,) of rows r (BN,): the low words (BN, NG, LB) uint32 and the high words
+    # (_high_words; the low words again for a type without them)
+    keep = g < G
+    at = r.to(tl.int64)[:, None, None] * (G * LB) + (g * LB)[None, :, None] + w[None, None, :]
+    lw = tl.load(low_ptr + at, mask=keep[None, :, None], other=0,
+                 eviction_policy="evict_first").to(tl.uint32, bitcast=True)
+    h0 = lw
+    h1 = lw
+    if HB > 0:
+        h0, h1 = _high_words(high_ptr, r, g, G, HB)
+    return lw, h0, h1
 
 
 @triton.jit
@@ -289,26 +316,29 @@ def _qgemv_kernel(xq_ptr, xs_ptr, L0, H0, A0, B0, C0, L1, H1, A1, B1, C1, L2, H2
     # partial sums per (row, group), reduced once at the end: no cross-thread traffic in the
     # loop, and a summation order fixed by the shape
     acc = tl.zeros((BN, NG), dtype=tl.float32)
+    # the next step's weight words and scales are loaded before this step's products, so
+    # that its DRAM reads overlap this step's work (a step was a load, a wait, then work)
+    g = tl.arange(0, NG)
+    lw, h0, h1 = _qgemv_words(low_ptr, high_ptr, r, g, w, G, LB, HB)
+    d0, d1, m0, m1 = _scales(p0, p1, p2, r[:, None], g[None, :], K, QT)
     for g0 in tl.range(0, G, NG):
-        g = g0 + tl.arange(0, NG)
+        nxt = g + NG
+        lw_n, h0_n, h1_n = _qgemv_words(low_ptr, high_ptr, r, nxt, w, G, LB, HB)
+        d0_n, d1_n, m0_n, m1_n = _scales(p0, p1, p2, r[:, None], nxt[None, :], K, QT)
         keep = g < G
-        at = r.to(tl.int64)[:, None, None] * (G * LB) + (g * LB)[None, :, None] + w[None, None, :]
-        lw = tl.load(low_ptr + at, mask=keep[None, :, None], other=0,
-                     eviction_policy="evict_first").to(tl.uint32, bitcast=True)  # (BN, NG, LB)
         dots = tl.zeros((BN, NG, LB), dtype=tl.int32)  # a word's dot product
         for t in tl.static_range(QPW):
             # x's quad for quad t of each low word: quad w * QPW + t of the group
-            xw = tl.load(xq_row + g[:, None] * 8 + w[None, :] * QPW + t, mask=keep[:, None], other=0)
+            xw = tl.load(xq_row + g[:, None] * 8 + t * LB + w[None, :], mask=keep[:, None], other=0)
             q = lw >> (LB * t)
             if LB < 8:
                 q = q & (0x01010101 * ((1 << LB) - 1))
             if HB > 0:
-                q = q | (_high_quad(high_ptr, r, g, G, t, LB, HB) << LB)
+                q = q | (_high_quad(h0, h1, t, LB, HB) << LB)
             dots = _dp4a(q, xw[None, :, :], dots, QT == 8, ASM)
         dx = tl.load(xs_row + g * 4, mask=keep, other=0.0)[None, :]
         s0 = tl.load(xs_row + g * 4 + 1, mask=keep, other=0.0)[None, :]
         s1 = tl.load(xs_row + g * 4 + 2, mask=keep, other=0.0)[None, :]
-        d0, d1, m0, m1 = _scales(p0, p1, p2, r, g, K, QT)
         if QT == 10 or QT == 11 or QT == 14:  # a scale a half
             i0 = tl.sum(tl.where(first, dots, 0), axis=2).to(tl.float32)
             i1 = tl.sum(dots, axis=2).to(tl.float32) - i0
@@ -321,6 +351,9 @@ def _qgemv_kernel(xq_ptr, xs_ptr, L0, H0, A0, B0, C0, L1, H1, A1, B1, C1, L2, H2
             if MIN:
                 c += m0 * s
         acc += c * dx
+        g = nxt
+        lw, h0, h1 = lw_n, h0_n, h1_n
+        d0, d1, m0, m1 = d0_n, d1_n, m0_n, m1_n
     rows = tile * BN + tl.arange(0, BN)
     tl.store(y_ptr + m * LDY + col + rows, tl.sum(acc, axis=1), mask=rows < N)
 
@@ -420,7 +453,7 @@ def _qmm_kernel(x_ptr, L0, H0, A0, B0, C0, L1, H1, A1, B1, C1, L2, H2, A2, B2, C
             at = row * (2 * G) + (2 * g)[None, :, None] + (w * S) // 16
             hw = tl.load(high_ptr + at, mask=keep, other=0).to(tl.uint32, bitcast=True)
             hw = hw >> (2 * ((w * S) % 16 // 4)).to(tl.uint32)
-        d0, d1, m0, m1 = _scales(p0, p1, p2, r, g, K, QT)
+        d0, d1, m0, m1 = _scales(p0, p1, p2, r[:, None], g[None, :], K, QT)
         if QT == 10 or QT == 11 or QT == 14:  # a scale a half
             d = tl.where(upper, d1[:, :, None], d0[:, :, None])
             mn = tl.where(upper, m1[:, :, None], m0[:, :, None])

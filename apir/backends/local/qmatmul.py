@@ -242,14 +242,16 @@ if qkernels is not None:
         return planes, dict(N0=rows[0], N1=rows[1], N2=rows[2], T0=counts[0], T1=counts[1], P=len(ws),
                             **_meta(qtype)), sum(counts)
 
-    def quantize_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x (M, K) f32 contiguous rounded to int8 per group of 32 for the fused kernel:
-        (xq (M, K/32, 8) int32, four values a word; xs (M, K/32, 4) f32: the scale, the
-        sums of each half's int8 values, 0)."""
+    def quantize_x(x: torch.Tensor, qtype: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (M, K) f32 contiguous rounded to int8 per group of 32 for the fused kernel and
+        weights of ``qtype``: (xq (M, K/32, 8) int32, four values a word in the order of
+        the type's low words; xs (M, K/32, 4) f32: the scale, the sums of each half's int8
+        values, 0)."""
         m, k = x.shape
         xq = torch.empty((m, k // 32, 8), device=x.device, dtype=torch.int32)
         xs = torch.empty((m, k // 32, 4), device=x.device, dtype=torch.float32)
-        qkernels._quantize_x_kernel[(m, triton.cdiv(k // 32, 32))](x, xq, xs, k, BG=32, num_warps=4)
+        qkernels._quantize_x_kernel[(m, triton.cdiv(k // 32, 32))](
+            x, xq, xs, k, LB=qpack.low_bits(qtype), BG=32, num_warps=4)
         return xq, xs
 
     def _launch_gemv(xq: tuple[torch.Tensor, torch.Tensor], ws: Sequence[torch.Tensor], qtype: int,
@@ -302,11 +304,14 @@ if qkernels is not None:
                k: int) -> torch.Tensor:
         # the weights stacked along N: one launch a run of one type, into its columns of y
         y = torch.empty((x.shape[0], sum(ns)), device=x.device, dtype=torch.float32)
-        xq = quantize_x(x)  # once for every run
+        xqs = {}  # x rounded once for every run whose type has as many low words a group
         off = 0
         for a, b in runs(qtypes):
             width = sum(ns[a:b])
-            _launch_gemv(xq, ws[a:b], qtypes[a], ns[a:b], k, y[:, off : off + width])
+            low = qpack.low_bits(qtypes[a])
+            if low not in xqs:
+                xqs[low] = quantize_x(x, qtypes[a])
+            _launch_gemv(xqs[low], ws[a:b], qtypes[a], ns[a:b], k, y[:, off : off + width])
             off += width
         return y
 
