@@ -321,8 +321,7 @@ def _qgemv_kernel(xq_ptr, xs_ptr, L0, H0, A0, B0, C0, L1, H1, A1, B1, C1, L2, H2
     g = tl.arange(0, NG)
     lw, h0, h1 = _qgemv_words(low_ptr, high_ptr, r, g, w, G, LB, HB)
     d0, d1, m0, m1 = _scales(p0, p1, p2, r[:, None], g[None, :], K, QT)
-    for g0 in tl.range(0, G, NG):
-        g = g0 + tl.arange(0, NG)
+    for _ in tl.range(0, G, NG):
         nxt = g + NG
         lw_n, h0_n, h1_n = _qgemv_words(low_ptr, high_ptr, r, nxt, w, G, LB, HB)
         d0_n, d1_n, m0_n, m1_n = _scales(p0, p1, p2, r[:, None], nxt[None, :], K, QT)
@@ -352,6 +351,7 @@ def _qgemv_kernel(xq_ptr, xs_ptr, L0, H0, A0, B0, C0, L1, H1, A1, B1, C1, L2, H2
             if MIN:
                 c += m0 * s
         acc += c * dx
+        g = nxt
         lw, h0, h1 = lw_n, h0_n, h1_n
         d0, d1, m0, m1 = d0_n, d1_n, m0_n, m1_n
     rows = tile * BN + tl.arange(0, BN)
