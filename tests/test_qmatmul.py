@@ -199,8 +199,8 @@ def test_fused_kernel_matches_gguf(qtype):
 @pytest.mark.parametrize(("qtype", "k"), [(Q.Q4_0, 4096), (Q.Q8_0, 8192), (Q.Q6_K, 32768)],
                          ids=lambda v: getattr(v, "name", v))
 def test_fused_kernel_with_many_groups_a_step_matches_gguf(qtype, k):
-    # 8B-sized rows: a program walks many steps of 16 or 32 groups
-    assert qm.tiles(int(qtype), 3, k, True)[1] == (32 if qtype == Q.Q6_K else 16)
+    # 8B-sized rows: a program walks many steps of 32 groups
+    assert qm.tiles(int(qtype), 3, k, True)[1] == 32
     raw = random_weight(qtype, 3, k, seed=5)
     x = np.random.default_rng(6).standard_normal((2, k)).astype(np.float32)
     y = qm._launch_gemv(qm.quantize_x(torch.from_numpy(x), int(qtype)), [packed(raw, qtype, 3, k)], int(qtype), [3], k)
@@ -263,11 +263,11 @@ def test_rows_choose_the_kernel():
     assert not qm.batched(16, int(Q.Q4_0), 3072, 2048)
     assert qm.batched(16, int(Q.Q4_0), 2048, 8192) and qm.batched(16, int(Q.Q4_0), 16384, 2048)
     # K = 96: three groups, a step of one (two would mask one of four); K = 4096: steps of
-    # 16 groups (32 for a K-quant); never more rows a program than the weight's
-    assert qm.tiles(int(Q.Q4_0), 4, 96, True) == (4, 1, 4)
-    assert qm.tiles(int(Q.Q4_0), 2, 96, True) == (2, 1, 4)
-    assert qm.tiles(int(Q.Q4_0), 4096, 4096, True) == (4, 16, 4)
-    assert qm.tiles(int(Q.Q4_K), 4096, 4096, True) == (4, 32, 2)
+    # 32 groups; never more rows a program than the weight's
+    assert qm.tiles(int(Q.Q4_0), 4, 96, True) == (2, 1, 2)
+    assert qm.tiles(int(Q.Q4_0), 1, 96, True) == (1, 1, 2)
+    assert qm.tiles(int(Q.Q4_0), 4096, 4096, True) == (2, 32, 2)
+    assert qm.tiles(int(Q.Q4_K), 4096, 4096, True) == (2, 32, 2)
     # the batched kernel at 16 rows: the 32-element types 128 rows a tile, 4 groups a step
     # (16 low words, Q8_0 32), 4 warps, 2 stages; Q4_K and Q5_K 128 rows, 8 groups, 4 warps;
     # Q2_K, Q3_K (and Q6_K, called directly) 256 rows in 8 warps

@@ -99,18 +99,17 @@ def _groups_a_step(qtype: int, k: int, most: int) -> int:
 
 def tiles(qtype: int, n: int, k: int, fused: bool) -> tuple[int, int, int]:
     """(BN rows, NG groups of 32 a K-step, num_warps) of a program for a packed (n, k)
-    weight. The fused kernel: 4 rows, so that a 4,096-row product is 1,024 programs; a step
-    of 16 groups in 4 warps for the 32-element types, of 32 groups in 2 warps for the
-    K-quants, whose scales cost more a group. On an H200 (bench/probes/qgemv.py --configs,
-    2026-12-03) those were the fastest of seven tiles on the 8B's products, 4,096 to 128,256
-    rows, or within 4% of it; 8 rows, 32 groups, 4 warps, the tile before, ran at 0.74-0.92
-    of them, and the 8B's tg128 went from 297.8 to 314.2 t/s (Q4_0) and from 244.2 to
-    277.7 (Q4_K) with 4 rows. The dequantize kernel: 8 groups a row step, 4,096 values a
-    program, 4 warps."""
+    weight. The fused kernel: 2 rows, a step of up to 32 groups, 2 warps, every type. On an
+    H100 (bench/probes/qgemv.py --configs, 2026-12-07, once the kernel loaded a step ahead)
+    that tile took an 8B's Q4_0 products in 59.1 us a layer (q/k/v 8.92, o 7.35, gate/up
+    26.57, down 16.26) and its output in 101.8, against 71.2 and 133.6 for the tile before
+    (4 rows, 16 groups, 4 warps, chosen on an H200 for the kernel that waited on each
+    step's loads; with the loads ahead that tile gained nothing); Q4_K 64.9 against 70.7
+    (its tile before: 4 rows, 32 groups, 2 warps), its output 114.6 against 142.6. Of seven
+    tiles it was the fastest on the 8B's larger products, within 2% on the smaller ones.
+    The dequantize kernel: 8 groups a row step, 4,096 values a program, 4 warps."""
     if fused:
-        per_32 = qpack.block_size(qtype) == 32
-        ng = _groups_a_step(qtype, k, 16 if per_32 else 32)
-        return min(4, 1 << (n - 1).bit_length()), ng, 4 if per_32 else 2
+        return min(2, 1 << (n - 1).bit_length()), _groups_a_step(qtype, k, 32), 2
     ng = _groups_a_step(qtype, k, 8)
     return max(1, 4096 // (32 * ng)), ng, 4
 
