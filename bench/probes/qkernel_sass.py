@@ -26,7 +26,6 @@ from triton.compiler import ASTSource
 from apir.backends.local import qkernels, qmatmul
 
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-AHEAD = 1  # the fused kernel's steps loaded ahead (--ahead)
 
 
 KINDS = ("fused", "batched", "dequant", "quantize")
@@ -48,8 +47,7 @@ def _signature(qtype: int, kind: str) -> dict[str, str]:
                "N0": "i32", "N1": "i32", "N2": "i32", "T0": "i32", "T1": "i32", "K": "i32", "LDY": "i32",
                **({"SPLIT_GROUPS": "i32", "SPLIT_STRIDE": "i32"} if kind == "batched" else {})}
     consts = ("QT", "LB", "HB", "OFF", "MIN", *(("ASM",) if kind != "dequant" else ()),
-              *(("P",) if kind != "dequant" else ()), *(("BM", "WT") if kind == "batched" else ()), "BN", "NG",
-              *(("AHEAD",) if kind == "fused" else ()))
+              *(("P",) if kind != "dequant" else ()), *(("BM", "WT") if kind == "batched" else ()), "BN", "NG")
     return sig | {name: "constexpr" for name in consts}
 
 
@@ -79,7 +77,7 @@ def compile_kernel(qtype: int, n: int, k: int, kind: str = "fused", parts: int =
         stages = 2
         if tile:
             bn, nc, warps, stages = tile
-        consts |= dict(ASM=True, AHEAD=AHEAD)
+        consts |= dict(ASM=True)
         fn, options, ints = qkernels._qgemv_kernel, {"num_stages": stages}, (23, 24)
     else:
         bn, nc, warps = qmatmul.tiles(qtype, n, k, fused=False)
@@ -125,10 +123,7 @@ def main() -> None:
     ap.add_argument("--tile", help="the decode kernel's BNxNGxWARPSxSTAGES")
     ap.add_argument("--bm", type=int, default=16, help="the batched kernel's rows of x (16, 32, 64)")
     ap.add_argument("--wt", type=int, choices=(0, 1), help="the batched kernel's WT (W x.T)")
-    ap.add_argument("--ahead", type=int, default=1, choices=(1, 2), help="the fused kernel's steps loaded ahead")
     args = ap.parse_args()
-    global AHEAD
-    AHEAD = args.ahead
     for name in args.types:
         qtype = int(Q[name])
         tile = tuple(map(int, args.tile.split("x"))) if args.tile else None

@@ -294,7 +294,7 @@ def _qgemv_words(low_ptr, high_ptr, r, g, w, G, LB: tl.constexpr, HB: tl.constex
 def _qgemv_kernel(xq_ptr, xs_ptr, L0, H0, A0, B0, C0, L1, H1, A1, B1, C1, L2, H2, A2, B2, C2, y_ptr,
                   N0, N1, N2, T0, T1, K, LDY, QT: tl.constexpr, LB: tl.constexpr,
                   HB: tl.constexpr, OFF: tl.constexpr, MIN: tl.constexpr, ASM: tl.constexpr,
-                  P: tl.constexpr, BN: tl.constexpr, NG: tl.constexpr, AHEAD: tl.constexpr = 1):
+                  P: tl.constexpr, BN: tl.constexpr, NG: tl.constexpr):
     # program (m, t): row tile t of the P stacked weights (L, H, A, B, C: each one's low,
     # high and scale planes; see _part) times row m of x, given as _quantize_x_kernel's xq
     # and xs, into y[m, its columns] (y's rows LDY apart), NG groups of 32 a step. The M
@@ -321,14 +321,8 @@ def _qgemv_kernel(xq_ptr, xs_ptr, L0, H0, A0, B0, C0, L1, H1, A1, B1, C1, L2, H2
     g = tl.arange(0, NG)
     lw, h0, h1 = _qgemv_words(low_ptr, high_ptr, r, g, w, G, LB, HB)
     d0, d1, m0, m1 = _scales(p0, p1, p2, r[:, None], g[None, :], K, QT)
-    # AHEAD 2: the step after next in flight too (b: the next step's)
-    lw_b, h0_b, h1_b = lw, h0, h1
-    d0_b, d1_b, m0_b, m1_b = d0, d1, m0, m1
-    if AHEAD == 2:
-        lw_b, h0_b, h1_b = _qgemv_words(low_ptr, high_ptr, r, g + NG, w, G, LB, HB)
-        d0_b, d1_b, m0_b, m1_b = _scales(p0, p1, p2, r[:, None], (g + NG)[None, :], K, QT)
     for _ in tl.range(0, G, NG):
-        nxt = g + AHEAD * NG
+        nxt = g + NG
         lw_n, h0_n, h1_n = _qgemv_words(low_ptr, high_ptr, r, nxt, w, G, LB, HB)
         d0_n, d1_n, m0_n, m1_n = _scales(p0, p1, p2, r[:, None], nxt[None, :], K, QT)
         keep = g < G
@@ -357,15 +351,9 @@ def _qgemv_kernel(xq_ptr, xs_ptr, L0, H0, A0, B0, C0, L1, H1, A1, B1, C1, L2, H2
             if MIN:
                 c += m0 * s
         acc += c * dx
-        g = g + NG
-        if AHEAD == 2:
-            lw, h0, h1 = lw_b, h0_b, h1_b
-            d0, d1, m0, m1 = d0_b, d1_b, m0_b, m1_b
-            lw_b, h0_b, h1_b = lw_n, h0_n, h1_n
-            d0_b, d1_b, m0_b, m1_b = d0_n, d1_n, m0_n, m1_n
-        else:
-            lw, h0, h1 = lw_n, h0_n, h1_n
-            d0, d1, m0, m1 = d0_n, d1_n, m0_n, m1_n
+        g = nxt
+        lw, h0, h1 = lw_n, h0_n, h1_n
+        d0, d1, m0, m1 = d0_n, d1_n, m0_n, m1_n
     rows = tile * BN + tl.arange(0, BN)
     tl.store(y_ptr + m * LDY + col + rows, tl.sum(acc, axis=1), mask=rows < N)
 
