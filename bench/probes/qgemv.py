@@ -157,6 +157,8 @@ def main(types, rows, sweep):
                     if cfg[1] > k // 32:
                         continue
                     try:
+                        other = fused(qtype, n, k, cfg)(x, ws[0])  # the default tile's products
+                        assert torch.allclose(other, got, rtol=1e-4, atol=1e-4 * got.abs().max().item()), cfg
                         t = time_us(fused(qtype, n, k, cfg), x, ws, reps=10)
                     except Exception as e:  # noqa: BLE001 - out of resources: skip the config
                         print(f"    {cfg}: {type(e).__name__}", flush=True)
