@@ -328,7 +328,7 @@ def _qgemv_kernel(xq_ptr, xs_ptr, L0, H0, A0, B0, C0, L1, H1, A1, B1, C1, L2, H2
         keep = g < G
         dots = tl.zeros((BN, NG, LB), dtype=tl.int32)  # a word's dot product
         for t in tl.static_range(QPW):
-            # x's quad for quad t of each low word: quad w * QPW + t of the group
+            # x's quads for quad t of each low word (quad w * QPW + t of the group): LB in a run
             xw = tl.load(xq_row + g[:, None] * 8 + t * LB + w[None, :], mask=keep[:, None], other=0)
             q = lw >> (LB * t)
             if LB < 8:
