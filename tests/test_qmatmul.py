@@ -26,6 +26,8 @@ from apir.backends.local import qpack
 SCALES = {Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q5_0: (0,), Q.Q5_1: (0, 2), Q.Q8_0: (0,),
           Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
 TORCH_TYPES = [t for t in SCALES if int(t) in qm._TORCH]
+# Triton 3.6's interpreter needs numpy < 2.3 (it reads 1-element arrays as ints), e.g.
+# PYTHONPATH=<numpy 2.2 dir>:<triton dir> TRITON_INTERPRET=1 pytest tests/test_qmatmul.py
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1" and qm.qkernels is not None
 # the fused kernel's bound on |error| / (|x| @ |W|): x rounded to int8 per group of 32 moves
 # each x by at most 1/254 of its group's largest |x| (on these normal x the worst is 3.5e-3)
