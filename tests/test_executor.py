@@ -11,11 +11,18 @@ import torch  # noqa: E402
 
 import apir  # noqa: E402
 from apir.backends.base import DeviceInfo, ExecutorConfig  # noqa: E402
-from apir.backends.local import LocalBackend  # noqa: E402
-from apir.backends.local.kernels import ARGMAX_CHUNK, argmax  # noqa: E402
-from apir.backends.local.program import FusedMatmul, Leaf, Part  # noqa: E402
+from apir.backends.local import (
+    LocalBackend,  # noqa: E402
+    kernels,  # noqa: E402
+)
+from apir.backends.local.kernels import (  # noqa: E402
+    ARGMAX_CHUNK,
+    KERNELS,  # noqa: E402
+    argmax,
+)
+from apir.backends.local.program import FusedMatmul, Leaf, Part, Step, compile_program  # noqa: E402
 from apir.engine import SamplingParams  # noqa: E402
-from apir.graph import DType, SampleArgs  # noqa: E402
+from apir.graph import DType, GraphBuilder, Op, SampleArgs, T  # noqa: E402
 
 IDS = [256, 72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100, 33]  # 14 tokens: padded to 16
 
@@ -40,6 +47,44 @@ def test_llama_blocks_fuse_qkv_and_gate_up(tiny):
         # fused weights are read by their products alone (no separate reads of them)
         unread = [s for s in prog.steps if isinstance(s, Leaf) and not s.read]
         assert len(unread) == 3 * 5
+
+
+def test_a_layers_swiglu_norms_and_residual_products_are_made_by_their_readers(tiny):
+    # per layer: the SWIGLU left for the down product, both norms (and their weights' MULs)
+    # for the q/k/v and gate/up products, the output and down products for their residual
+    # ADDs; the output norm for the LM head. On the CPU the readers make them with the same
+    # kernels, in the same order (the reference test below holds the values)
+    with apir.load(str(tiny), backend="local", device="cpu") as model:
+        prog = model.backend._graphs[model._logits_graph].program
+        steps = [s for s in prog.steps if isinstance(s, Step)]
+        made_by = {k: sum(s.kernel is k for s in steps) for k in
+                   (kernels.Glu, kernels.Normed, kernels.scaled, kernels.Product, kernels.add_product)}
+        assert made_by == {kernels.Glu: 3, kernels.Normed: 7, kernels.scaled: 7,
+                           kernels.Product: 6, kernels.add_product: 6}
+
+
+def test_values_with_other_readers_are_made_as_values():
+    # a norm that is also an output, a SWIGLU read by two products of different weight types
+    # (two products: not one fused group), a product whose ADD is an output but that another
+    # node reads too: each made where it stands
+    b = GraphBuilder()
+    x = b.input("x", (T, 64))
+    nw = b.weight(0, 0, (64,), DType.F32)
+    w1, w2 = b.weight(0, 256, (64, 64), DType.F16), b.weight(0, 8448, (64, 64), DType.Q8_0)
+    n = b.mul(b.rms_norm(x, 1e-5), nw)
+    g = b.swiglu(n, n)
+    p1, p2 = b.matmul(g, w1), b.matmul(g, w2)
+    norm = b.rms_norm(p2, 1e-5)
+    twice = b.add(p1, p1)
+    product = b.matmul(norm, w1)
+    graph = b.build(twice, b.add(product, x), norm)
+    prog = compile_program(graph, False, lambda d: d)
+    kernel = {nid: s.kernel for nid, s in enumerate(prog.steps) if isinstance(s, Step)}
+    assert kernel[n.id] is KERNELS[Op.MUL] and kernel[n.id - 1] is KERNELS[Op.RMS_NORM]  # SWIGLU reads it
+    assert kernel[g.id] is KERNELS[Op.SWIGLU]
+    assert kernel[p1.id] is KERNELS[Op.MATMUL]  # ADD(p1, p1): not an ADD of it and another
+    assert kernel[norm.id] is KERNELS[Op.RMS_NORM]  # an output
+    assert kernel[product.id] is kernels.Product and kernel[product.id + 1] is kernels.add_product
 
 
 def test_fused_products_match_the_numpy_reference(tiny):

@@ -76,6 +76,38 @@ def test_stacked_weights_of_mixed_types_on_cuda(m, monkeypatch):
     check_stacked(product, m, rel=INT8_X if m <= qm.FUSED_ROWS else 2e-3)
 
 
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_products_that_make_their_activation_and_add_a_residual_match_gguf(qtype):
+    # kernels.qproduct as a decode step calls it: x left to make (the halves of a fused
+    # gate/up product, strided views; a norm times its weight) and a residual or bias added
+    # by the product's own kernel; against gguf-py over the activation made in numpy
+    from test_qmatmul import check
+
+    from apir.backends.local import kernels
+
+    bs = quants.GGML_QUANT_SIZES[qtype][0]
+    for i, (n, k) in enumerate([(13, 8 * bs if bs == 32 else 512), (1024, 4096)]):
+        raw = random_weight(qtype, n, k, seed=i)
+        w = kernels.Blocks(_packed(raw, qtype, n, k), int(qtype), (n, k))
+        rng = np.random.default_rng(i)
+        for m in (1, 3, qm.FUSED_ROWS):
+            both = rng.standard_normal((m, 2 * k)).astype(np.float32)
+            gate, up = both[:, :k], both[:, k:]
+            r = rng.standard_normal((m, n)).astype(np.float32)
+            t = _cuda(both)
+            y = kernels.qproduct(kernels.Glu(t[:, :k], t[:, k:]), (w,), _cuda(r))
+            check((y.cpu() - torch.from_numpy(r)), gate / (1 + np.exp(-gate)) * up, raw, qtype, n, k, rel=INT8_X)
+            x = 2 * rng.standard_normal((m, k)).astype(np.float32)
+            nw = rng.standard_normal(k).astype(np.float32)
+            bias = rng.standard_normal(n).astype(np.float32)
+            y = kernels.qproduct(kernels.Normed(_cuda(x), 1e-6, _cuda(nw)), (w,), _cuda(bias))
+            normed = x / np.sqrt((x.astype(np.float64) ** 2).mean(-1, keepdims=True) + 1e-6) * nw
+            check(y.cpu() - torch.from_numpy(bias), normed.astype(np.float32), raw, qtype, n, k, rel=INT8_X)
+            # off the fused kernel's path (the same value made by torch, then the product)
+            made = kernels.qproduct(kernels.made(kernels.Normed(_cuda(x), 1e-6, _cuda(nw))), (w,))
+            torch.testing.assert_close(y - _cuda(bias), made, rtol=0, atol=float(made.abs().max()) * 2e-2)
+
+
 def test_8b_shapes_are_deterministic_and_graph_capturable():
     for qtype in (Q.Q4_0, Q.Q8_0, Q.Q4_K, Q.Q6_K):
         n, k = 4096, 14336

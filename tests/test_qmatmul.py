@@ -209,6 +209,60 @@ def test_fused_kernel_with_many_groups_a_step_matches_gguf(qtype, k):
     check(y, x, raw, qtype, 3, k, rel=INT8_X)
 
 
+def _silu(v: np.ndarray) -> np.ndarray:
+    return v / (1.0 + np.exp(-v))
+
+
+@needs_triton
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q8_0, Q.Q4_K, Q.Q6_K], ids=lambda t: t.name)
+def test_fused_kernel_makes_its_activation_as_it_rounds_x(qtype):
+    # GLU: x is a fused gate/up product's two halves, views whose rows are 2K apart, read in
+    # place; NORM: x normalized and scaled by the norm's weight (K,). Both against gguf-py
+    # over the activation made in numpy
+    shapes = SHAPES_32 if quants.GGML_QUANT_SIZES[qtype][0] == 32 else SHAPES_256
+    for i, (m, n, k) in enumerate(shapes):
+        m = min(m, qm.FUSED_ROWS)
+        raw = random_weight(qtype, n, k, seed=i)
+        w = [packed(raw, qtype, n, k)]
+        rng = np.random.default_rng(200 + i)
+        both = rng.standard_normal((m, 2 * k)).astype(np.float32)
+        g, u = both[:, :k], both[:, k:]
+        t = torch.from_numpy(both)
+        y = qm._qgemv(t[:, :k], t[:, k:], None, qm.GLU, 0.0, w, [int(qtype)], [n], k)
+        check(y, _silu(g) * u, raw, qtype, n, k, rel=INT8_X)
+        x = 3 * rng.standard_normal((m, k)).astype(np.float32)
+        nw = rng.standard_normal(k).astype(np.float32)
+        y = qm._qgemv(torch.from_numpy(x), torch.from_numpy(nw), None, qm.NORM, 1e-5, w, [int(qtype)], [n], k)
+        normed = x / np.sqrt((x.astype(np.float64) ** 2).mean(-1, keepdims=True) + 1e-5) * nw
+        check(y, normed.astype(np.float32), raw, qtype, n, k, rel=INT8_X)
+
+
+@needs_triton
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q5_K], ids=lambda t: t.name)
+def test_fused_kernel_adds_a_residual_or_a_bias_as_it_writes_y(qtype):
+    # a residual (M, N): the product plus it, added after the sum (a.float() + b.float());
+    # a bias (N,): the same row for every row of x. Stacked weights: each run its columns
+    shapes = SHAPES_32 if quants.GGML_QUANT_SIZES[qtype][0] == 32 else SHAPES_256
+    for i, (m, n, k) in enumerate(shapes):
+        m = min(m, qm.FUSED_ROWS)
+        raw = random_weight(qtype, n, k, seed=i)
+        w = [packed(raw, qtype, n, k)]
+        rng = np.random.default_rng(300 + i)
+        x = rng.standard_normal((m, k)).astype(np.float32)
+        plain = qm._qgemv(torch.from_numpy(x), None, None, qm.PLAIN, 0.0, w, [int(qtype)], [n], k)
+        for r in (rng.standard_normal((m, n)), rng.standard_normal(n)):
+            r = torch.from_numpy(r.astype(np.float32))
+            y = qm._qgemv(torch.from_numpy(x), None, r, qm.PLAIN, 0.0, w, [int(qtype)], [n], k)
+            assert torch.equal(y, plain + r)  # the same sum, then the same one addition
+    raw = random_weight(qtype, 9, 256, seed=9)
+    w = packed(raw, qtype, 9, 256)
+    x = torch.randn(2, 256)
+    r = torch.randn(2, 18)
+    plain = qm._qgemv(x, None, None, qm.PLAIN, 0.0, [w, w], [int(qtype)] * 2, [9, 9], 256)
+    y = qm._qgemv(x, None, r, qm.PLAIN, 0.0, [w, w], [int(qtype)] * 2, [9, 9], 256)
+    assert torch.equal(y, plain + r)
+
+
 @needs_triton
 @pytest.mark.parametrize("qtype", list(SCALES), ids=lambda t: t.name)
 def test_batched_kernel_matches_gguf(qtype):
@@ -400,3 +454,8 @@ def test_every_kernel_compiles_for_sm90(qtype):
         for kind in probe.KINDS:
             kernel = probe.compile_kernel(int(qtype), n, k, kind)[0]
             assert kernel.asm["cubin"][:4] == b"\x7fELF", (kind, n, k)
+    # the variants a decode step takes: the activation made while rounding x (GLU, NORM),
+    # and the residual added as y is written
+    for act in (qm.GLU, qm.NORM):
+        assert probe.compile_kernel(int(qtype), 64, 4096, "quantize", act=act)[0].asm["cubin"][:4] == b"\x7fELF"
+    assert probe.compile_kernel(int(qtype), 4096, 4096, "fused", add=True)[0].asm["cubin"][:4] == b"\x7fELF"

@@ -43,26 +43,31 @@ def _signature(qtype: int, kind: str) -> dict[str, str]:
     else:  # the planes of three stacked weights (qkernels._part)
         planes = {f"{plane}{i}": t for i in range(3) for plane, t in zip("LHABC", types)}
         x = {"xq_ptr": "*i32", "xs_ptr": "*fp32"} if kind == "fused" else {"x_ptr": "*fp16"}
-        sig = {**x, **planes, "y_ptr": "*fp32", **({"M": "i32"} if kind == "batched" else {}),
+        sig = {**x, **planes, "y_ptr": "*fp32", **({"r_ptr": "*fp32"} if kind == "fused" else {}),
+               **({"M": "i32"} if kind == "batched" else {}),
                "N0": "i32", "N1": "i32", "N2": "i32", "T0": "i32", "T1": "i32", "K": "i32", "LDY": "i32",
+               **({"LDR": "i32"} if kind == "fused" else {}),
                **({"SPLIT_GROUPS": "i32", "SPLIT_STRIDE": "i32"} if kind == "batched" else {})}
     consts = ("QT", "LB", "HB", "OFF", "MIN", *(("ASM",) if kind != "dequant" else ()),
-              *(("P",) if kind != "dequant" else ()), *(("BM", "WT") if kind == "batched" else ()), "BN", "NG")
+              *(("P",) if kind != "dequant" else ()), *(("BM", "WT") if kind == "batched" else ()), "BN", "NG",
+              *(("ADD",) if kind == "fused" else ()))
     return sig | {name: "constexpr" for name in consts}
 
 
 def compile_kernel(qtype: int, n: int, k: int, kind: str = "fused", parts: int = 1, tile=None,
-                   bm: int = 16, wt: bool | None = None):
+                   bm: int = 16, wt: bool | None = None, act: int = 0, add: bool = False):
     """The kernel of ``kind`` for a packed (n, k) weight (``parts`` of them stacked, the
     decode kernels), compiled for sm_90 with the tiles the host would launch it with, as
     Triton specializes at run time (aligned pointers, K and LDY multiples of 16). Returns
     (compiled kernel, BN, NG, num_warps). ``tile`` (BN, NG, warps, stages) overrides the
     decode kernel's; the batched one's are those for ``bm`` rows of x, ``wt`` overriding its
-    WT."""
+    WT; ``act`` is the quantize kernel's ACT, ``add`` the fused kernel's ADD."""
     if kind == "quantize":  # x rounded to int8 for the fused kernel (no weight type)
-        src = ASTSource(fn=qkernels._quantize_x_kernel, constexprs={"BG": 32, "LB": 4},
-                        signature={"x_ptr": "*fp32", "xq_ptr": "*i32", "xs_ptr": "*fp32", "K": "i32", "LB": "constexpr", "BG": "constexpr"},
-                        attrs={(i,): [["tt.divisibility", 16]] for i in range(4)})
+        src = ASTSource(fn=qkernels._quantize_x_kernel, constexprs={"BG": 32, "LB": 4, "ACT": act},
+                        signature={"x_ptr": "*fp32", "u_ptr": "*fp32", "xq_ptr": "*i32", "xs_ptr": "*fp32",
+                                   "K": "i32", "LDX": "i32", "LDU": "i32", "eps": "fp32",
+                                   "LB": "constexpr", "ACT": "constexpr", "BG": "constexpr"},
+                        attrs={(i,): [["tt.divisibility", 16]] for i in range(5)})
         return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}), 0, 0, 4
     lb, hb, off, mins = qkernels.TYPES[qtype]
     consts = dict(QT=qtype, LB=lb, HB=hb, OFF=off, MIN=mins)
@@ -77,13 +82,13 @@ def compile_kernel(qtype: int, n: int, k: int, kind: str = "fused", parts: int =
         stages = 2
         if tile:
             bn, nc, warps, stages = tile
-        consts |= dict(ASM=True)
-        fn, options, ints = qkernels._qgemv_kernel, {"num_stages": stages}, (23, 24)
+        consts |= dict(ASM=True, ADD=add)
+        fn, options, ints = qkernels._qgemv_kernel, {"num_stages": stages}, (24, 25)  # K, LDY
     else:
         bn, nc, warps = qmatmul.tiles(qtype, n, k, fused=False)
         fn, options, ints = qkernels._dequant_kernel, {"enable_fp_fusion": False}, (8,)
     consts |= dict(BN=bn, NG=nc) | ({} if kind == "dequant" else dict(P=parts))
-    pointers = range(6 if kind == "dequant" else 18 if kind == "fused" else 17)
+    pointers = range(6 if kind == "dequant" else 19 if kind == "fused" else 17)
     attrs = {(i,): [["tt.divisibility", 16]] for i in (*pointers, *ints)}
     src = ASTSource(fn=fn, signature=_signature(qtype, kind), constexprs=consts, attrs=attrs)
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, **options})

@@ -39,22 +39,103 @@ pytree.register_pytree_node(Blocks, lambda b: ([b.data], (b.qtype, b.shape)),
                             lambda children, context: Blocks(children[0], *context))
 
 
-def qproduct(x: torch.Tensor, parts: tuple[Blocks, ...]) -> torch.Tensor:
-    """x (..., K) @ concat(parts).T in f32: (..., sum N_i), each part read from its blocks."""
+# Values left for their one reader to make (program.deferred): a decode step's product
+# makes its activation as its kernel rounds x, and adds the residual as it writes y, where
+# each would be a launch of its own. Anywhere else ``made`` computes them with the kernels
+# they stand for, in the same order: the same bits as without them.
+
+
+@dataclass(frozen=True)
+class Glu:
+    """SWIGLU's value, silu(gate) * up, for the product that reads it."""
+
+    gate: torch.Tensor
+    up: torch.Tensor
+
+
+@dataclass(frozen=True)
+class Normed:
+    """RMS_NORM's value, times ``weight`` (its one reader, a MUL: ``scaled``), for the
+    product that reads that."""
+
+    x: torch.Tensor
+    eps: float
+    weight: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class Product:
+    """MATMUL's value, x @ w.T, for the ADD that reads it (``add_product``)."""
+
+    x: object  # a tensor, or a value left to make (Glu, Normed)
+    w: object
+
+
+def made(x: object) -> torch.Tensor:
+    """A value left for its reader, made: the kernels it stands for (a tensor as it is)."""
+    if isinstance(x, Glu):
+        return KERNELS[Op.SWIGLU](x.gate, x.up)
+    if isinstance(x, Normed):
+        v = rms_norm(x.x, x.eps)
+        return v if x.weight is None else KERNELS[Op.MUL](v, x.weight)
+    if isinstance(x, Product):
+        return matmul(x.x, x.w)
+    return x
+
+
+def scaled(a: object, b: object) -> Normed:
+    """MUL of an RMS_NORM's value (deferred) by the norm's weight."""
+    norm, weight = (a, b) if isinstance(a, Normed) else (b, a)
+    return Normed(norm.x, norm.eps, weight)
+
+
+def add_product(a: object, b: object) -> torch.Tensor:
+    """ADD of a MATMUL's value (deferred) and another: the product with it added."""
+    product, other = (a, b) if isinstance(a, Product) else (b, a)
+    return matmul(product.x, product.w, residual=made(other))
+
+
+def qproduct(x: object, parts: tuple[Blocks, ...], residual: torch.Tensor | None = None) -> torch.Tensor:
+    """x (..., K) @ concat(parts).T in f32: (..., sum N_i), each part read from its blocks;
+    plus ``residual`` (broadcast to the result) where given. A decode step's x left to make
+    (Glu, Normed) is made by the product's own kernel, as is the addition."""
     k = parts[0].shape[1]
+    ns = [p.shape[0] for p in parts]
+    base = x.gate if isinstance(x, Glu) else x.x if isinstance(x, Normed) else x
+    fusing = isinstance(x, (Glu, Normed)) or residual is not None
+    if fusing and qmatmul.fuses(base, k) and (residual is None or _broadcasts(residual, base.numel() // k, sum(ns))):
+        act, u, eps = ((qmatmul.GLU, x.up, 0.0) if isinstance(x, Glu)
+                       else (qmatmul.NORM, x.weight, x.eps) if isinstance(x, Normed)
+                       else (qmatmul.PLAIN, None, 0.0))
+        y = qmatmul.decode_product(base, [(p.data, p.qtype, p.shape[0]) for p in parts], k, act, u, eps, residual)
+        return y.reshape(*base.shape[:-1], y.shape[-1])
+    x = made(x)
     x2 = x.reshape(-1, k)
     # qmatmul_stacked without its argument checks (buffer offsets are 32-byte aligned, so
     # they hold by construction; they read data pointers, which a traced step has not)
     y = qmatmul.stacked_product(x2, [(p.data, p.qtype, p.shape[0]) for p in parts], k)
-    return y.reshape(*x.shape[:-1], y.shape[-1])
+    y = y.reshape(*x.shape[:-1], y.shape[-1])
+    return y if residual is None else KERNELS[Op.ADD](y, residual)
 
 
-def matmul(x: torch.Tensor, w: torch.Tensor | Blocks) -> torch.Tensor:
-    """x @ w.T in f32. A 16-bit weight on an accelerator: x rounded to its dtype first (as
-    llama.cpp's CUDA path does), one row through the streaming kernel of ``gemv``; on a
-    CPU widened to f32 for this product only, a cache-sized tile at a time."""
+def _broadcasts(r: torch.Tensor, m: int, n: int) -> bool:
+    # r is a bias (.., N) of one row or (.., N) of the result's m rows: what the fused
+    # kernel adds by rows (anything else broadcast, e.g. a column, is added after)
+    return r.shape[-1] == n and r.numel() in (n, m * n)
+
+
+def matmul(x: object, w: torch.Tensor | Blocks, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ w.T in f32 (plus ``residual``, see ``add_product``). A 16-bit weight on an
+    accelerator: x rounded to its dtype first (as llama.cpp's CUDA path does), one row
+    through the streaming kernel of ``gemv``; on a CPU widened to f32 for this product
+    only, a cache-sized tile at a time."""
     if isinstance(w, Blocks):
-        return qproduct(x, (w,))
+        return qproduct(x, (w,), residual)
+    y = _dense_matmul(made(x), w)
+    return y if residual is None else KERNELS[Op.ADD](y, residual)
+
+
+def _dense_matmul(x: torch.Tensor, w) -> torch.Tensor:
     if isinstance(w, int4cpu.Int4):
         return int4cpu.product(x, w)
     if isinstance(w, int8cpu.Int8):
@@ -73,6 +154,7 @@ def fused_matmul(x: torch.Tensor, w: torch.Tensor | tuple, widths: tuple[int, ..
     ``widths``), or a tuple of them, each where it is (all ``Blocks``: one stacked call)."""
     if isinstance(w, tuple):
         if not all(isinstance(p, Blocks) for p in w):
+            x = made(x)
             return [matmul(x, p) for p in w]
         y = qproduct(x, w)
     else:

@@ -11,9 +11,10 @@ as one view spanning them (see LocalBackend._fused_weight).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ...graph import OPS, DType, Graph, Op, T, releases
+from . import kernels
 from .kernels import DEVICE_KERNELS, KERNELS
 
 # (op, operand): where a kernel takes a WEIGHT as stored (kernels.Blocks, a 16-bit view)
@@ -102,6 +103,57 @@ def fusable_groups(graph: Graph, weight_dtype) -> list[tuple[int, ...]]:
     return [tuple(ids) for ids in groups.values() if len(ids) > 1]
 
 
+def deferred(graph: Graph, fused: dict) -> dict[int, object]:
+    """node id -> the kernel of a node whose value is left for its reader to make
+    (``kernels.Glu``, ``Normed``, ``Product``), and of the reader that makes it:
+
+    - a SWIGLU whose readers are one product's activation (a MATMUL, or one fused group);
+    - an RMS_NORM whose one reader is a MUL by a WEIGHT (K,), whose readers are one product;
+    - a MATMUL not fused whose one reader is an ADD of its shape (a residual, a bias).
+
+    None is a graph output, and no SET_ROWS lies between a node and where it is made (the
+    work moves there). ``fused``: compile_program's fused groups, by node id."""
+    nodes = graph.nodes
+    readers: list[list[tuple[int, int]]] = [[] for _ in nodes]  # (reader, operand) per node
+    for nid, node in enumerate(nodes):
+        for j, i in enumerate(node.inputs):
+            readers[i].append((nid, j))
+    outputs = set(graph.outputs)
+    groups = {m: set(f.members) for f in fused.values() if isinstance(f, FusedMatmul) for m in f.members}
+
+    def quiet(a: int, b: int) -> bool:
+        return a not in outputs and all(nodes[i].op is not Op.SET_ROWS for i in range(a + 1, b))
+
+    def product_of(nid: int) -> int | None:
+        # where the one product reading nid (as its activation) runs, or None
+        rs = readers[nid]
+        if not rs or any(nodes[r].op is not Op.MATMUL or j != 0 for r, j in rs):
+            return None
+        ids = {r for r, _ in rs}
+        first = min(ids)
+        return first if ids == groups.get(first, {first}) and len(rs) == len(ids) else None
+
+    out: dict[int, object] = {}
+    for nid, node in enumerate(nodes):
+        if node.op is Op.SWIGLU:
+            at = product_of(nid)
+            if at is not None and quiet(nid, at):
+                out[nid] = kernels.Glu
+        elif node.op is Op.RMS_NORM and len(readers[nid]) == 1:
+            mul, j = readers[nid][0]
+            weight = nodes[nodes[mul].inputs[1 - j]] if nodes[mul].op is Op.MUL else None
+            at = product_of(mul)
+            if (weight is not None and weight.op is Op.WEIGHT and weight.shape == node.shape[-1:]
+                    and at is not None and quiet(nid, mul) and quiet(mul, at)):
+                out[nid], out[mul] = kernels.Normed, kernels.scaled
+        elif node.op is Op.MATMUL and nid not in fused and len(readers[nid]) == 1:
+            add, _ = readers[nid][0]
+            if (nodes[add].op is Op.ADD and nodes[add].shape == node.shape
+                    and nodes[add].inputs.count(nid) == 1 and quiet(nid, add)):
+                out[nid], out[add] = kernels.Product, kernels.add_product
+    return out
+
+
 def compile_program(graph: Graph, accelerated: bool, weight_dtype) -> Program:
     """``accelerated``: a GPU, where kernels must not sync with the host, so index operands
     that are inputs are checked on the host instead (if one is computed, the graph keeps
@@ -136,6 +188,8 @@ def compile_program(graph: Graph, accelerated: bool, weight_dtype) -> Program:
             key = node.inputs[-1] if OPS[node.op].memo else None  # pos (or seq) is the last operand
             on_device = () if accelerated else OPS[node.op].index  # else: index_checks do
             steps.append(Step(node.op, table[node.op], node.inputs, node.attrs, key, on_device))
+    for nid, kernel in deferred(graph, fused).items():
+        steps[nid] = replace(steps[nid], kernel=kernel)
     plain, stored = set(graph.outputs), set()
     for s in steps:
         if isinstance(s, FusedMatmul):

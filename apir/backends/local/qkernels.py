@@ -246,18 +246,36 @@ def _pick(part, a0, a1, a2, P: tl.constexpr):
 
 
 @triton.jit
-def _quantize_x_kernel(x_ptr, xq_ptr, xs_ptr, K, LB: tl.constexpr, BG: tl.constexpr):
-    # program (m, j): groups j*BG.. of row m of x (M, K) f32, rounded to int8 per group of 32
-    # (dx = max |x| / 127): xq (M, K/32, 8) int32, four values a word, for a weight type of
-    # LB low words a group (QPW = 8 / LB quads each): quad w * QPW + t of a group (elements
-    # 4 (w QPW + t) ..) at word t * LB + w, so that the x of quad t of every low word is
-    # one run; xs (M, K/32, 4) f32: dx, the sums of the int8 values of each half, 0
+def _quantize_x_kernel(x_ptr, u_ptr, xq_ptr, xs_ptr, K, LDX, LDU, eps, LB: tl.constexpr,
+                       ACT: tl.constexpr, BG: tl.constexpr):
+    # program (m, j): groups j*BG.. of row m of the activation v (M, K), rounded to int8 per
+    # group of 32 (dx = max |v| / 127): xq (M, K/32, 8) int32, four values a word, for a
+    # weight type of LB low words a group (QPW = 8 / LB quads each): quad w * QPW + t of a
+    # group (elements 4 (w QPW + t) ..) at word t * LB + w, so that the x of quad t of every
+    # low word is one run; xs (M, K/32, 4) f32: dx, the sums of the int8 values of each
+    # half, 0. v is made here from x (rows LDX apart) and u (rows LDU apart; 0: one row for
+    # all), as the op before the product would have made it (ACT, see qmatmul):
+    #   PLAIN v = x;  GLU v = silu(x) * u;  NORM v = x * rsqrt(mean(x^2) + eps) * u
     m = tl.program_id(0)
     G = K // 32
     g = tl.program_id(1) * BG + tl.arange(0, BG)
     keep = g < G
     e = g[:, None] * 32 + tl.arange(0, 32)[None, :]
-    v = tl.load(x_ptr + m.to(tl.int64) * K + e, mask=keep[:, None], other=0.0)
+    x_row = x_ptr + m.to(tl.int64) * LDX
+    u_row = u_ptr + m.to(tl.int64) * LDU
+    v = tl.load(x_row + e, mask=keep[:, None], other=0.0).to(tl.float32)
+    if ACT == 1:
+        v = v * tl.sigmoid(v) * tl.load(u_row + e, mask=keep[:, None], other=0.0).to(tl.float32)
+    elif ACT == 2:
+        # every program sums its whole row's squares (a row is a few KB, read from L2): no
+        # second launch, and the same order, so the same bits, in each
+        sq = tl.zeros((BG * 32,), dtype=tl.float32)
+        for s in tl.range(0, K, BG * 32):
+            at = s + tl.arange(0, BG * 32)
+            xs = tl.load(x_row + at, mask=at < K, other=0.0).to(tl.float32)
+            sq += xs * xs
+        rstd = 1.0 / tl.sqrt(tl.sum(sq, axis=0) / K + eps)
+        v = v * rstd * tl.load(u_row + e, mask=keep[:, None], other=0.0).to(tl.float32)
     amax = tl.max(tl.abs(v), axis=1)
     inv = tl.where(amax > 0, 127.0 / amax, 0.0)
     t = v * inv[:, None] + MAGIC
@@ -292,12 +310,14 @@ def _qgemv_words(low_ptr, high_ptr, r, g, w, G, LB: tl.constexpr, HB: tl.constex
 
 @triton.jit
 def _qgemv_kernel(xq_ptr, xs_ptr, L0, H0, A0, B0, C0, L1, H1, A1, B1, C1, L2, H2, A2, B2, C2, y_ptr,
-                  N0, N1, N2, T0, T1, K, LDY, QT: tl.constexpr, LB: tl.constexpr,
+                  r_ptr, N0, N1, N2, T0, T1, K, LDY, LDR, QT: tl.constexpr, LB: tl.constexpr,
                   HB: tl.constexpr, OFF: tl.constexpr, MIN: tl.constexpr, ASM: tl.constexpr,
-                  P: tl.constexpr, BN: tl.constexpr, NG: tl.constexpr):
+                  P: tl.constexpr, BN: tl.constexpr, NG: tl.constexpr, ADD: tl.constexpr):
     # program (m, t): row tile t of the P stacked weights (L, H, A, B, C: each one's low,
     # high and scale planes; see _part) times row m of x, given as _quantize_x_kernel's xq
-    # and xs, into y[m, its columns] (y's rows LDY apart), NG groups of 32 a step. The M
+    # and xs, into y[m, its columns] (y's rows LDY apart), NG groups of 32 a step; with ADD,
+    # plus r at the same place (r's rows LDR apart: 0 for a bias), as an ADD reading the
+    # product would have added it, a.float() + b.float(), after the sum. The M
     # programs of one row tile run side by side, so the tile's bytes come from DRAM once and
     # from L2 after. One launch for q, k and v: an 8B's k and v have 1,024 rows, under one
     # wave of the GPU's multiprocessors alone
@@ -355,7 +375,10 @@ def _qgemv_kernel(xq_ptr, xs_ptr, L0, H0, A0, B0, C0, L1, H1, A1, B1, C1, L2, H2
         lw, h0, h1 = lw_n, h0_n, h1_n
         d0, d1, m0, m1 = d0_n, d1_n, m0_n, m1_n
     rows = tile * BN + tl.arange(0, BN)
-    tl.store(y_ptr + m * LDY + col + rows, tl.sum(acc, axis=1), mask=rows < N)
+    out = tl.sum(acc, axis=1)
+    if ADD:
+        out += tl.load(r_ptr + m.to(tl.int64) * LDR + col + rows, mask=rows < N, other=0.0).to(tl.float32)
+    tl.store(y_ptr + m * LDY + col + rows, out, mask=rows < N)
 
 
 @triton.jit

@@ -82,6 +82,11 @@ CPU_ROW_QUANTUM = 4
 _TORCH = {int(d) for d in dequant.SUPPORTED if d.is_quantized}
 
 
+# what the fused decode kernel makes of its x as it rounds it (quantize_x): x itself, the
+# gated activation silu(x) * u, or x normalized, rms_norm(x, eps) * u
+PLAIN, GLU, NORM = 0, 1, 2
+
+
 def packs(device: torch.device) -> bool:
     """Whether quantized weights on ``device`` are held packed (and computed by Triton)."""
     return device.type == "cuda" and qkernels is not None
@@ -241,29 +246,37 @@ if qkernels is not None:
         return planes, dict(N0=rows[0], N1=rows[1], N2=rows[2], T0=counts[0], T1=counts[1], P=len(ws),
                             **_meta(qtype)), sum(counts)
 
-    def quantize_x(x: torch.Tensor, qtype: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """x (M, K) f32 contiguous rounded to int8 per group of 32 for the fused kernel and
+    def quantize_x(x: torch.Tensor, qtype: int, act: int = PLAIN, u: torch.Tensor | None = None,
+                   eps: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+        """The activation v (M, K) rounded to int8 per group of 32 for the fused kernel and
         weights of ``qtype``: (xq (M, K/32, 8) int32, four values a word in the order of
         the type's low words; xs (M, K/32, 4) f32: the scale, the sums of each half's int8
-        values, 0)."""
+        values, 0). v is x (PLAIN), silu(x) * u (GLU, u of x's shape) or rms_norm(x, eps) *
+        u (NORM, u the norm's weight (K,)), made as it is rounded; x and u have unit-strided
+        rows."""
         m, k = x.shape
+        u = x if u is None else u
         xq = torch.empty((m, k // 32, 8), device=x.device, dtype=torch.int32)
         xs = torch.empty((m, k // 32, 4), device=x.device, dtype=torch.float32)
         qkernels._quantize_x_kernel[(m, triton.cdiv(k // 32, 32))](
-            x, xq, xs, k, LB=qpack.low_bits(qtype), BG=32, num_warps=4)
+            x, u, xq, xs, k, x.stride(0), u.stride(0) if u.dim() == 2 else 0, eps,
+            LB=qpack.low_bits(qtype), ACT=act, BG=32, num_warps=4)
         return xq, xs
 
     def _launch_gemv(xq: tuple[torch.Tensor, torch.Tensor], ws: Sequence[torch.Tensor], qtype: int,
-                     ns: Sequence[int], k: int, y: torch.Tensor | None = None) -> torch.Tensor:
-        # quantize_x's x (M rows) -> y (M, sum ns) f32, written into ``y`` (rows unit-strided)
+                     ns: Sequence[int], k: int, y: torch.Tensor | None = None,
+                     r: torch.Tensor | None = None) -> torch.Tensor:
+        # quantize_x's x (M rows) -> y (M, sum ns) f32, written into ``y`` (rows unit-strided);
+        # plus r (M, sum ns), unit-strided rows, where given (rows 0 apart: a bias)
         m = xq[0].shape[0]
         if y is None:
             y = torch.empty((m, sum(ns)), device=xq[0].device, dtype=torch.float32)
         bn, ng, warps = tiles(qtype, ns[0], k, fused=True)
         planes, args, tiles_n = _stack(ws, qtype, ns, k, bn)
         qkernels._qgemv_kernel[(m, tiles_n)](
-            *xq, *planes, y, K=k, LDY=y.stride(0), **args, ASM=qkernels.ASM, BN=bn, NG=ng,
-            num_warps=warps, num_stages=2)
+            *xq, *planes, y, y if r is None else r, K=k, LDY=y.stride(0),
+            LDR=0 if r is None else r.stride(0), **args, ASM=qkernels.ASM, BN=bn, NG=ng,
+            ADD=r is not None, num_warps=warps, num_stages=2)
         return y
 
     def _launch_mm(xs: torch.Tensor, ws: Sequence[torch.Tensor], qtype: int, ns: Sequence[int],
@@ -298,24 +311,35 @@ if qkernels is not None:
     # Opaque custom ops, not triton_ops, for the reason gemv.py gives (Inductor compiles a
     # triton_op's kernel per call site while tracing); the launches are recorded into a
     # step's CUDA graph like any other.
+    def _rows(t: torch.Tensor) -> torch.Tensor:
+        return t if t.stride(-1) == 1 else t.contiguous()
+
     @torch.library.custom_op("apir::qgemv", mutates_args=())
-    def _qgemv(x: torch.Tensor, ws: list[torch.Tensor], qtypes: list[int], ns: list[int],
-               k: int) -> torch.Tensor:
-        # the weights stacked along N: one launch a run of one type, into its columns of y
-        y = torch.empty((x.shape[0], sum(ns)), device=x.device, dtype=torch.float32)
+    def _qgemv(x: torch.Tensor, u: torch.Tensor | None, r: torch.Tensor | None, act: int, eps: float,
+               ws: list[torch.Tensor], qtypes: list[int], ns: list[int], k: int) -> torch.Tensor:
+        # act(x, u) (quantize_x) @ the weights stacked along N, plus r (broadcast to the
+        # result: a residual, a bias) where given: one launch a run of one type, into its
+        # columns of y. x, u and r may be views with strided rows (the halves of a fused
+        # gate/up product), read in place
+        m, n = x.shape[0], sum(ns)
+        x, u = _rows(x), None if u is None else _rows(u)
+        r = None if r is None else _rows(r.expand(m, n))
+        y = torch.empty((m, n), device=x.device, dtype=torch.float32)
         xqs = {}  # x rounded once for every run whose type has as many low words a group
         off = 0
         for a, b in runs(qtypes):
             width = sum(ns[a:b])
             low = qpack.low_bits(qtypes[a])
             if low not in xqs:
-                xqs[low] = quantize_x(x, qtypes[a])
-            _launch_gemv(xqs[low], ws[a:b], qtypes[a], ns[a:b], k, y[:, off : off + width])
+                xqs[low] = quantize_x(x, qtypes[a], act, u, eps)
+            _launch_gemv(xqs[low], ws[a:b], qtypes[a], ns[a:b], k, y[:, off : off + width],
+                         None if r is None else r[:, off : off + width])
             off += width
         return y
 
     @_qgemv.register_fake
-    def _(x: torch.Tensor, ws: list[torch.Tensor], qtypes: list[int], ns: list[int], k: int) -> torch.Tensor:
+    def _(x: torch.Tensor, u: torch.Tensor | None, r: torch.Tensor | None, act: int, eps: float,
+          ws: list[torch.Tensor], qtypes: list[int], ns: list[int], k: int) -> torch.Tensor:
         return x.new_empty((x.shape[0], sum(ns)), dtype=torch.float32)
 
     @torch.library.custom_op("apir::qmm", mutates_args=())
@@ -454,7 +478,7 @@ def stacked_product(x: torch.Tensor, parts: Sequence[tuple[torch.Tensor, int, in
     ws, qtypes, ns = [w for w, _, _ in parts], [q for _, q, _ in parts], [n for _, _, n in parts]
     m, packed = x.shape[0], packs(x.device)
     if packed and m <= FUSED_ROWS:
-        return _qgemv(x.float().contiguous(), ws, qtypes, ns, k)
+        return _qgemv(x.float(), None, None, PLAIN, 0.0, ws, qtypes, ns, k)
     takes = [(a, b, packed and batched(m, qtypes[a], sum(ns[a:b]), k)) for a, b in runs(qtypes)]
     if not any(t for _, _, t in takes):
         return _dequantized_product(x, parts, k)
@@ -466,6 +490,27 @@ def stacked_product(x: torch.Tensor, parts: Sequence[tuple[torch.Tensor, int, in
     ys = [_qmm(slot_order(x, qtypes[a]), ws[a:b], qtypes[a], ns[a:b], k).sum(0) if t
           else _dequantized_product(x, parts[a:b], k) for a, b, t in takes]
     return ys[0] if len(ys) == 1 else torch.cat(ys, dim=1)
+
+
+def fuses(x: torch.Tensor, k: int) -> bool:
+    """Whether a product whose x (..., K) is made from ``x`` takes the fused decode kernel,
+    which can make x itself (``decode_product``): few rows, a device where weights pack."""
+    return packs(x.device) and x.numel() <= FUSED_ROWS * k
+
+
+def decode_product(x: torch.Tensor, parts: Sequence[tuple[torch.Tensor, int, int]], k: int,
+                   act: int = PLAIN, u: torch.Tensor | None = None, eps: float = 0.0,
+                   residual: torch.Tensor | None = None) -> torch.Tensor:
+    """act(x, u) (M, K) @ W.T (+ residual) in f32 through the fused decode kernel, for
+    arguments known to pass ``qmatmul_stacked``'s checks where ``fuses``: the activation
+    (see PLAIN, GLU, NORM) made as x is rounded, the residual added as y is written, so
+    neither is a launch of its own. ``residual`` broadcasts to (M, sum N_i)."""
+    ws, qtypes, ns = [w for w, _, _ in parts], [q for _, q, _ in parts], [n for _, _, n in parts]
+    x2 = x.reshape(-1, k)
+    if u is not None and act == GLU:
+        u = u.reshape(-1, k)
+    r = None if residual is None else residual.reshape(-1, residual.shape[-1])
+    return _qgemv(x2, u, r, act, eps, ws, qtypes, ns, k)
 
 
 def _dequantized_product(x: torch.Tensor, parts: Sequence[tuple[torch.Tensor, int, int]], k: int) -> torch.Tensor:
