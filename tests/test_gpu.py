@@ -16,7 +16,10 @@ PROMPT = "The capital of France is"
 
 
 def _models(tmp_path) -> list[str]:
-    out = [str(write_tiny_gguf(tmp_path / "tiny.gguf", TinyConfig(context_length=512), "F16"))]
+    # F16, and Q4_0: its decode steps through the fused kernel, which makes the norms and
+    # SwiGLU as it rounds x and adds the residuals as it writes y
+    out = [str(write_tiny_gguf(tmp_path / f"tiny-{t}.gguf", TinyConfig(context_length=512), t))
+           for t in ("F16", "Q4_0")]
     for name in ("smollm2-135m", "gemma3-270m"):
         try:
             out.append(str(resolve_model(name)))
@@ -50,10 +53,19 @@ def test_captured_graph_decode_equals_eager_decode(tmp_path):
 
 
 def test_cuda_matches_cpu_reference(tmp_path):
-    path = _models(tmp_path)[0]
+    path, quantized = _models(tmp_path)[:2]
     with apir.load(path, backend="local", device="cuda") as gpu, apir.load(path, backend="numpy") as ref:
         ids = gpu.tokenize(PROMPT)
         np.testing.assert_allclose(gpu.logits(ids), ref.logits(ids), rtol=2e-2, atol=2e-2)
+    # Q4_0, one token a step (the fused decode kernel: x rounded to int8 per group of 32)
+    # against the CPU's products from the exact f32 weights
+    with apir.load(quantized, backend="local", device="cuda") as gpu, \
+            apir.load(quantized, backend="local", device="cpu") as cpu:
+        ids = gpu.tokenize(PROMPT)
+        for i in range(len(ids)):
+            want = cpu.logits(ids[i : i + 1], start=i)[-1]
+            got = gpu.logits(ids[i : i + 1], start=i)[-1]
+            np.testing.assert_allclose(got, want, rtol=0, atol=0.03 * float(np.abs(want).max()))
 
 
 def test_remote_cuda_is_identical_to_local_cuda(tmp_path):
