@@ -7,6 +7,11 @@ then split. On a GPU each small product costs a kernel launch whatever its width
 llama block goes from seven products to four. The weights stay where they are: quantized
 ones are read from their blocks in one stacked call, 16-bit ones adjacent in their buffer
 as one view spanning them (see LocalBackend._fused_weight).
+
+Some values are left for their reader to make (``deferred``): a SwiGLU or a norm for the
+product reading it, a product for the residual ADD reading it. A decode step's quantized
+product then makes them in its own kernels (qmatmul.decode_product); elsewhere they are
+made with the kernels they stand for, the same bits as without.
 """
 
 from __future__ import annotations

@@ -17,7 +17,9 @@ instruction, so a weight value costs about two instructions where a float dequan
 costs six (the step is then bound by memory, not by issue: an H200 reads 32 values a clock
 per multiprocessor at full bandwidth). A type's offset (Q4_0's q - 8) and min (Q4_K's m)
 multiply the sum of the group's int8 x: per group, y += dx * (d * (sum q x - OFF * sum x)
-+ m * sum x).
++ m * sum x). The rounding kernel can make x from the op before the product (ACT: a SwiGLU
+of the gate and up halves, or an RMS norm times its weight), and the product kernel add a
+residual or a bias as it writes y (ADD), so a decode step has no launches for those.
 
 The other two dequantize to floats: the batched kernel a slot of every word of its tile at a
 time (``_qmm_kernel``), the dequantize kernel a lane an element, each value rounded as

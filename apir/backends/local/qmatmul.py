@@ -9,7 +9,9 @@ Three paths, chosen by the rows of x, the device and (for Q6_K) the type:
 
 - M <= FUSED_ROWS on CUDA: x is rounded to int8 per group of 32, then one Triton kernel
   reads every weight byte once and multiplies in integers (``qkernels._qgemv_kernel``).
-  No memory beyond the (M, N) result and int8 x.
+  No memory beyond the (M, N) result and int8 x. ``decode_product`` also makes x from
+  the op before it (a SwiGLU, a norm times its weight) as it rounds it, and adds a
+  residual or bias as it writes y: a decode step's launches for those ops are gone.
 - M <= BATCH_ROWS on CUDA (a batched decode step), a weight not Q6_K of at least
   BATCH_MIN_VALUES values (``batched``): a Triton kernel dequantizes each weight tile once,
   to f16, and multiplies it with a tile of 16 to 64 rows on the tensor cores
@@ -308,12 +310,12 @@ if qkernels is not None:
             num_warps=warps, enable_fp_fusion=False)  # d*q + m rounded twice, as gguf-py does
         return out
 
-    # Opaque custom ops, not triton_ops, for the reason gemv.py gives (Inductor compiles a
-    # triton_op's kernel per call site while tracing); the launches are recorded into a
-    # step's CUDA graph like any other.
     def _rows(t: torch.Tensor) -> torch.Tensor:
         return t if t.stride(-1) == 1 else t.contiguous()
 
+    # Opaque custom ops, not triton_ops, for the reason gemv.py gives (Inductor compiles a
+    # triton_op's kernel per call site while tracing); the launches are recorded into a
+    # step's CUDA graph like any other.
     @torch.library.custom_op("apir::qgemv", mutates_args=())
     def _qgemv(x: torch.Tensor, u: torch.Tensor | None, r: torch.Tensor | None, act: int, eps: float,
                ws: list[torch.Tensor], qtypes: list[int], ns: list[int], k: int) -> torch.Tensor:
