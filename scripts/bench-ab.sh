@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# apir against an earlier apir: `apir bench ARGS` on another tree's `apir` package (BASE),
+# then on this checkout's, each with a compile cache of its own, then `apir bench compare`
+# of the two (t/s and new ÷ base per model, backend and test). For a kernel change measured
+# on a GPU host that has no git history (the device machine): make BASE here with --ref and
+# carry it there, or pass --ref where git is at hand.
+#   scripts/bench-ab.sh (--ref REV | --base DIR) [--out DIR] [--] ARGS...
+#   scripts/bench-ab.sh --ref main -- -p 64 -n 128 -r 3 --backends native --device cuda \
+#       --synthetic llama-8b:q4_0,llama-1b:q4_0
+#   scripts/bench-ab.sh --ref main --base-only .device-run/base   # write BASE, run nothing
+# BASE is a directory holding the `apir` package (a copy of another revision's apir/).
+# OUT (default a temporary directory) gets base.json, new.json and the runs' logs.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+die() { echo "bench-ab: $*" >&2; exit 2; }
+ref= base= out= base_only=
+while [ $# -gt 0 ]; do
+  case $1 in
+    --ref) [ $# -ge 2 ] || die "--ref needs a revision"; ref=$2; shift 2 ;;
+    --base) [ $# -ge 2 ] || die "--base needs a directory"; base=$2; shift 2 ;;
+    --base-only) [ $# -ge 2 ] || die "--base-only needs a directory"; base_only=$2; shift 2 ;;
+    --out) [ $# -ge 2 ] || die "--out needs a directory"; out=$2; shift 2 ;;
+    --) shift; break ;;
+    -h|--help) sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) break ;;
+  esac
+done
+py=${PYTHON:-python3}
+if [ -n "$ref" ]; then
+  [ -z "$base" ] || die "give --ref or --base, not both"
+  git rev-parse --verify -q "$ref^{commit}" >/dev/null || die "no such revision here: $ref"
+  if [ -n "$base_only" ]; then
+    base=$base_only
+  else
+    base=$(mktemp -d /tmp/apir-ab-base.XXXXXX) && trap 'rm -rf "$base"' EXIT
+  fi
+  mkdir -p "$base" && rm -rf "$base/apir" && git archive "$ref" apir | tar -x -C "$base" \
+    || die "cannot write $ref's apir/ into $base"
+  echo "bench-ab: base is $ref ($(git rev-parse --short "$ref")) in $base"
+  [ -z "$base_only" ] || exit 0
+fi
+[ -n "$base" ] || die "give --ref REV or --base DIR (see --help)"
+[ -f "$base/apir/__init__.py" ] || die "$base holds no apir package (apir/__init__.py)"
+[ $# -gt 0 ] || die "no apir bench arguments given (e.g. -p 64 -n 128 --synthetic llama-1b:q4_0)"
+out=${out:-$(mktemp -d /tmp/apir-ab.XXXXXX)}
+mkdir -p "$out"
+base=$(cd "$base" && pwd)
+bench() {  # name, PYTHONPATH, then the bench arguments
+  local name=$1 path=$2 start=$SECONDS
+  shift 2
+  # -P: the working directory (this checkout) is not put before PYTHONPATH's tree
+  APIR_COMPILE_CACHE="$out/cache-$name" PYTHONPATH="$path" "$py" -P -c \
+    'import sys; from apir.cli import main; sys.exit(main())' bench "$@" -o json --no-history \
+    >"$out/$name.json" 2>"$out/$name.log"
+  local rc=$?
+  echo "bench-ab: $name: exit $rc after $((SECONDS - start)) s (log $out/$name.log)"
+  return $rc
+}
+bench base "$base" "$@" || die "the base run failed: $(tail -3 "$out/base.log")"
+bench new "$PWD" "$@" || die "the new run failed: $(tail -3 "$out/new.log")"
+"$py" -c 'import sys; from apir.cli import main; sys.exit(main())' bench compare "$out/base.json" "$out/new.json"
+rc=$?
+[ $rc -le 1 ] || exit $rc
+exit 0  # compare's 1 (a regression) is in its table; this script reports, it does not gate
