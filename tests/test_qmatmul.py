@@ -213,18 +213,21 @@ def _silu(v: np.ndarray) -> np.ndarray:
     return v / (1.0 + np.exp(-v))
 
 
+def _decode_cases(qtype: Q, seed: int):
+    """(m, n, k, raw, [packed weight], rng) for the type's shapes, at most FUSED_ROWS rows."""
+    shapes = SHAPES_32 if quants.GGML_QUANT_SIZES[qtype][0] == 32 else SHAPES_256
+    for i, (m, n, k) in enumerate(shapes):
+        raw = random_weight(qtype, n, k, seed=i)
+        yield min(m, qm.FUSED_ROWS), n, k, raw, [packed(raw, qtype, n, k)], np.random.default_rng(seed + i)
+
+
 @needs_triton
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q8_0, Q.Q4_K, Q.Q6_K], ids=lambda t: t.name)
 def test_fused_kernel_makes_its_activation_as_it_rounds_x(qtype):
     # GLU: x is a fused gate/up product's two halves, views whose rows are 2K apart, read in
     # place; NORM: x normalized and scaled by the norm's weight (K,). Both against gguf-py
     # over the activation made in numpy
-    shapes = SHAPES_32 if quants.GGML_QUANT_SIZES[qtype][0] == 32 else SHAPES_256
-    for i, (m, n, k) in enumerate(shapes):
-        m = min(m, qm.FUSED_ROWS)
-        raw = random_weight(qtype, n, k, seed=i)
-        w = [packed(raw, qtype, n, k)]
-        rng = np.random.default_rng(200 + i)
+    for m, n, k, raw, w, rng in _decode_cases(qtype, 200):
         both = rng.standard_normal((m, 2 * k)).astype(np.float32)
         g, u = both[:, :k], both[:, k:]
         t = torch.from_numpy(both)
@@ -242,12 +245,7 @@ def test_fused_kernel_makes_its_activation_as_it_rounds_x(qtype):
 def test_fused_kernel_adds_a_residual_or_a_bias_as_it_writes_y(qtype):
     # a residual (M, N): the product plus it, added after the sum (a.float() + b.float());
     # a bias (N,): the same row for every row of x. Stacked weights: each run its columns
-    shapes = SHAPES_32 if quants.GGML_QUANT_SIZES[qtype][0] == 32 else SHAPES_256
-    for i, (m, n, k) in enumerate(shapes):
-        m = min(m, qm.FUSED_ROWS)
-        raw = random_weight(qtype, n, k, seed=i)
-        w = [packed(raw, qtype, n, k)]
-        rng = np.random.default_rng(300 + i)
+    for m, n, k, _, w, rng in _decode_cases(qtype, 300):
         x = rng.standard_normal((m, k)).astype(np.float32)
         plain = qm._qgemv(torch.from_numpy(x), None, None, qm.PLAIN, 0.0, w, [int(qtype)], [n], k)
         for r in (rng.standard_normal((m, n)), rng.standard_normal(n)):
