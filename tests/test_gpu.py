@@ -45,7 +45,8 @@ def test_captured_graph_decode_equals_eager_decode(tmp_path):
     # each other at the fourth greedy step, where an x value that Inductor's norm rounds to
     # another int8 step parts the two runs (on main's kernels too: an H100, 2026-12-07,
     # bench/results/h100-2026-12-07-s22-callG.txt); its decode is held to the CPU below
-    for path in _models(tmp_path)[:1] + _models(tmp_path)[2:]:
+    models = _models(tmp_path)
+    for path in [models[0], *models[2:]]:
         captured = _decode(path, cuda_graphs=True)
         eager = _decode(path, cuda_graphs=False)
         assert captured[0] == eager[0], path

@@ -100,20 +100,20 @@ def qproduct(x: object, parts: tuple[Blocks, ...], residual: torch.Tensor | None
     plus ``residual`` (broadcast to the result) where given. A decode step's x left to make
     (Glu, Normed) is made by the product's own kernel, as is the addition."""
     k = parts[0].shape[1]
-    ns = [p.shape[0] for p in parts]
+    stacked = [(p.data, p.qtype, p.shape[0]) for p in parts]
     base = x.gate if isinstance(x, Glu) else x.x if isinstance(x, Normed) else x
     fusing = isinstance(x, (Glu, Normed)) or residual is not None
-    if fusing and qmatmul.fuses(base, k) and (residual is None or _broadcasts(residual, base.numel() // k, sum(ns))):
+    if fusing and qmatmul.fuses(base, k) and (residual is None or _broadcasts(residual, base.numel() // k, sum(n for *_, n in stacked))):
         act, u, eps = ((qmatmul.GLU, x.up, 0.0) if isinstance(x, Glu)
                        else (qmatmul.NORM, x.weight, x.eps) if isinstance(x, Normed)
                        else (qmatmul.PLAIN, None, 0.0))
-        y = qmatmul.decode_product(base, [(p.data, p.qtype, p.shape[0]) for p in parts], k, act, u, eps, residual)
+        y = qmatmul.decode_product(base, stacked, k, act, u, eps, residual)
         return y.reshape(*base.shape[:-1], y.shape[-1])
     x = made(x)
     x2 = x.reshape(-1, k)
     # qmatmul_stacked without its argument checks (buffer offsets are 32-byte aligned, so
     # they hold by construction; they read data pointers, which a traced step has not)
-    y = qmatmul.stacked_product(x2, [(p.data, p.qtype, p.shape[0]) for p in parts], k)
+    y = qmatmul.stacked_product(x2, stacked, k)
     y = y.reshape(*x.shape[:-1], y.shape[-1])
     return y if residual is None else KERNELS[Op.ADD](y, residual)
 
