@@ -26,6 +26,10 @@ while [ $# -gt 0 ]; do
   esac
 done
 py=${PYTHON:-python3}
+if [ -n "$base_only" ]; then  # it writes BASE and runs nothing: nothing else may be asked of it
+  [ -n "$ref" ] || die "--base-only needs --ref (the revision to write)"
+  [ -z "$out" ] && [ $# -eq 0 ] || die "--base-only runs nothing: no --out or bench arguments with it"
+fi
 if [ -n "$ref" ]; then
   [ -z "$base" ] || die "give --ref or --base, not both"
   git rev-parse --verify -q "$ref^{commit}" >/dev/null || die "no such revision here: $ref"

@@ -31,6 +31,8 @@ def test_help_says_what_it_takes() -> None:
     (["--ref", "no-such-revision"], "no such revision here: no-such-revision"),
     (["--ref", "HEAD", "--base", "/tmp"], "give --ref or --base, not both"),
     (["--base", "/"], "/ holds no apir package (apir/__init__.py)"),
+    (["--base-only", "/tmp/x"], "--base-only needs --ref (the revision to write)"),
+    (["--ref", "HEAD", "--base-only", "/tmp/x", "-p", "8"], "--base-only runs nothing: no --out or bench arguments with it"),
 ])
 def test_bad_arguments_are_refused_before_anything_runs(args: list[str], error: str) -> None:
     proc = script(*args)
