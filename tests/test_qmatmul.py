@@ -453,7 +453,13 @@ def test_every_kernel_compiles_for_sm90(qtype):
             kernel = probe.compile_kernel(int(qtype), n, k, kind)[0]
             assert kernel.asm["cubin"][:4] == b"\x7fELF", (kind, n, k)
     # the variants a decode step takes: the activation made while rounding x (GLU, NORM),
-    # and the residual added as y is written
+    # the residual added as y is written, and both kernels launched as dependents (PDL),
+    # waiting for the kernel before them where they say so
     for act in (qm.GLU, qm.NORM):
         assert probe.compile_kernel(int(qtype), 64, 4096, "quantize", act=act)[0].asm["cubin"][:4] == b"\x7fELF"
     assert probe.compile_kernel(int(qtype), 4096, 4096, "fused", add=True)[0].asm["cubin"][:4] == b"\x7fELF"
+    for kind in ("quantize", "fused"):
+        plain = probe.compile_kernel(int(qtype), 4096, 4096, kind)[0].asm["ptx"]
+        dependent = probe.compile_kernel(int(qtype), 4096, 4096, kind, pdl=True)[0].asm["ptx"]
+        assert "griddepcontrol" not in plain
+        assert "griddepcontrol.wait" in dependent and "griddepcontrol.launch_dependents" in dependent, kind

@@ -78,7 +78,7 @@ def fused(qtype, n, k, cfg=None):
         planes, args, _ = _stack([w], int(qtype), [n], k, bn)
         qkernels._qgemv_kernel[(x.shape[0], triton.cdiv(n, bn))](
             *quantize_x(x, int(qtype)), *planes, y, y, K=k, LDY=n, LDR=0, **args, ASM=qkernels.ASM, BN=bn, NG=ng,
-            ADD=False, num_warps=warps, num_stages=stages)
+            ADD=False, PDL=False, num_warps=warps, num_stages=stages)
         return y
     return run
 

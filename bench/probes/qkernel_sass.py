@@ -50,23 +50,25 @@ def _signature(qtype: int, kind: str) -> dict[str, str]:
                **({"SPLIT_GROUPS": "i32", "SPLIT_STRIDE": "i32"} if kind == "batched" else {})}
     consts = ("QT", "LB", "HB", "OFF", "MIN", *(("ASM",) if kind != "dequant" else ()),
               *(("P",) if kind != "dequant" else ()), *(("BM", "WT") if kind == "batched" else ()), "BN", "NG",
-              *(("ADD",) if kind == "fused" else ()))
+              *(("ADD", "PDL") if kind == "fused" else ()))
     return sig | {name: "constexpr" for name in consts}
 
 
 def compile_kernel(qtype: int, n: int, k: int, kind: str = "fused", parts: int = 1, tile=None,
-                   bm: int = 16, wt: bool | None = None, act: int = 0, add: bool = False):
+                   bm: int = 16, wt: bool | None = None, act: int = 0, add: bool = False,
+                   pdl: bool = False):
     """The kernel of ``kind`` for a packed (n, k) weight (``parts`` of them stacked, the
     decode kernels), compiled for sm_90 with the tiles the host would launch it with, as
     Triton specializes at run time (aligned pointers, K and LDY multiples of 16). Returns
     (compiled kernel, BN, NG, num_warps). ``tile`` (BN, NG, warps, stages) overrides the
     decode kernel's; the batched one's are those for ``bm`` rows of x, ``wt`` overriding its
-    WT; ``act`` is the quantize kernel's ACT, ``add`` the fused kernel's ADD."""
+    WT; ``act`` is the quantize kernel's ACT, ``add`` the fused kernel's ADD, ``pdl`` both decode
+    kernels' PDL."""
     if kind == "quantize":  # x rounded to int8 for the fused kernel (no weight type)
-        src = ASTSource(fn=qkernels._quantize_x_kernel, constexprs={"BG": 32, "LB": 4, "ACT": act},
+        src = ASTSource(fn=qkernels._quantize_x_kernel, constexprs={"BG": 32, "LB": 4, "ACT": act, "PDL": pdl},
                         signature={"x_ptr": "*fp32", "u_ptr": "*fp32", "xq_ptr": "*i32", "xs_ptr": "*fp32",
                                    "K": "i32", "LDX": "i32", "LDU": "i32", "eps": "fp32",
-                                   "LB": "constexpr", "ACT": "constexpr", "BG": "constexpr"},
+                                   "LB": "constexpr", "ACT": "constexpr", "BG": "constexpr", "PDL": "constexpr"},
                         attrs={(i,): [["tt.divisibility", 16]] for i in range(5)})
         return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}), 0, 0, 4
     lb, hb, off, mins = qkernels.TYPES[qtype]
@@ -82,7 +84,7 @@ def compile_kernel(qtype: int, n: int, k: int, kind: str = "fused", parts: int =
         stages = 2
         if tile:
             bn, nc, warps, stages = tile
-        consts |= dict(ASM=True, ADD=add)
+        consts |= dict(ASM=True, ADD=add, PDL=pdl)
         fn, options, ints = qkernels._qgemv_kernel, {"num_stages": stages}, (24, 25)  # K, LDY
     else:
         bn, nc, warps = qmatmul.tiles(qtype, n, k, fused=False)

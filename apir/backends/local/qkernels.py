@@ -28,15 +28,27 @@ gguf-py rounds it.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 # PTX inline assembly (dp4a) is for NVIDIA GPUs: not under Triton's CPU interpreter, not on
 # ROCm, where the same kernels take the plain shift-multiply-add route
 ASM = os.environ.get("TRITON_INTERPRET") != "1" and torch.version.hip is None
+
+
+@functools.cache
+def dependent_launches(device: torch.device) -> bool:
+    """Whether the decode kernels launch as programmatic dependents (PDL, sm_90 and later):
+    a kernel's programs start while the kernel before it finishes, load what does not
+    depend on it (the weights, their scales), and wait for it (gdc_wait) only before
+    reading its results. A decode step is a chain of short launches, each of which
+    otherwise starts its first DRAM reads only after the last one's final program exits."""
+    return ASM and device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
 
 # ggml type id -> (LB low bits, HB high bits, OFF the offset taken off a quant, MIN: the
 # values have a min, d * q + m)
@@ -249,7 +261,7 @@ def _pick(part, a0, a1, a2, P: tl.constexpr):
 
 @triton.jit
 def _quantize_x_kernel(x_ptr, u_ptr, xq_ptr, xs_ptr, K, LDX, LDU, eps, LB: tl.constexpr,
-                       ACT: tl.constexpr, BG: tl.constexpr):
+                       ACT: tl.constexpr, BG: tl.constexpr, PDL: tl.constexpr):
     # program (m, j): groups j*BG.. of row m of the activation v (M, K), rounded to int8 per
     # group of 32 (dx = max |v| / 127): xq (M, K/32, 8) int32, four values a word, for a
     # weight type of LB low words a group (QPW = 8 / LB quads each): quad w * QPW + t of a
@@ -258,6 +270,10 @@ def _quantize_x_kernel(x_ptr, u_ptr, xq_ptr, xs_ptr, K, LDX, LDU, eps, LB: tl.co
     # half, 0. v is made here from x (rows LDX apart) and u (rows LDU apart; 0: one row for
     # all), as the op before the product would have made it (ACT, see qmatmul):
     #   PLAIN v = x;  GLU v = silu(x) * u;  NORM v = x * rsqrt(mean(x^2) + eps) * u
+    # With PDL the product that reads xq may start now, and waits for this kernel to end
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     m = tl.program_id(0)
     G = K // 32
     g = tl.program_id(1) * BG + tl.arange(0, BG)
@@ -314,7 +330,8 @@ def _qgemv_words(low_ptr, high_ptr, r, g, w, G, LB: tl.constexpr, HB: tl.constex
 def _qgemv_kernel(xq_ptr, xs_ptr, L0, H0, A0, B0, C0, L1, H1, A1, B1, C1, L2, H2, A2, B2, C2, y_ptr,
                   r_ptr, N0, N1, N2, T0, T1, K, LDY, LDR, QT: tl.constexpr, LB: tl.constexpr,
                   HB: tl.constexpr, OFF: tl.constexpr, MIN: tl.constexpr, ASM: tl.constexpr,
-                  P: tl.constexpr, BN: tl.constexpr, NG: tl.constexpr, ADD: tl.constexpr):
+                  P: tl.constexpr, BN: tl.constexpr, NG: tl.constexpr, ADD: tl.constexpr,
+                  PDL: tl.constexpr):
     # program (m, t): row tile t of the P stacked weights (L, H, A, B, C: each one's low,
     # high and scale planes; see _part) times row m of x, given as _quantize_x_kernel's xq
     # and xs, into y[m, its columns] (y's rows LDY apart), NG groups of 32 a step; with ADD,
@@ -343,6 +360,11 @@ def _qgemv_kernel(xq_ptr, xs_ptr, L0, H0, A0, B0, C0, L1, H1, A1, B1, C1, L2, H2
     g = tl.arange(0, NG)
     lw, h0, h1 = _qgemv_words(low_ptr, high_ptr, r, g, w, G, LB, HB)
     d0, d1, m0, m1 = _scales(p0, p1, p2, r[:, None], g[None, :], K, QT)
+    if PDL:
+        # the weights are the session's, written long before: only x (and r) come from the
+        # kernels before this one, so the first step's weight loads run while they finish
+        gdc_launch_dependents()
+        gdc_wait()
     for _ in tl.range(0, G, NG):
         nxt = g + NG
         lw_n, h0_n, h1_n = _qgemv_words(low_ptr, high_ptr, r, nxt, w, G, LB, HB)

@@ -258,11 +258,12 @@ if qkernels is not None:
         rows."""
         m, k = x.shape
         u = x if u is None else u
+        pdl = qkernels.dependent_launches(x.device)
         xq = torch.empty((m, k // 32, 8), device=x.device, dtype=torch.int32)
         xs = torch.empty((m, k // 32, 4), device=x.device, dtype=torch.float32)
         qkernels._quantize_x_kernel[(m, triton.cdiv(k // 32, 32))](
             x, u, xq, xs, k, x.stride(0), u.stride(0) if u.dim() == 2 else 0, eps,
-            LB=qpack.low_bits(qtype), ACT=act, BG=32, num_warps=4)
+            LB=qpack.low_bits(qtype), ACT=act, BG=32, PDL=pdl, num_warps=4, launch_pdl=pdl)
         return xq, xs
 
     def _launch_gemv(xq: tuple[torch.Tensor, torch.Tensor], ws: Sequence[torch.Tensor], qtype: int,
@@ -275,10 +276,11 @@ if qkernels is not None:
             y = torch.empty((m, sum(ns)), device=xq[0].device, dtype=torch.float32)
         bn, ng, warps = tiles(qtype, ns[0], k, fused=True)
         planes, args, tiles_n = _stack(ws, qtype, ns, k, bn)
+        pdl = qkernels.dependent_launches(y.device)
         qkernels._qgemv_kernel[(m, tiles_n)](
             *xq, *planes, y, y if r is None else r, K=k, LDY=y.stride(0),
             LDR=0 if r is None else r.stride(0), **args, ASM=qkernels.ASM, BN=bn, NG=ng,
-            ADD=r is not None, num_warps=warps, num_stages=2)
+            ADD=r is not None, PDL=pdl, num_warps=warps, num_stages=2, launch_pdl=pdl)
         return y
 
     def _launch_mm(xs: torch.Tensor, ws: Sequence[torch.Tensor], qtype: int, ns: Sequence[int],
