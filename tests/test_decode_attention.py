@@ -72,16 +72,17 @@ def test_cuda_slotted_attention_reads_the_visible_keys_only(slots, keys, window,
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or da.triton is None, reason="needs a CUDA GPU and Triton")
-def test_cuda_decode_over_a_long_cache_reads_the_filled_part():
-    # ATTENTION over a cache past LONG_CACHE rows, one decode token: rows past its position
-    # are NaN (never written), and must not be read
-    keys = kernels.LONG_CACHE + 500
+@pytest.mark.parametrize("keys", [1524, 200])
+def test_cuda_decode_reads_the_filled_part(keys):
+    # ATTENTION of one decode token over a cache split along its keys, and over one read by
+    # a single split: rows past its position are NaN (never written), and must not be read
     q, k, v, pos, _ = case(1, keys, torch.float16)
-    q, pos = q[:1], torch.tensor([700], dtype=torch.int32)
+    at = min(700, keys - 1)
+    q, pos = q[:1], torch.tensor([at], dtype=torch.int32)
     k, v = k[0], v[0]
-    k[701:], v[701:] = float("nan"), float("nan")
+    k[at + 1:], v[at + 1:] = float("nan"), float("nan")
     got = kernels.attention(q.cuda(), k.cuda(), v.cuda(), pos.cuda(), 0.25, 0, 0.0).cpu()
-    want = kernels.attention(q, k[:701].float(), v[:701].float(), pos, 0.25, 0, 0.0)
+    want = kernels.attention(q, k[:at + 1].float(), v[:at + 1].float(), pos, 0.25, 0, 0.0)
     torch.testing.assert_close(got, want, **TOLERANCE[torch.float16])
 
 
@@ -130,15 +131,13 @@ def test_kernel_compiles_for_sm90(group, dim, cache):
 
     gp, dp, _, block, warps = da.tiles(group, dim, dim)
     sig = {"q_ptr": "*fp32", "k_ptr": f"*{cache}", "v_ptr": f"*{cache}", "pos_ptr": "*i32", "seq_ptr": "*i32",
-           "m_ptr": "*fp32", "l_ptr": "*fp32", "o_ptr": "*fp32", "KEYS": "i32", "HQ": "i32", "K_SLOT": "i32",
-           "K_ROW": "i32", "V_SLOT": "i32", "V_ROW": "i32", "scale": "fp32", "softcap": "fp32", "window": "i32"}
-    consts = dict(G=group, GP=gp, D=dim, DP=dp, DV=dim, DVP=dp, BLOCK=block, SOFTCAP=True, WINDOW=True,
-                  F32=cache == "fp32")
-    src = ASTSource(fn=da._attend_kernel, signature=sig | {c: "constexpr" for c in consts}, constexprs=consts)
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
-    assert kernel.asm["cubin"][:4] == b"\x7fELF"
-    consts = dict(DV=dim, SP=128, DB=32)
-    sig = {"m_ptr": "*fp32", "l_ptr": "*fp32", "o_ptr": "*fp32", "out_ptr": "*fp32", "SPLITS": "i32"}
-    src = ASTSource(fn=da._combine_kernel, signature=sig | {c: "constexpr" for c in consts}, constexprs=consts)
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-    assert kernel.asm["cubin"][:4] == b"\x7fELF"
+           "m_ptr": "*fp32", "l_ptr": "*fp32", "o_ptr": "*fp32", "out_ptr": "*fp32", "done_ptr": "*i32",
+           "KEYS": "i32", "HQ": "i32", "HKV": "i32", "K_SLOT": "i32", "K_ROW": "i32", "V_SLOT": "i32",
+           "V_ROW": "i32", "scale": "fp32", "softcap": "fp32", "window": "i32"}
+    for split in (False, True):  # one split, its own result; or split, the last combining
+        consts = dict(G=group, GP=gp, D=dim, DP=dp, DV=dim, DVP=dp, BLOCK=block, SOFTCAP=True, WINDOW=True,
+                      F32=cache == "fp32", SPLIT=split)
+        src = ASTSource(fn=da._attend_kernel, signature=sig | {c: "constexpr" for c in consts}, constexprs=consts)
+        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+        assert kernel.asm["cubin"][:4] == b"\x7fELF"
+        assert ("atom.global.gpu.acq_rel.add" in kernel.asm["ptx"]) == split, split

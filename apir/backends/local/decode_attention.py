@@ -11,14 +11,16 @@ every row: a decode step of 64 streams with 257-token slots scores each query ag
 16k keys, and a one-stream step on a 64-slot cache ran at 0.21x of the single-sequence
 path on an H200 (apir bench serve, 2026-12-01). Here a program (query t, kv head h, key
 split s) walks only keys s*KEYS.. of slot seq[t] that are <= pos[t], keeping a running
-maximum, denominator and weighted sum for its G query heads (online softmax); a second
-kernel combines the splits' partials. Shapes and launch grid depend on T and the cache only, so a
+maximum, denominator and weighted sum for its G query heads (online softmax); the last
+split of a query's kv head to finish combines the splits' partials, in the same launch. Shapes and launch grid depend on T and the cache only, so a
 step is recorded in a CUDA graph once; the loop bounds are read on the device.
 
 Triton comes with CUDA builds of PyTorch; without it ``usable`` is False.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -67,14 +69,17 @@ def tiles(group: int, dim: int, dim_v: int) -> tuple[int, int, int, int, int]:
 if triton is not None:
 
     @triton.jit
-    def _attend_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, seq_ptr, m_ptr, l_ptr, o_ptr, KEYS, HQ,
-                       K_SLOT, K_ROW, V_SLOT, V_ROW, scale, softcap, window,
+    def _attend_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, seq_ptr, m_ptr, l_ptr, o_ptr, out_ptr, done_ptr,
+                       KEYS, HQ, HKV, K_SLOT, K_ROW, V_SLOT, V_ROW, scale, softcap, window,
                        G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
                        DV: tl.constexpr, DVP: tl.constexpr, BLOCK: tl.constexpr,
-                       SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, F32: tl.constexpr):
-        # program (t, h, s): query t's heads h*G.. over keys s*KEYS.. of its slot; writes its
-        # running max m, denominator l (T, HQ, splits) and weighted sum o (T, HQ, splits, DV).
-        # Both products run on the tensor cores: q (GP, DP) @ k.T (DP, BLOCK), then the
+                       SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, F32: tl.constexpr,
+                       SPLIT: tl.constexpr):
+        # program (t, h, s): query t's heads h*G.. over keys s*KEYS.. of its slot, into out
+        # (T, HQ, DV). One split (not SPLIT): its own result. Else it writes its running max
+        # m, denominator l (T, HQ, splits) and weighted sum o (T, HQ, splits, DV), and the
+        # last of (t, h)'s splits to finish (a count in done (T * HKV,), zero between launches:
+        # that program sets it back) combines them: no second launch. Both products run on the tensor cores: q (GP, DP) @ k.T (DP, BLOCK), then the
         # probabilities (GP, BLOCK) @ v (BLOCK, DVP), in the cache's type (an f16 cache: q and
         # the probabilities rounded to f16, as fused attention kernels do), accumulated in f32
         t = tl.program_id(0)
@@ -122,26 +127,42 @@ if triton is not None:
             else:
                 acc = tl.dot(pr.to(vb.dtype), vb, acc * alpha[:, None])
             m_i = m_new
-        row = heads * tl.num_programs(2) + sp
-        tl.store(m_ptr + row, m_i, mask=g < G)
-        tl.store(l_ptr + row, l_i, mask=g < G)
-        tl.store(o_ptr + row[:, None] * DV + dv[None, :], acc, mask=(g < G)[:, None] & (dv < DV)[None, :])
+        keep = (g < G)[:, None] & (dv < DV)[None, :]
+        at = heads[:, None] * DV + dv[None, :]
+        if not SPLIT:
+            tl.store(out_ptr + at, acc / l_i[:, None], mask=keep)  # the query's own key is always seen: l > 0
+        else:
+            splits = tl.num_programs(2)
+            row = heads * splits + sp
+            tl.store(m_ptr + row, m_i, mask=g < G)
+            tl.store(l_ptr + row, l_i, mask=g < G)
+            tl.store(o_ptr + row[:, None] * DV + dv[None, :], acc, mask=keep)
+            tl.debug_barrier()  # every thread's partials written before the count says so
+            count = done_ptr + t * HKV + h
+            if tl.atomic_add(count, 1, sem="acq_rel") == splits - 1:
+                # the splits' partials, read past L1 (written by other multiprocessors); those
+                # that saw no key have m = -inf, l = 0 and weigh exp(-inf) = 0
+                top = tl.full((GP,), float("-inf"), tl.float32)
+                for i in range(0, splits):
+                    top = tl.maximum(top, tl.load(m_ptr + heads * splits + i, mask=g < G, other=0.0,
+                                                  cache_modifier=".cg"))
+                den = tl.zeros((GP,), tl.float32)
+                num = tl.zeros((GP, DVP), tl.float32)
+                for i in range(0, splits):
+                    part = heads * splits + i
+                    w = tl.exp(tl.load(m_ptr + part, mask=g < G, other=0.0, cache_modifier=".cg") - top)
+                    den += w * tl.load(l_ptr + part, mask=g < G, other=0.0, cache_modifier=".cg")
+                    num += w[:, None] * tl.load(o_ptr + part[:, None] * DV + dv[None, :], mask=keep, other=0.0,
+                                                cache_modifier=".cg")
+                tl.store(out_ptr + at, num / den[:, None], mask=keep)
+                tl.atomic_xchg(count, 0)  # for the next launch (a CUDA graph replays this one)
 
-    @triton.jit
-    def _combine_kernel(m_ptr, l_ptr, o_ptr, out_ptr, SPLITS, DV: tl.constexpr, SP: tl.constexpr,
-                        DB: tl.constexpr):
-        # program (row, i): features i*DB.. of query head row's output, from its SPLITS
-        # partials. Splits that saw no key have m = -inf, l = 0 and weigh exp(-inf) = 0
-        row = tl.program_id(0).to(tl.int64)
-        s = tl.arange(0, SP)
-        dv = tl.program_id(1) * DB + tl.arange(0, DB)
-        m = tl.load(m_ptr + row * SPLITS + s, mask=s < SPLITS, other=float("-inf"))
-        l = tl.load(l_ptr + row * SPLITS + s, mask=s < SPLITS, other=0.0)
-        o = tl.load(o_ptr + (row * SPLITS + s)[:, None] * DV + dv[None, :],
-                    mask=(s < SPLITS)[:, None] & (dv < DV)[None, :], other=0.0)
-        w = tl.exp(m - tl.max(m, axis=0))
-        out = tl.sum(o * w[:, None], axis=0) / tl.sum(l * w, axis=0)
-        tl.store(out_ptr + row * DV + dv, out, mask=dv < DV)
+    @functools.cache
+    def _counts(device: torch.device) -> torch.Tensor:
+        # the splits' finish counts, one a (query, kv head) of a launch that splits (fewer
+        # than 2 * multiprocessors: see splits); zero between launches, so one buffer serves
+        # every launch on the device (they run one after another on the step's stream)
+        return torch.zeros(2 * multiprocessors(device), device=device, dtype=torch.int32)
 
     # Opaque to a step's tracer, as the quantized products are (see qmatmul): the launches
     # are recorded into a step's CUDA graph like any other kernel.
@@ -153,18 +174,18 @@ if triton is not None:
         group = n_head // heads_kv
         n_split, keys = splits(n_tok, heads_kv, n_keys, multiprocessors(q.device))
         gp, dp, dvp, block, warps = tiles(group, dim, dim_v)
-        m = torch.empty((n_tok, n_head, n_split), device=q.device, dtype=torch.float32)
-        l = torch.empty_like(m)
-        o = torch.empty((n_tok, n_head, n_split, dim_v), device=q.device, dtype=torch.float32)
-        _attend_kernel[(n_tok, heads_kv, n_split)](
-            q.contiguous(), k, v, pos, seq, m, l, o, keys, n_head, k.stride(0), k.stride(1),
-            v.stride(0), v.stride(1), scale, softcap or 1.0, window,
-            G=group, GP=gp, D=dim, DP=dp, DV=dim_v, DVP=dvp, BLOCK=block, SOFTCAP=bool(softcap),
-            WINDOW=bool(window), F32=k.dtype == torch.float32, num_warps=warps)
         out = torch.empty((n_tok, n_head, dim_v), device=q.device, dtype=torch.float32)
-        sp = 1 << (n_split - 1).bit_length()
-        db = max(16, min(dvp, 4096 // sp))  # a program's (SP, DB) partials within 4,096 values
-        _combine_kernel[(n_tok * n_head, triton.cdiv(dim_v, db))](m, l, o, out, n_split, DV=dim_v, SP=sp, DB=db)
+        m = l = o = done = out  # one split: no partials
+        if n_split > 1:
+            m = torch.empty((n_tok, n_head, n_split), device=q.device, dtype=torch.float32)
+            l = torch.empty_like(m)
+            o = torch.empty((n_tok, n_head, n_split, dim_v), device=q.device, dtype=torch.float32)
+            done = _counts(q.device)
+        _attend_kernel[(n_tok, heads_kv, n_split)](
+            q.contiguous(), k, v, pos, seq, m, l, o, out, done, keys, n_head, heads_kv, k.stride(0),
+            k.stride(1), v.stride(0), v.stride(1), scale, softcap or 1.0, window,
+            G=group, GP=gp, D=dim, DP=dp, DV=dim_v, DVP=dvp, BLOCK=block, SOFTCAP=bool(softcap),
+            WINDOW=bool(window), F32=k.dtype == torch.float32, SPLIT=n_split > 1, num_warps=warps)
         return out
 
     @_attend.register_fake
