@@ -132,12 +132,26 @@ def test_kernel_compiles_for_sm90(group, dim, cache):
     gp, dp, _, block, warps = da.tiles(group, dim, dim)
     sig = {"q_ptr": "*fp32", "k_ptr": f"*{cache}", "v_ptr": f"*{cache}", "pos_ptr": "*i32", "seq_ptr": "*i32",
            "m_ptr": "*fp32", "l_ptr": "*fp32", "o_ptr": "*fp32", "out_ptr": "*fp32", "done_ptr": "*i32",
-           "KEYS": "i32", "HQ": "i32", "HKV": "i32", "K_SLOT": "i32", "K_ROW": "i32", "V_SLOT": "i32",
+           "cos_ptr": "*fp32", "sin_ptr": "*fp32", "KEYS": "i32", "HQ": "i32", "HKV": "i32", "K_SLOT": "i32", "K_ROW": "i32", "V_SLOT": "i32",
            "V_ROW": "i32", "scale": "fp32", "softcap": "fp32", "window": "i32"}
-    for split in (False, True):  # one split, its own result; or split, the last combining
+    # one split, its own result, or split, the last combining; q as given, or rotated (all
+    # features or the first half, NEOX pairs or not) as it is loaded
+    for split, rope, neox in ((False, 0, False), (True, dim, True), (False, dim // 2, False)):
         consts = dict(G=group, GP=gp, D=dim, DP=dp, DV=dim, DVP=dp, BLOCK=block, SOFTCAP=True, WINDOW=True,
-                      F32=cache == "fp32", SPLIT=split)
+                      F32=cache == "fp32", SPLIT=split, ROPE=rope, NEOX=neox)
         src = ASTSource(fn=da._attend_kernel, signature=sig | {c: "constexpr" for c in consts}, constexprs=consts)
         kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
         assert kernel.asm["cubin"][:4] == b"\x7fELF"
         assert ("atom.global.gpu.acq_rel.add" in kernel.asm["ptx"]) == split, split
+
+
+@needs_triton
+@pytest.mark.parametrize(("n_dims", "neox"), [(16, 0), (16, 1), (8, 0), (8, 1)])
+def test_queries_rotated_as_loaded_equal_their_rope_first(n_dims, neox):
+    # the ROPE of q left to the kernel (kernels.Roped): every or only the first n_dims
+    # features turned, in pairs (2i, 2i+1) or (i, i + n_dims/2), by each query's angles
+    q, k, v, pos, seq = case(2, 300, torch.float32)
+    cos, sin = kernels.rope_angles(pos, n_dims, 10000.0, 1.0)
+    want = da._attend(kernels.rope_apply(q, cos, sin, n_dims, neox), k, v, pos, seq, 0.25, 0, 0.0)
+    got = da.attend_visible(q, k, v, pos, seq, 0.25, 0, 0.0, (cos, sin, n_dims, neox))
+    torch.testing.assert_close(got, want, **TOLERANCE[torch.float32])

@@ -58,9 +58,30 @@ def test_a_layers_swiglu_norms_and_residual_products_are_made_by_their_readers(t
         prog = model.backend._graphs[model._logits_graph].program
         steps = [s for s in prog.steps if isinstance(s, Step)]
         made_by = {k: sum(s.kernel is k for s in steps) for k in
-                   (kernels.Glu, kernels.Normed, kernels.scaled, kernels.Product, kernels.add_product)}
+                   (kernels.Glu, kernels.Normed, kernels.scaled, kernels.Product, kernels.add_product,
+                    kernels.roped)}
         assert made_by == {kernels.Glu: 3, kernels.Normed: 7, kernels.scaled: 7,
-                           kernels.Product: 6, kernels.add_product: 6}
+                           kernels.Product: 6, kernels.add_product: 6, kernels.roped: 3}
+        # the queries' ROPE is left to the attention, the keys' (written to the cache) is not
+        ropes = [s for s in steps if s.op is Op.ROPE]
+        assert [s.kernel for s in ropes] == [kernels.roped, KERNELS[Op.ROPE]] * 3
+
+
+def test_a_rope_of_a_states_view_is_made_where_it_stands():
+    # the cache write between a ROPE and its attention would change what a ROPE of a view of
+    # the cache reads: that one is made where it stands, a fresh value's is left to the attention
+    b = GraphBuilder()
+    pos = b.input("pos", (1,), DType.I32)
+    x = b.input("x", (1, 2, 16))
+    cache = b.state(0, 0, (8, 2, 16), DType.F32, "cache")
+    q_fresh = b.rope(x, pos, 16, 10000.0, False)
+    q_cache = b.rope(b.view(cache, 0, 0, 1), pos, 16, 10000.0, False)
+    k_all = b.set_rows(cache, x, pos)
+    a = b.attention(q_fresh, k_all, k_all, pos, 0.25)
+    c = b.attention(q_cache, k_all, k_all, pos, 0.25)
+    prog = compile_program(b.build(a, c), False, lambda d: d)
+    assert prog.steps[q_fresh.id].kernel is kernels.roped
+    assert prog.steps[q_cache.id].kernel is KERNELS[Op.ROPE]
 
 
 def test_values_with_other_readers_are_made_as_values():

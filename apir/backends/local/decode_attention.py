@@ -70,11 +70,11 @@ if triton is not None:
 
     @triton.jit
     def _attend_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, seq_ptr, m_ptr, l_ptr, o_ptr, out_ptr, done_ptr,
-                       KEYS, HQ, HKV, K_SLOT, K_ROW, V_SLOT, V_ROW, scale, softcap, window,
-                       G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+                       cos_ptr, sin_ptr, KEYS, HQ, HKV, K_SLOT, K_ROW, V_SLOT, V_ROW, scale, softcap,
+                       window, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
                        DV: tl.constexpr, DVP: tl.constexpr, BLOCK: tl.constexpr,
                        SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, F32: tl.constexpr,
-                       SPLIT: tl.constexpr):
+                       SPLIT: tl.constexpr, ROPE: tl.constexpr, NEOX: tl.constexpr):
         # program (t, h, s): query t's heads h*G.. over keys s*KEYS.. of its slot, into out
         # (T, HQ, DV). One split (not SPLIT): its own result. Else it writes its running max
         # m, denominator l (T, HQ, splits) and weighted sum o (T, HQ, splits, DV), and the
@@ -91,8 +91,24 @@ if triton is not None:
         d = tl.arange(0, DP)
         dv = tl.arange(0, DVP)
         heads = t * HQ + h * G + g
-        q = tl.load(q_ptr + heads[:, None] * D + d[None, :], mask=(g < G)[:, None] & (d < D)[None, :],
-                    other=0.0)
+        in_q = (g < G)[:, None] & (d < D)[None, :]
+        q = tl.load(q_ptr + heads[:, None] * D + d[None, :], mask=in_q, other=0.0)
+        if ROPE:  # the first ROPE features turn by the angles of the query's position, in pairs
+            # (d, d + ROPE/2) (NEOX) or (2i, 2i + 1): y_d = x_d cos - x_pair sin for the first
+            # of a pair, x_d cos + x_pair sin for the second, as kernels.rope_apply computes it
+            if NEOX:
+                second = (d >= ROPE // 2) & (d < ROPE)
+                pair = tl.where(second, d - ROPE // 2, d + ROPE // 2)
+                angle = tl.where(second, d - ROPE // 2, d)
+            else:
+                second = d % 2 == 1
+                pair = d ^ 1
+                angle = d // 2
+            turns = in_q & (d < ROPE)[None, :]
+            qp = tl.load(q_ptr + heads[:, None] * D + pair[None, :], mask=turns, other=0.0)
+            cs = tl.load(cos_ptr + t * (ROPE // 2) + angle, mask=d < ROPE, other=1.0)[None, :]
+            sn = tl.load(sin_ptr + t * (ROPE // 2) + angle, mask=d < ROPE, other=0.0)[None, :]
+            q = tl.where(turns, tl.where(second[None, :], q * cs + qp * sn, q * cs - qp * sn), q)
         q = q.to(k_ptr.dtype.element_ty)
         first = sp * KEYS
         end = tl.minimum(first + KEYS, p + 1)  # keys first..end-1: none past the query's position
@@ -168,7 +184,8 @@ if triton is not None:
     # are recorded into a step's CUDA graph like any other kernel.
     @torch.library.custom_op("apir::attend_visible", mutates_args=())
     def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, seq: torch.Tensor,
-                scale: float, window: int, softcap: float) -> torch.Tensor:
+                scale: float, window: int, softcap: float, cos: torch.Tensor | None = None,
+                sin: torch.Tensor | None = None, n_dims: int = 0, neox: int = 0) -> torch.Tensor:
         n_tok, n_head, dim = q.shape
         n_slots, n_keys, heads_kv, dim_v = v.shape
         group = n_head // heads_kv
@@ -182,19 +199,30 @@ if triton is not None:
             o = torch.empty((n_tok, n_head, n_split, dim_v), device=q.device, dtype=torch.float32)
             done = _counts(q.device)
         _attend_kernel[(n_tok, heads_kv, n_split)](
-            q.contiguous(), k, v, pos, seq, m, l, o, out, done, keys, n_head, heads_kv, k.stride(0),
-            k.stride(1), v.stride(0), v.stride(1), scale, softcap or 1.0, window,
+            q.contiguous(), k, v, pos, seq, m, l, o, out, done, q if cos is None else cos,
+            q if sin is None else sin, keys, n_head, heads_kv, k.stride(0), k.stride(1), v.stride(0),
+            v.stride(1), scale, softcap or 1.0, window,
             G=group, GP=gp, D=dim, DP=dp, DV=dim_v, DVP=dvp, BLOCK=block, SOFTCAP=bool(softcap),
-            WINDOW=bool(window), F32=k.dtype == torch.float32, SPLIT=n_split > 1, num_warps=warps)
+            WINDOW=bool(window), F32=k.dtype == torch.float32, SPLIT=n_split > 1, ROPE=n_dims,
+            NEOX=bool(neox), num_warps=warps)
         return out
 
     @_attend.register_fake
-    def _(q, k, v, pos, seq, scale, window, softcap):
+    def _(q, k, v, pos, seq, scale, window, softcap, cos=None, sin=None, n_dims=0, neox=0):
         return q.new_empty((*q.shape[:2], v.shape[-1]), dtype=torch.float32)
 
 
 def attend_visible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, seq: torch.Tensor,
-                   scale: float, window: int, softcap: float) -> torch.Tensor:
+                   scale: float, window: int, softcap: float,
+                   rope: tuple[torch.Tensor, torch.Tensor, int, int] | None = None) -> torch.Tensor:
     """The module docstring's attention; ``usable`` must hold. Positions must lie in the
-    cache (the executor checks them before the step)."""
-    return _attend(q.float(), k, v, pos.int(), seq.int(), float(scale), int(window), float(softcap))
+    cache (the executor checks them before the step). ``rope`` (cos, sin (T, 1, n_dims/2),
+    n_dims, neox): q is rotated by those angles as the kernel loads it, as kernels.rope_apply
+    rotates it (the ROPE of the queries, no launch of its own)."""
+    cos = sin = None
+    n_dims = neox = 0
+    if rope is not None:
+        cos, sin, n_dims, neox = rope
+        cos, sin = cos.reshape(cos.shape[0], -1).contiguous(), sin.reshape(sin.shape[0], -1).contiguous()
+    return _attend(q.float(), k, v, pos.int(), seq.int(), float(scale), int(window), float(softcap),
+                   cos, sin, int(n_dims), int(neox))

@@ -71,8 +71,22 @@ class Product:
     w: object
 
 
+@dataclass(frozen=True)
+class Roped:
+    """ROPE's value, x (T, H, D) rotated by the angles ``cos``, ``sin`` (T, 1, n_dims/2) of
+    its positions, for the ATTENTION that reads it as its queries (``roped``)."""
+
+    x: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    n_dims: int
+    neox: int
+
+
 def made(x: object) -> torch.Tensor:
     """A value left for its reader, made: the kernels it stands for (a tensor as it is)."""
+    if isinstance(x, Roped):
+        return rope_apply(x.x.float(), x.cos, x.sin, x.n_dims, x.neox)
     if isinstance(x, Glu):
         return KERNELS[Op.SWIGLU](x.gate, x.up)
     if isinstance(x, Normed):
@@ -211,12 +225,18 @@ def rope_apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_dims: in
 def rope(x, pos, n_dims: int, base: float, neox: int, freq_scale: float, *, memo=None, key=None) -> torch.Tensor:
     """ROPE. ``memo`` (a dict living for one graph run) shares the angles between every
     ROPE of the run that reads the same position node ``key``: one computation per step."""
+    return made(roped(x, pos, n_dims, base, neox, freq_scale, memo=memo, key=key))
+
+
+def roped(x, pos, n_dims: int, base: float, neox: int, freq_scale: float, *, memo=None, key=None) -> Roped:
+    """ROPE of the queries of an ATTENTION (program.deferred): its angles, the rotation
+    left for the attention, which on a decode step rotates q as its kernel loads it."""
     if memo is None:
-        return rope_apply(x.float(), *rope_angles(pos, n_dims, base, freq_scale), n_dims, neox)
+        return Roped(x, *rope_angles(pos, n_dims, base, freq_scale), n_dims, neox)
     k = ("rope", key, n_dims, base, freq_scale)
     if k not in memo:
         memo[k] = rope_angles(pos, n_dims, base, freq_scale)
-    return rope_apply(x.float(), *memo[k], n_dims, neox)
+    return Roped(x, *memo[k], n_dims, neox)
 
 
 def attention_mask(pos: torch.Tensor, n_kv: int, window: int, group: int) -> torch.Tensor:
@@ -237,9 +257,10 @@ def attention(q, k, v, pos, scale: float, window: int, softcap: float, *, memo=N
     three, 6.9 us a layer of an 8B's step on an H100). Elsewhere the mask is shared
     (``memo``) by every layer of a run that reads position node ``key``."""
     n_kv, group = k.shape[0], q.shape[1] // k.shape[1]
-    if q.shape[0] <= SMALL_ROWS and decode_attention.usable(q, k[None], v[None]):
-        return decode_attention.attend_visible(q, k[None], v[None], pos, torch.zeros_like(pos), scale,
-                                               window, softcap)
+    base = q.x if isinstance(q, Roped) else q
+    if base.shape[0] <= SMALL_ROWS and decode_attention.usable(base, k[None], v[None]):
+        return _visible(q, k[None], v[None], pos, torch.zeros_like(pos), scale, window, softcap)
+    q = made(q)
     mk = ("mask", key, n_kv, window, group)
     mask = memo.get(mk) if memo is not None else None
     if mask is None:
@@ -247,6 +268,14 @@ def attention(q, k, v, pos, scale: float, window: int, softcap: float, *, memo=N
         if memo is not None:
             memo[mk] = mask
     return attend(q, k, v, mask, scale, softcap)
+
+
+def _visible(q, k, v, pos, seq, scale: float, window: int, softcap: float) -> torch.Tensor:
+    # decode_attention, rotating the queries as it loads them where their ROPE was left to it
+    if isinstance(q, Roped):
+        return decode_attention.attend_visible(q.x, k, v, pos, seq, scale, window, softcap,
+                                               (q.cos, q.sin, q.n_dims, q.neox))
+    return decode_attention.attend_visible(q, k, v, pos, seq, scale, window, softcap)
 
 
 def attend(q, k, v, mask: torch.Tensor, scale: float, softcap: float) -> torch.Tensor:
@@ -289,6 +318,7 @@ def attention_filled(q, k, v, pos, scale: float, window: int, softcap: float, *,
     """ATTENTION where the positions are on the host's side (a CPU, or a graph whose index
     operands a device cannot check): only keys up to the highest position. On a CPU
     ``cpu_attention``'s form, whose bits do not depend on the call's other queries."""
+    q = made(q)
     if q.device.type == "cpu":
         return cpu_attention.attend_runs(q, k[None], v[None], pos, None, scale, window, softcap, memo)
     n_kv = int(pos.max()) + 1
@@ -300,8 +330,9 @@ def attention_seq(q, k, v, pos, seq, scale: float, window: int, softcap: float, 
     """ATTENTION_SEQ: k (S, N, Hkv, D) laid end to end, one mask (T*G, S*N) keeping each
     query to its own slot (``seq``) at positions up to its own. Fixed shapes on a device;
     on CUDA with Triton each query reads only its own slot's visible keys instead."""
-    if decode_attention.usable(q, k, v):
-        return decode_attention.attend_visible(q, k, v, pos, seq, scale, window, softcap)
+    if decode_attention.usable(q.x if isinstance(q, Roped) else q, k, v):
+        return _visible(q, k, v, pos, seq, scale, window, softcap)
+    q = made(q)
     n_slots, n_kv = k.shape[:2]
     group = q.shape[1] // k.shape[2]
     # key row j is position j % n_kv of slot j // n_kv: ATTENTION's mask in every slot,
@@ -322,6 +353,7 @@ def attention_seq_filled(q, k, v, pos, seq, scale: float, window: int, softcap: 
     its own shifted where the fused kernel's blocks fall, and a greedy request gave other
     tokens batched than alone (tests/test_batch_invariance.py)."""
     check_positions(pos, k.shape[1])  # the slots were checked before the step (OpSpec.index)
+    q = made(q)
     if q.device.type == "cpu":
         return cpu_attention.attend_runs(q, k, v, pos, seq, scale, window, softcap, memo)
     n_kv = int(pos.max()) + 1  # elsewhere every slot up to the step's highest position, one call

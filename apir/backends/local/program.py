@@ -9,9 +9,10 @@ ones are read from their blocks in one stacked call, 16-bit ones adjacent in the
 as one view spanning them (see LocalBackend._fused_weight).
 
 Some values are left for their reader to make (``deferred``): a SwiGLU or a norm for the
-product reading it, a product for the residual ADD reading it. A decode step's quantized
-product then makes them in its own kernels (qmatmul.decode_product); elsewhere they are
-made with the kernels they stand for, the same bits as without.
+product reading it, a product for the residual ADD reading it, the queries' RoPE for the
+attention. A decode step's quantized product then makes them in its own kernels
+(qmatmul.decode_product), its attention rotates q as it loads it (decode_attention);
+elsewhere they are made with the kernels they stand for, the same bits as without.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from ...graph import OPS, DType, Graph, Op, T, releases
 from . import kernels
 from .kernels import DEVICE_KERNELS, KERNELS
 
+# ops whose value may be their first operand's storage (a view, or the tensor itself)
+VIEWS = frozenset({Op.RESHAPE, Op.VIEW, Op.PERMUTE, Op.TRANSPOSE, Op.CONTIGUOUS, Op.CAST})
 # (op, operand): where a kernel takes a WEIGHT as stored (kernels.Blocks, a 16-bit view)
 STORED_OPERANDS = frozenset({(Op.MATMUL, 1), (Op.GET_ROWS, 0)})
 
@@ -114,10 +117,13 @@ def deferred(graph: Graph, fused: dict) -> dict[int, object]:
 
     - a SWIGLU whose readers are one product's activation (a MATMUL, or one fused group);
     - an RMS_NORM whose one reader is a MUL by a WEIGHT (K,), whose readers are one product;
-    - a MATMUL not fused whose one reader is an ADD of its shape (a residual, a bias).
+    - a MATMUL not fused whose one reader is an ADD of its shape (a residual, a bias);
+    - a ROPE whose one reader is an attention's queries (``kernels.Roped``).
 
     None is a graph output, and no SET_ROWS lies between a node and where it is made (the
-    work moves there). ``fused``: compile_program's fused groups, by node id."""
+    work moves there), but for a ROPE of a value that no STATE is seen through: the cache
+    writes between a layer's ROPE of q and its attention cannot change what it reads.
+    ``fused``: compile_program's fused groups, by node id."""
     nodes = graph.nodes
     readers: list[list[tuple[int, int]]] = [[] for _ in nodes]  # (reader, operand) per node
     for nid, node in enumerate(nodes):
@@ -138,9 +144,20 @@ def deferred(graph: Graph, fused: dict) -> dict[int, object]:
         first = min(ids)
         return first if ids == groups.get(first, {first}) and len(rs) == len(ids) else None
 
+    def fresh(nid: int) -> bool:
+        # nid's value is no view of a STATE's (views share its storage; anything else is new)
+        while nodes[nid].op in VIEWS:
+            nid = nodes[nid].inputs[0]
+        return nodes[nid].op not in (Op.STATE, Op.SET_ROWS)
+
     out: dict[int, object] = {}
     for nid, node in enumerate(nodes):
-        if node.op is Op.SWIGLU:
+        if node.op is Op.ROPE and len(readers[nid]) == 1:
+            at, j = readers[nid][0]
+            if (nodes[at].op in (Op.ATTENTION, Op.ATTENTION_SEQ) and j == 0 and nid not in outputs
+                    and fresh(node.inputs[0])):
+                out[nid] = kernels.roped
+        elif node.op is Op.SWIGLU:
             at = product_of(nid)
             if at is not None and quiet(nid, at):
                 out[nid] = kernels.Glu
