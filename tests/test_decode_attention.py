@@ -155,3 +155,26 @@ def test_queries_rotated_as_loaded_equal_their_rope_first(n_dims, neox):
     want = da._attend(kernels.rope_apply(q, cos, sin, n_dims, neox), k, v, pos, seq, 0.25, 0, 0.0)
     got = da.attend_visible(q, k, v, pos, seq, 0.25, 0, 0.0, (cos, sin, n_dims, neox))
     torch.testing.assert_close(got, want, **TOLERANCE[torch.float32])
+
+
+@needs_triton
+@pytest.mark.parametrize(("seq", "rows"), [(False, 3), (True, 3), (False, kernels.SMALL_ROWS + 1)])
+def test_an_attention_of_roped_queries_takes_the_kernel_that_rotates_them(monkeypatch, seq, rows):
+    # kernels.attention / attention_seq as a CUDA step runs them, on the CPU under the
+    # interpreter: the ROPE of q left to them (program.deferred) gives what ROPE then the
+    # attention give, in the kernel for a decode step's few rows, made first for more
+    monkeypatch.setattr(da, "usable", lambda q, k, v: True)
+    q, k, v, pos, slots = case(2, 64, torch.float32)
+    g = torch.Generator().manual_seed(rows)
+    q = torch.randn(rows, *q.shape[1:], generator=g)
+    pos = torch.randint(0, k.shape[1], (rows,), generator=g, dtype=torch.int32)
+    slots = torch.randint(0, k.shape[0], (rows,), generator=g, dtype=torch.int32)
+    cos, sin = kernels.rope_angles(pos, 16, 10000.0, 1.0)
+    roped = kernels.Roped(q, cos, sin, 16, 1)
+    if seq:
+        got = kernels.attention_seq(roped, k, v, pos, slots, 0.25, 0, 0.0)
+        want = da._attend(kernels.made(roped), k, v, pos, slots, 0.25, 0, 0.0)
+    else:
+        got = kernels.attention(roped, k[0], v[0], pos, 0.25, 0, 0.0)
+        want = kernels.attention_filled(kernels.made(roped), k[0], v[0], pos, 0.25, 0, 0.0)
+    torch.testing.assert_close(got, want, **TOLERANCE[torch.float32])

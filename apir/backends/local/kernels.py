@@ -256,8 +256,8 @@ def attention(q, k, v, pos, scale: float, window: int, softcap: float, *, memo=N
     (decode_attention: one launch, where Inductor's masked form over the whole cache took
     three, 6.9 us a layer of an 8B's step on an H100). Elsewhere the mask is shared
     (``memo``) by every layer of a run that reads position node ``key``."""
-    n_kv, group = k.shape[0], q.shape[1] // k.shape[1]
     base = q.x if isinstance(q, Roped) else q
+    n_kv, group = k.shape[0], base.shape[1] // k.shape[1]
     if base.shape[0] <= SMALL_ROWS and decode_attention.usable(base, k[None], v[None]):
         return _visible(q, k[None], v[None], pos, torch.zeros_like(pos), scale, window, softcap)
     q = made(q)

@@ -47,8 +47,11 @@ def dependent_launches(device: torch.device) -> bool:
     a kernel's programs start while the kernel before it finishes, load what does not
     depend on it (the weights, their scales), and wait for it (gdc_wait) only before
     reading its results. A decode step is a chain of short launches, each of which
-    otherwise starts its first DRAM reads only after the last one's final program exits."""
-    return ASM and device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
+    otherwise starts its first DRAM reads only after the last one's final program exits.
+    CUDA 12.3 is the first whose graphs record such launches (a step is replayed as one)."""
+    cuda = tuple(int(p) for p in (torch.version.cuda or "0.0").split(".")[:2])
+    return (ASM and device.type == "cuda" and cuda >= (12, 3)
+            and torch.cuda.get_device_capability(device) >= (9, 0))
 
 # ggml type id -> (LB low bits, HB high bits, OFF the offset taken off a quant, MIN: the
 # values have a min, d * q + m)
