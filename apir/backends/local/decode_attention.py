@@ -12,8 +12,9 @@ every row: a decode step of 64 streams with 257-token slots scores each query ag
 path on an H200 (apir bench serve, 2026-12-01). Here a program (query t, kv head h, key
 split s) walks only keys s*KEYS.. of slot seq[t] that are <= pos[t], keeping a running
 maximum, denominator and weighted sum for its G query heads (online softmax); the last
-split of a query's kv head to finish combines the splits' partials, in the same launch. Shapes and launch grid depend on T and the cache only, so a
-step is recorded in a CUDA graph once; the loop bounds are read on the device.
+split of a query's kv head to finish combines the splits' partials, in the same launch.
+Shapes and launch grid depend on T and the cache only, so a step is recorded in a CUDA
+graph once; the loop bounds are read on the device.
 
 Triton comes with CUDA builds of PyTorch; without it ``usable`` is False.
 """
@@ -79,9 +80,10 @@ if triton is not None:
         # (T, HQ, DV). One split (not SPLIT): its own result. Else it writes its running max
         # m, denominator l (T, HQ, splits) and weighted sum o (T, HQ, splits, DV), and the
         # last of (t, h)'s splits to finish (a count in done (T * HKV,), zero between launches:
-        # that program sets it back) combines them: no second launch. Both products run on the tensor cores: q (GP, DP) @ k.T (DP, BLOCK), then the
-        # probabilities (GP, BLOCK) @ v (BLOCK, DVP), in the cache's type (an f16 cache: q and
-        # the probabilities rounded to f16, as fused attention kernels do), accumulated in f32
+        # that program sets it back) combines them: no second launch. Both products run on
+        # the tensor cores: q (GP, DP) @ k.T (DP, BLOCK), then the probabilities (GP, BLOCK)
+        # @ v (BLOCK, DVP), in the cache's type (an f16 cache: q and the probabilities
+        # rounded to f16, as fused attention kernels do), accumulated in f32
         t = tl.program_id(0)
         h = tl.program_id(1)
         sp = tl.program_id(2)
