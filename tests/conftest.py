@@ -21,6 +21,7 @@ def backend_options(host):
     """apir.load keyword arguments per backend name, remote ones through the daemon."""
     return {
         "local": {"backend": "local", "device": "cpu"},
+        "cuda": {"backend": "local", "device": "cuda"},
         "numpy": {"backend": "numpy"},
         "remote-unix": {"backend": "remote", "remote": host.unix},
         "remote-tcp": {"backend": "remote", "remote": host.tcp, "token": Path(host.token_file).read_text().strip()},

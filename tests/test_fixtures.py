@@ -24,7 +24,8 @@ from apir.flags import set_threads
 from apir.models.errors import ModelNotFoundError
 from apir.models.resolve import resolve_model
 
-FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures"
+# beside the checkout; APIR_FIXTURES names another place (a GPU host the files were carried to)
+FIXTURES = Path(os.environ.get("APIR_FIXTURES") or Path(__file__).resolve().parents[2] / "shared" / "fixtures")
 MODELS = {
     "smollm2-135m": "smollm2-135m-q4_1.llamacpp.json",
     "gemma3-270m": "gemma3-270m-q4_k_m.llamacpp.json",
@@ -78,6 +79,9 @@ def teardown_module() -> None:
 PARAMS = [
     ("smollm2-135m", "local"), ("smollm2-135m", "numpy"), ("smollm2-135m", "remote-unix"),
     ("smollm2-135m", "remote-tcp"), ("gemma3-270m", "local"), ("gemma3-270m", "remote-unix"),
+    # on CUDA: the decode step's fused kernels (int8 x, norms and residuals in the products,
+    # one-launch attention with the queries' RoPE); run on the GPU host with pytest -m gpu
+    *(pytest.param(name, "cuda", marks=pytest.mark.gpu) for name in MODELS),
 ]
 
 
