@@ -256,7 +256,7 @@ def attention(q, k, v, pos, scale: float, window: int, softcap: float, *, memo=N
     (decode_attention: one launch, where Inductor's masked form over the whole cache took
     three, 6.9 us a layer of an 8B's step on an H100). Elsewhere the mask is shared
     (``memo``) by every layer of a run that reads position node ``key``."""
-    base = q.x if isinstance(q, Roped) else q
+    base = _unrotated(q)
     n_kv, group = k.shape[0], base.shape[1] // k.shape[1]
     if base.shape[0] <= SMALL_ROWS and decode_attention.usable(base, k[None], v[None]):
         return _visible(q, k[None], v[None], pos, torch.zeros_like(pos), scale, window, softcap)
@@ -268,6 +268,11 @@ def attention(q, k, v, pos, scale: float, window: int, softcap: float, *, memo=N
         if memo is not None:
             memo[mk] = mask
     return attend(q, k, v, mask, scale, softcap)
+
+
+def _unrotated(q) -> torch.Tensor:
+    # the queries' tensor: q, or the one a Roped rotates (its shape and device are q's)
+    return q.x if isinstance(q, Roped) else q
 
 
 def _visible(q, k, v, pos, seq, scale: float, window: int, softcap: float) -> torch.Tensor:
@@ -330,7 +335,7 @@ def attention_seq(q, k, v, pos, seq, scale: float, window: int, softcap: float, 
     """ATTENTION_SEQ: k (S, N, Hkv, D) laid end to end, one mask (T*G, S*N) keeping each
     query to its own slot (``seq``) at positions up to its own. Fixed shapes on a device;
     on CUDA with Triton each query reads only its own slot's visible keys instead."""
-    if decode_attention.usable(q.x if isinstance(q, Roped) else q, k, v):
+    if decode_attention.usable(_unrotated(q), k, v):
         return _visible(q, k, v, pos, seq, scale, window, softcap)
     q = made(q)
     n_slots, n_kv = k.shape[:2]
