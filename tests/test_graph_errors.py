@@ -404,6 +404,22 @@ def test_tensor_bytes_out_of_range(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", BACKENDS)
+def test_copy_tensor_copies_between_and_within_buffers(name: str) -> None:
+    """On the backend's device (the local one copies there, not through host memory), both
+    ranges checked; an overlapping copy inside one buffer reads the bytes as they were."""
+    be = make(name)
+    a, b = be.alloc_buffer(64), be.alloc_buffer(32)
+    be.set_tensor(a, 0, bytes(range(64)))
+    be.copy_tensor(a, 8, b, 4, 16)
+    assert be.get_tensor(b, 0, 24) == bytes(4) + bytes(range(8, 24)) + bytes(4)
+    be.copy_tensor(a, 0, a, 4, 16)  # overlapping, forwards
+    assert be.get_tensor(a, 0, 24) == bytes(range(4)) + bytes(range(16)) + bytes(range(20, 24))
+    with raises(BackendError, f"buffer {b}", "[24, 40)"):
+        be.copy_tensor(a, 0, b, 24, 16)
+    assert be.get_tensor(b, 24, 8) == bytes(8)  # a refused copy wrote nothing
+
+
+@pytest.mark.parametrize("name", BACKENDS)
 def test_use_after_free_and_double_free(name: str) -> None:
     be = make(name)
     h = be.alloc_buffer(64)

@@ -424,3 +424,117 @@ def test_a_remote_session_takes_the_arena_size_it_is_given(host) -> None:
         assert 4 << 20 <= session.backend.arena.size <= 8 << 20
     finally:
         apir.torch._sessions.pop(tuple(sorted(options.items()))).backend.close()
+
+
+# ---------------------------------------------------------------- outputs kept on the host
+
+
+class _Counting:
+    """Counts a backend's byte-moving calls (and the bytes each compute returns)."""
+
+    def __init__(self, backend) -> None:
+        self.calls: dict[str, int] = {"set_tensor": 0, "copy_tensor": 0, "get_tensor": 0}
+        self.returned: list[int] = []  # bytes of the outputs of each compute
+        for name in self.calls:
+            setattr(backend, name, self._count(name, getattr(backend, name)))
+        compute = backend.compute
+
+        def counted(*args, **kwargs):
+            outs = compute(*args, **kwargs)
+            self.returned.append(sum(o.nbytes for o in outs))
+            return outs
+
+        backend.compute = counted
+
+    def _count(self, name: str, fn):
+        def counted(*args, **kwargs):
+            self.calls[name] += 1
+            return fn(*args, **kwargs)
+        return counted
+
+
+def _gc_live() -> int:
+    import gc
+
+    from apir.torch import held
+
+    gc.collect()
+    return held.live()
+
+
+def test_kept_outputs_stay_on_the_host_until_read_and_feed_back_without_crossing(apir_backend) -> None:
+    from apir.torch import HostTensor
+
+    w1, w2 = torch.randn(64, 512), torch.randn(512, 64)
+
+    def layer(x, w):
+        return (x @ w).relu(), x.sum()
+
+    count = _Counting(apir_backend)
+    compiled = torch.compile(layer, backend="apir", options={"backend": apir_backend, "keep_outputs": True})
+    x = torch.randn(256, 64)
+    with torch.no_grad():
+        h, total = compiled(x, w1)  # h: 512 KiB, kept; total: 4 bytes, returned
+        assert isinstance(h, HostTensor) and not isinstance(total, HostTensor)
+        assert h.shape == (256, 512) and h.dtype == torch.float32
+        assert count.returned == [4] and count.calls["get_tensor"] == 0
+        y, _ = compiled(h, w2)  # fed back: copied on the host, never downloaded or sent
+        assert count.calls["get_tensor"] == 0 and count.calls["copy_tensor"] >= 2
+        assert isinstance(y, HostTensor) and count.returned[-1] == 4  # y: 64 KiB, the threshold
+        torch.testing.assert_close(h + 0, (x @ w1).relu(), rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(y.materialize(), ((x @ w1).relu() @ w2).relu(), rtol=1e-4, atol=1e-3)
+    gets = count.calls["get_tensor"]
+    assert gets >= 1  # read: downloaded once, then held by the guest
+    assert h.tolist() == (h * 1).tolist() and count.calls["get_tensor"] == gets
+    del h, y
+    assert _gc_live() == 0
+
+
+def test_a_host_tensor_the_guest_writes_is_fed_back_as_the_guest_wrote_it() -> None:
+    be = create_backend("local", device="cpu")
+    compiled = torch.compile(lambda x: x * 2, backend="apir", options={"backend": be, "keep_outputs": True})
+    count = _Counting(be)
+    with torch.no_grad():
+        x = torch.randn(128, 256)
+        y = compiled(x)
+        y.add_(1)  # the guest's downloaded copy is the value now
+        z = compiled(y)
+        assert count.calls["set_tensor"] >= 1  # uploaded, not copied from the host's stale bytes
+        torch.testing.assert_close(z.materialize(), (x * 2 + 1) * 2)
+        v = compiled(x)[0]  # a view of a HostTensor is a plain tensor over its download
+        v[0] = 5.0
+        assert isinstance(v, torch.Tensor) and float(v[0]) == 5.0
+    be.close()
+
+
+def test_transformers_generate_with_kept_outputs_keeps_the_cache_on_the_host(smollm2, apir_backend,
+                                                                             monkeypatch) -> None:
+    """transformers feeds its KV cache back every step: kept on the host, it never crosses
+    (the compute replies carry the logits only), grows by one position a call without a
+    recompile per step, and the tokens stay eager's."""
+    from apir.torch import HostTensor, held
+
+    monkeypatch.setattr(held, "KEEP_MIN_BYTES", 1)  # this 2-layer cut's cache is small
+    ids = torch.tensor([[1, 504, 3458, 282, 4649, 314]])
+    count = _Counting(apir_backend)
+    with torch.no_grad():
+        want = smollm2.generate(ids, max_new_tokens=8, do_sample=False)
+        smollm2.forward = torch.compile(smollm2.forward, backend="apir",
+                                        options={"backend": apir_backend, "keep_outputs": True})
+        try:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("error", message="apir.torch")
+                warnings.filterwarnings("error", message=".*recompile_limit")
+                out = smollm2(ids)
+                got = smollm2.generate(ids, max_new_tokens=8, do_sample=False)
+        finally:
+            del smollm2.forward
+    assert got.tolist() == want.tolist()
+    layer = out.past_key_values.layers[0]
+    assert isinstance(layer.keys, HostTensor) and layer.keys.shape[-2] == 6
+    # every reply but the output's smallest value held nothing else: the logits stay on the
+    # host too (read by generate through get_tensor), the cache is never returned
+    assert max(count.returned) <= 4 * 49152
+    assert count.calls["get_tensor"] >= 8
+    del out, layer
+    assert _gc_live() == 0

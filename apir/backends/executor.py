@@ -203,8 +203,16 @@ class Executor(Backend):
         return self._read(buf, offset, size)
 
     def copy_tensor(self, src: int, src_offset: int, dst: int, dst_offset: int, size: int) -> None:
-        data = np.frombuffer(self.get_tensor(src, src_offset, size), np.uint8)
-        self.set_tensor(dst, dst_offset, data)
+        source, target = self._buffer(src), self._writable(dst)
+        self._check_range(src, source, src_offset, size)
+        self._check_range(dst, target, dst_offset, size)
+        self._copy(source, src_offset, target, dst_offset, size)
+        target.version += 1
+
+    def _copy(self, src: Buffer, src_offset: int, dst: Buffer, dst_offset: int, size: int) -> None:
+        """Bytes from one buffer to another, both ranges checked (an executor whose buffers
+        live on a device copies there, without the round trip through host memory)."""
+        self._write(dst, dst_offset, np.frombuffer(self._read(src, src_offset, size), np.uint8))
 
     # ------------------------------------------------------------ graphs
     def register_graph(self, graph: Graph, gid: int | None = None) -> int:

@@ -16,7 +16,10 @@ warning naming the op once.
 ``options``: ``backend`` (an apir ``Backend``, or ``local`` / ``numpy`` / ``remote``, the
 default ``local``), and for a name ``device``, ``remote``, ``token`` and ``arena_size`` (bytes
 of shared memory for a step's inputs and outputs; a batch whose step moves more than the
-default 256 MiB needs more) as ``apir.backends.create_backend`` takes them. Backends made
+default 256 MiB needs more) as ``apir.backends.create_backend`` takes them; ``keep_outputs``
+(default False): float outputs of 64 KiB or more stay on the host as ``HostTensor``s,
+read back only when the guest reads them and fed to the next call without crossing (a
+transformers KV cache; ``apir.torch.held``). Backends made
 from names are shared by every graph compiled with the same options, so weights are
 uploaded once per process.
 
@@ -34,12 +37,13 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.backends.registry import _COMPILER_FNS, register_backend
 
 from ..backends import Backend, create_backend
+from .held import HostTensor
 from .lower import KEEP
 from .runtime import Session, compile_graph
 
-__all__ = ["backend", "session_for"]
+__all__ = ["HostTensor", "backend", "session_for"]
 
-OPTIONS = ("backend", "device", "remote", "token", "arena_size")
+OPTIONS = ("backend", "device", "remote", "token", "arena_size", "keep_outputs")
 _sessions: dict[object, Session] = {}
 
 DECOMPOSITIONS = {op: fn for op, fn in core_aten_decompositions().items() if op not in KEEP}
@@ -52,14 +56,15 @@ def session_for(options: Mapping[str, object] | None = None) -> Session:
     if unknown:
         raise ValueError(f"unknown apir options {sorted(unknown)}: use {', '.join(OPTIONS)}")
     be = options.get("backend", "local")
-    key = id(be) if isinstance(be, Backend) else tuple(sorted(options.items()))
+    keep = bool(options.get("keep_outputs", False))
+    key = (id(be), keep) if isinstance(be, Backend) else tuple(sorted(options.items()))
     if key not in _sessions:
         if not isinstance(be, Backend):
             arena = options.get("arena_size")
             be = create_backend(str(be), device=options.get("device"), remote=options.get("remote"),
                                 token=str(options.get("token") or ""),
                                 arena_size=None if arena is None else int(arena))
-        _sessions[key] = Session(be)
+        _sessions[key] = Session(be, keep_outputs=keep)
     return _sessions[key]
 
 

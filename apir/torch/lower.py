@@ -28,6 +28,7 @@ import torch.fx
 
 from ..graph import DType, GraphBuilder, Op, Value
 from ..graph.ops import Fn, Pool, Reduce
+from .held import HELD
 
 aten = torch.ops.aten
 
@@ -466,6 +467,7 @@ def _same(c: Lowering, x, *args, **kwargs):
 
 
 LOWER: dict = {
+    HELD: _same,  # a HostTensor's value: the STATE leaf its key is bound to (apir.torch.runtime)
     aten.embedding.default: _embedding,
     aten.mm.default: _mm,
     aten.addmm.default: _addmm,

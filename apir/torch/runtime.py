@@ -1,16 +1,20 @@
 """Running lowered graphs: a ``Session`` per apir backend holds the weights uploaded to it,
 a ``Compiled`` per FX graph holds its apir graphs, one per binding of input shapes.
 
-A call binds each argument one of three ways: a tensor the session knows as static (a
-parameter or buffer Dynamo passed; uploaded once, a WEIGHT leaf), any other tensor (an
-INPUT, sent with each step), or a Python value (a concrete size). The first call with a
-binding lowers the graph (``apir.torch.lower``) and registers it; later calls with the
-same binding send only the inputs, run one step and read back only the outputs.
+A call binds each argument one of four ways: a tensor the session knows as static (a
+parameter or buffer Dynamo passed; uploaded once, a WEIGHT leaf), the key of a tensor kept
+on the host (``apir.torch.held``: a STATE leaf filled on the host before the step), any
+other tensor (an INPUT, sent with each step), or a Python value (a concrete size). The
+first call with a binding lowers the graph (``apir.torch.lower``) and registers it; later
+calls with the same binding send only the inputs, run one step and read back only the
+outputs, or, with ``keep_outputs``, those below ``held.KEEP_MIN_BYTES`` (the others stay
+on the host: the step writes them to staging STATEs, copied there into a block per call).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable
@@ -22,6 +26,7 @@ import torch.fx
 
 from ..backends import Backend, BufferPurpose
 from ..graph import DType, GraphBuilder, GraphError, Value
+from . import held
 from .lower import Known, Lowering, Unsupported, is_random, layout, op_name, supported
 
 log = logging.getLogger("apir.torch")
@@ -58,8 +63,10 @@ class Session:
     """An apir backend and the static tensors (parameters, buffers) uploaded to it, once
     each: a weight is re-sent only when its tensor changed (``Tensor._version``)."""
 
-    def __init__(self, backend: Backend) -> None:
+    def __init__(self, backend: Backend, keep_outputs: bool = False) -> None:
         self.backend = backend
+        self.keep_outputs = keep_outputs  # large float outputs stay on the host (apir.torch.held)
+        self.pool = held.Pool(backend)
         self._static: dict[tuple, torch.Tensor] = {}  # layout -> a parameter or buffer
         self._weights: dict[tuple, tuple[int, int]] = {}  # layout -> (buffer handle, version uploaded)
         self.uploaded = 0  # bytes sent as weights (what tests and the bench read)
@@ -93,10 +100,12 @@ class Entry:
 
     gid: int | None  # None: every output was known on the guest
     inputs: tuple[tuple[int, str], ...]  # (argument index, apir input name)
+    staged: tuple[tuple[int, int], ...]  # (argument index of a HostTensor's key, its staging buffer)
     outputs: object  # the FX output structure: _Out marks an apir output, Known and Python as is
     dtypes: tuple[torch.dtype | None, ...]  # per apir output: the dtype PyTorch gives it
     shapes: tuple[tuple[int, ...], ...]  # per apir output: its shape (a 0-d one comes back (1,))
-    buffers: tuple[int, ...]  # constants' buffers, freed with the graph
+    kept: tuple[int | None, ...]  # per apir output: the staging buffer it stays in on the host, or None
+    buffers: tuple[int, ...]  # constants' and staging buffers, freed with the graph
 
 
 class Compiled:
@@ -108,9 +117,13 @@ class Compiled:
         out = next(n for n in gm.graph.nodes if n.op == "output")
         self._out_dtypes = torch.fx.node.map_arg(
             out.args[0], lambda n: getattr(n.meta.get("val"), "dtype", None))
+        # placeholders that are HostTensors' keys (read only through held nodes)
+        self._held = {i for i, ph in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")
+                      if ph.users and all(u.target is held.HELD and u.args[0] is ph for u in ph.users)}
 
     def __call__(self, *args):
-        key = tuple(self._binding(a) for a in args)
+        key = tuple(("held", held.entry(a).shape) if i in self._held else self._binding(a)
+                    for i, a in enumerate(args))
         if key not in self._entries:
             self._entries[key] = self._lower(args)
             if len(self._entries) > MAX_GRAPHS:
@@ -121,11 +134,19 @@ class Compiled:
             return self.gm(*args)
         results: list = []
         if entry.gid is not None:
+            for i, staging in entry.staged:
+                held.stage(self.session.pool, args[i], staging)
             feed = {name: to_numpy(args[i])[0] for i, name in entry.inputs}
-            outs = self.session.backend.compute(entry.gid, feed)
-            results = [torch.from_numpy(o).reshape(shape) if dt is None else
-                       torch.from_numpy(o).reshape(shape).to(dt)
-                       for o, dt, shape in zip(outs, entry.dtypes, entry.shapes)]
+            returned = iter(self.session.backend.compute(entry.gid, feed))
+            kept = iter(held.keep(self.session.pool, [
+                (staging, shape, dt) for staging, shape, dt in zip(entry.kept, entry.shapes, entry.dtypes)
+                if staging is not None]))
+            for staging, dt, shape in zip(entry.kept, entry.dtypes, entry.shapes):
+                if staging is not None:
+                    results.append(next(kept))
+                    continue
+                o = torch.from_numpy(next(returned)).reshape(shape)
+                results.append(o if dt is None else o.to(dt))
         return _rebuild(entry.outputs, results)
 
     def _binding(self, a) -> tuple:
@@ -138,6 +159,12 @@ class Compiled:
     def _lower(self, args: tuple) -> Entry | None:
         consts: list[int] = []
         inputs: list[tuple[int, str]] = []
+        staged: list[tuple[int, int]] = []
+
+        def buffer(nbytes: int, purpose: BufferPurpose) -> int:
+            handle = self.session.backend.alloc_buffer(max(nbytes, 1), purpose)
+            consts.append(handle)
+            return handle
 
         def leaf(g: GraphBuilder, t: torch.Tensor) -> Value:
             w = self.session.weight(g, t)
@@ -146,8 +173,7 @@ class Compiled:
             arr, dtype = to_numpy(t)  # a constant of this specialisation
             if arr.size == 0:
                 raise Unsupported("an empty constant tensor")
-            handle = self.session.backend.alloc_buffer(arr.nbytes, BufferPurpose.WEIGHTS)
-            consts.append(handle)
+            handle = buffer(arr.nbytes, BufferPurpose.WEIGHTS)
             self.session.backend.set_tensor(handle, 0, arr)
             return g.weight(handle, 0, arr.shape, dtype)
 
@@ -155,6 +181,11 @@ class Compiled:
 
         def bind(i: int, node: torch.fx.Node):
             a = args[i]
+            if i in self._held:  # filled on the host before each step (held.stage)
+                shape = held.entry(a).shape
+                handle = buffer(4 * math.prod(shape), BufferPurpose.KV)
+                staged.append((i, handle))
+                return low.g.state(handle, 0, shape, DType.F32)
             if not isinstance(a, torch.Tensor):
                 return a
             if self.session.is_static(a) or a.numel() == 0:  # an empty tensor is its shape
@@ -168,7 +199,11 @@ class Compiled:
             values: list[Value] = []
             dtypes: list[torch.dtype | None] = []
             structure = _index(outs, self._out_dtypes, values, dtypes)
-            gid = self.session.backend.register_graph(low.g.build(*values)) if values else None
+            kept = self._kept(low, values, buffer)
+            returned = [v for v, k in zip(values, kept) if k is None]
+            if values and not returned:  # a step returns something: 4 bytes, ignored
+                returned = [low.leaf(torch.zeros(1, dtype=torch.int32))]
+            gid = self.session.backend.register_graph(low.g.build(*returned)) if values else None
         except (Unsupported, GraphError, TypeError, IndexError) as e:
             # what only the shapes or arguments of this call reveal (a lowering's own
             # TypeError or IndexError included): this binding runs eagerly, said once
@@ -177,8 +212,29 @@ class Compiled:
             warn_once(str(e), f"cannot lower this graph for these inputs ({type(e).__name__}: {e}); "
                               "it runs in PyTorch on the guest")
             return None
-        return Entry(gid, tuple(inputs), structure, tuple(dtypes), tuple(v.shape for v in values),
-                     tuple(consts))
+        return Entry(gid, tuple(inputs), tuple(staged), structure, tuple(dtypes),
+                     tuple(v.shape for v in values), kept, tuple(consts))
+
+    def _kept(self, low: Lowering, values: list[Value], buffer: Callable[[int, BufferPurpose], int]
+              ) -> tuple[int | None, ...]:
+        """Per output: the staging buffer the step writes it to where it stays on the host
+        (float, at least KEEP_MIN_BYTES, with keep_outputs), else None."""
+        big = [self.session.keep_outputs and v.dtype is DType.F32
+               and 4 * math.prod(v.shape) >= held.KEEP_MIN_BYTES for v in values]
+        kept: list[int | None] = []
+        for v, keep in zip(values, big):
+            if not keep:
+                kept.append(None)
+                continue
+            # the value as rows of its last axis, written over a STATE of the same rows
+            width = v.shape[-1] if v.shape else 1
+            rows = math.prod(v.shape) // width
+            handle = buffer(4 * rows * width, BufferPurpose.KV)
+            ids = low.leaf(torch.arange(rows, dtype=torch.int32))
+            low.g.set_rows(low.g.state(handle, 0, (rows, width), DType.F32),
+                           low.g.reshape(v, (rows, width)), ids)
+            kept.append(handle)
+        return tuple(kept)
 
     def _free(self, entry: Entry | None) -> None:
         if entry is None:

@@ -8,7 +8,9 @@ Models, random weights (the speed does not depend on them):
   per sequence, logits of the last position (``logits_to_keep=1``, as generate()'s prefill),
   returning its KV cache (``smollm2``: at batch 32 and 128 tokens, 2 x 30 layers of
   (32, 3, 128, 64) f32 = 180 MiB that must cross from host to guest every call) or not
-  (``smollm2-nocache``: the forward pass alone);
+  (``smollm2-nocache``: the forward pass alone), or returning it kept on the host
+  (``smollm2-kept``: apir's ``keep_outputs``, the cache's tensors stay on the host as they
+  stay on the GPU for Inductor; the logits are read back inside the timed call);
 - torchvision's ResNet-18 on 224x224 images.
 
 Inductor is timed twice: its input already on DEVICE, and copied there from host memory
@@ -34,6 +36,7 @@ import torch
 import apir.torch  # noqa: F401 - registers the backend "apir"
 from apir.backends import create_backend
 from apir.spawn import start_host
+from apir.torch import HostTensor
 
 
 def smollm2_shape() -> torch.nn.Module:
@@ -60,7 +63,9 @@ def median_ms(fn, args: tuple, kwargs: dict, repeat: int, sync) -> float:
             sync()
             t0 = time.perf_counter()
             out = fn(*args, **kwargs)
-            if isinstance(out, torch.Tensor):
+            if isinstance(out, HostTensor):
+                out.materialize()  # what the guest reads, it downloads
+            elif isinstance(out, torch.Tensor):
                 out.sum().item() if out.is_cuda else None
             sync()
             times.append((time.perf_counter() - t0) * 1e3)
@@ -73,7 +78,7 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=128, help="prompt tokens per sequence (LLM)")
     ap.add_argument("--repeat", type=int, default=20)
     ap.add_argument("--batches", default="1,32")
-    ap.add_argument("--models", default="smollm2,smollm2-nocache,resnet18")
+    ap.add_argument("--models", default="smollm2,smollm2-kept,smollm2-nocache,resnet18")
     ap.add_argument("--profile", action="store_true", help="top kernels of one apir forward, in process")
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -87,11 +92,14 @@ def main() -> None:
         remote = create_backend("remote", remote=unix)
         local = create_backend("local", device=args.device)
         try:
-            models = {"smollm2": ("smollm2-135m (transformers)", smollm2_shape, {"logits_to_keep": 1}),
+            kept = {"keep_outputs": True}
+            models = {"smollm2": ("smollm2-135m (transformers)", smollm2_shape, {"logits_to_keep": 1}, {}),
+                      "smollm2-kept": ("smollm2-135m, KV kept on the host", smollm2_shape,
+                                       {"logits_to_keep": 1}, kept),
                       "smollm2-nocache": ("smollm2-135m, no KV returned", smollm2_shape,
-                                          {"logits_to_keep": 1, "use_cache": False}),
-                      "resnet18": ("resnet18 (torchvision)", resnet18, {})}
-            for name, make, kw in (models[m] for m in args.models.split(",")):
+                                          {"logits_to_keep": 1, "use_cache": False}, {}),
+                      "resnet18": ("resnet18 (torchvision)", resnet18, {}, {})}
+            for name, make, kw, opts in (models[m] for m in args.models.split(",")):
                 guest = make()
                 native = make().to(dev)
                 native.load_state_dict(guest.state_dict())
@@ -111,10 +119,10 @@ def main() -> None:
                     t_from_host = median_ms(lambda m, inp: call(m, inp.to(dev)), (inductor, x), {},
                                             args.repeat, sync)
                     torch._dynamo.reset()
-                    in_process = torch.compile(guest, backend="apir", options={"backend": local})
+                    in_process = torch.compile(guest, backend="apir", options={"backend": local, **opts})
                     t_local = median_ms(call, (in_process, x), {}, args.repeat, sync)
                     torch._dynamo.reset()
-                    compiled = torch.compile(guest, backend="apir", options={"backend": remote})
+                    compiled = torch.compile(guest, backend="apir", options={"backend": remote, **opts})
                     t_remote = median_ms(call, (compiled, x), {}, args.repeat, sync)
                     with torch.no_grad():
                         want = call(inductor, x.to(dev)).float().cpu()

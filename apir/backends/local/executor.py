@@ -250,6 +250,15 @@ class LocalBackend(Executor):
             out[lo - offset : hi - offset] = gguf[lo - start : hi - start]
         return out.cpu().numpy().tobytes()
 
+    def _copy(self, src: Buffer, src_offset: int, dst: Buffer, dst_offset: int, size: int) -> None:
+        if self._overlapping(src, src_offset, size) or self._overlapping(dst, dst_offset, size):
+            super()._copy(src, src_offset, dst, dst_offset, size)  # repacked weights: their GGUF bytes
+            return
+        data = src.storage[src_offset : src_offset + size]
+        if src is dst and abs(src_offset - dst_offset) < size:  # torch refuses overlapping copies
+            data = data.clone()
+        dst.storage[dst_offset : dst_offset + size].copy_(data)
+
     def _release(self, buf: Buffer) -> None:
         self._packed.pop(id(buf), None)
         super()._release(buf)
