@@ -8,6 +8,7 @@
 #   bash bench/probes/device_check.sh tests                 # GPU tests, attention probe, profile
 #   bash bench/probes/device_check.sh ab [MODELS]           # this tree against each base
 #   bash bench/probes/device_check.sh peer [SPECS...]       # apir against llama.cpp
+#   bash bench/probes/device_check.sh torch [MODELS]        # the torch frontend against Inductor
 # Logs go to $OUT (the device's returned folder) when set, else /tmp/apir-device-check.
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 2
@@ -70,8 +71,13 @@ case $stage in
     bash scripts/bench-llamacpp.sh --tarball .device-run/llama.cpp.tar.gz --build "$build" --arch 90 \
       -r 3 --backends native,remote-shm --out "$out/peer" "$@"
     ;;
+  torch)  # the host's transformers and torchvision (the device has both)
+    bash scripts/gpu-host-setup.sh
+    timeout 570 python3 bench/probes/torch_forward.py --device cuda --batches 32,1 --repeat 10 \
+      --models "${1:-smollm2-kept,smollm2,resnet18}" 2>&1 | grep -v Warning
+    ;;
   *)
-    sed -n '2,11p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'
     exit 2
     ;;
 esac
