@@ -507,6 +507,24 @@ def test_a_host_tensor_the_guest_writes_is_fed_back_as_the_guest_wrote_it() -> N
     be.close()
 
 
+def test_a_host_tensor_pickles_as_its_value_and_refuses_its_address() -> None:
+    import io
+
+    be = create_backend("local", device="cpu")
+    compiled = torch.compile(lambda x: x - 1, backend="apir", options={"backend": be, "keep_outputs": True})
+    with torch.no_grad():
+        x = torch.randn(256, 128)
+        y = compiled(x)
+    saved = io.BytesIO()
+    torch.save({"y": y}, saved)
+    saved.seek(0)
+    loaded = torch.load(saved)["y"]  # weights_only: a plain tensor, nothing of apir's
+    assert type(loaded) is torch.Tensor and torch.equal(loaded, x - 1)
+    with pytest.raises(RuntimeError, match=r"on the apir host .*materialize\(\)"):
+        y.data_ptr()
+    be.close()
+
+
 def test_transformers_generate_with_kept_outputs_keeps_the_cache_on_the_host(smollm2, apir_backend,
                                                                              monkeypatch) -> None:
     """transformers feeds its KV cache back every step: kept on the host, it never crosses

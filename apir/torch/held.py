@@ -202,6 +202,13 @@ class HostTensor(torch.Tensor):
     def tolist(self):  # PyTorch refuses both for a subclass: they read its (absent) storage
         return self.materialize().tolist()
 
+    def __reduce_ex__(self, protocol):  # torch.save, pickle: the value, as a plain tensor
+        return self.materialize().__reduce_ex__(protocol)
+
+    def data_ptr(self) -> int:
+        raise RuntimeError("this tensor's bytes are on the apir host (keep_outputs): "
+                           "t.materialize() gives a plain tensor to take the address of")
+
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         schema = func._schema
