@@ -556,3 +556,33 @@ def test_transformers_generate_with_kept_outputs_keeps_the_cache_on_the_host(smo
     assert count.calls["get_tensor"] >= 8
     del out, layer
     assert _gc_live() == 0
+
+
+def test_generate_with_kept_outputs_shares_staging_across_cache_lengths(smollm2, monkeypatch) -> None:
+    """Each cache length is its own registered graph; their staging buffers are shared per
+    role (and grow by doubling), so generating 12 more tokens holds about what 4 did, not
+    another logits-sized staging pair per length."""
+    from apir.backends import BufferPurpose
+    from apir.torch import held
+
+    monkeypatch.setattr(held, "KEEP_MIN_BYTES", 1)
+    be = create_backend("local", device="cpu")
+    ids = torch.tensor([[1, 504, 3458, 282, 4649, 314]])
+
+    def kv_bytes() -> int:
+        _gc_live()
+        return sum(b.size for b in be._buffers.values() if b.purpose == BufferPurpose.KV)
+
+    with torch.no_grad():
+        smollm2.forward = torch.compile(smollm2.forward, backend="apir",
+                                        options={"backend": be, "keep_outputs": True})
+        try:
+            smollm2.generate(ids, max_new_tokens=4, do_sample=False)
+            short = kv_bytes()
+            smollm2.generate(ids, max_new_tokens=16, do_sample=False)
+            long = kv_bytes()
+        finally:
+            del smollm2.forward
+    logits = 4 * 49152  # one position's, the largest output of a decode step
+    assert long - short < 2 * logits  # one staging pair per length would add 12 x 2 x logits
+    be.close()

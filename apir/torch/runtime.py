@@ -105,7 +105,22 @@ class Entry:
     dtypes: tuple[torch.dtype | None, ...]  # per apir output: the dtype PyTorch gives it
     shapes: tuple[tuple[int, ...], ...]  # per apir output: its shape (a 0-d one comes back (1,))
     kept: tuple[int | None, ...]  # per apir output: the staging buffer it stays in on the host, or None
-    buffers: tuple[int, ...]  # constants' and staging buffers, freed with the graph
+    buffers: tuple[int, ...]  # constants' buffers, freed with the graph
+    stages: tuple[_Stage, ...]  # the staging buffers its STATE leaves are in, released with it
+
+
+@dataclass(eq=False)
+class _Stage:
+    """A staging buffer that every specialisation of a Compiled graph uses for one role
+    (its j-th HostTensor input, its k-th kept output): a step fills or empties it within
+    its own call, so graphs run in turn can share it. It grows by doubling, so a generate()
+    whose cache grows a token a call holds at most twice its largest size per role, not one
+    buffer per cache length."""
+
+    role: str  # "input" or "output"
+    handle: int
+    size: int
+    users: int = 0  # registered graphs whose leaves are in it
 
 
 class Compiled:
@@ -120,6 +135,7 @@ class Compiled:
         # placeholders that are HostTensors' keys (read only through held nodes)
         self._held = {i for i, ph in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")
                       if ph.users and all(u.target is held.HELD and u.args[0] is ph for u in ph.users)}
+        self._stages: dict[tuple[str, int], _Stage] = {}  # (role, index) -> the current buffer
 
     def __call__(self, *args):
         key = tuple(("held", held.entry(a).shape) if i in self._held else self._binding(a)
@@ -160,11 +176,11 @@ class Compiled:
         consts: list[int] = []
         inputs: list[tuple[int, str]] = []
         staged: list[tuple[int, int]] = []
+        stages: list[_Stage] = []
 
-        def buffer(nbytes: int, purpose: BufferPurpose) -> int:
-            handle = self.session.backend.alloc_buffer(max(nbytes, 1), purpose)
-            consts.append(handle)
-            return handle
+        def stage(role: str, nbytes: int) -> int:  # the next staging buffer of this role
+            stages.append(self._stage((role, sum(s.role == role for s in stages)), nbytes))
+            return stages[-1].handle
 
         def leaf(g: GraphBuilder, t: torch.Tensor) -> Value:
             w = self.session.weight(g, t)
@@ -173,7 +189,8 @@ class Compiled:
             arr, dtype = to_numpy(t)  # a constant of this specialisation
             if arr.size == 0:
                 raise Unsupported("an empty constant tensor")
-            handle = buffer(arr.nbytes, BufferPurpose.WEIGHTS)
+            handle = self.session.backend.alloc_buffer(arr.nbytes, BufferPurpose.WEIGHTS)
+            consts.append(handle)
             self.session.backend.set_tensor(handle, 0, arr)
             return g.weight(handle, 0, arr.shape, dtype)
 
@@ -183,7 +200,7 @@ class Compiled:
             a = args[i]
             if i in self._held:  # filled on the host before each step (held.stage)
                 shape = held.entry(a).shape
-                handle = buffer(4 * math.prod(shape), BufferPurpose.KV)
+                handle = stage("input", 4 * math.prod(shape))
                 staged.append((i, handle))
                 return low.g.state(handle, 0, shape, DType.F32)
             if not isinstance(a, torch.Tensor):
@@ -199,7 +216,7 @@ class Compiled:
             values: list[Value] = []
             dtypes: list[torch.dtype | None] = []
             structure = _index(outs, self._out_dtypes, values, dtypes)
-            kept = self._kept(low, values, buffer)
+            kept = self._kept(low, values, dtypes, stage)
             returned = [v for v, k in zip(values, kept) if k is None]
             if values and not returned:  # a step returns something: 4 bytes, ignored
                 returned = [low.leaf(torch.zeros(1, dtype=torch.int32))]
@@ -209,32 +226,48 @@ class Compiled:
             # TypeError or IndexError included): this binding runs eagerly, said once
             for h in consts:
                 self.session.backend.free_buffer(h)
+            self._release(stages)
             warn_once(str(e), f"cannot lower this graph for these inputs ({type(e).__name__}: {e}); "
                               "it runs in PyTorch on the guest")
             return None
         return Entry(gid, tuple(inputs), tuple(staged), structure, tuple(dtypes),
-                     tuple(v.shape for v in values), kept, tuple(consts))
+                     tuple(v.shape for v in values), kept, tuple(consts), tuple(stages))
 
-    def _kept(self, low: Lowering, values: list[Value], buffer: Callable[[int, BufferPurpose], int]
-              ) -> tuple[int | None, ...]:
+    def _kept(self, low: Lowering, values: list[Value], dtypes: list[torch.dtype | None],
+              stage: Callable[[str, int], int]) -> tuple[int | None, ...]:
         """Per output: the staging buffer the step writes it to where it stays on the host
         (float, at least KEEP_MIN_BYTES, with keep_outputs), else None."""
-        big = [self.session.keep_outputs and v.dtype is DType.F32
-               and 4 * math.prod(v.shape) >= held.KEEP_MIN_BYTES for v in values]
         kept: list[int | None] = []
-        for v, keep in zip(values, big):
-            if not keep:
+        for v, dt in zip(values, dtypes):
+            if not (self.session.keep_outputs and v.dtype is DType.F32 and dt is not None
+                    and dt.is_floating_point and 4 * math.prod(v.shape) >= held.KEEP_MIN_BYTES):
                 kept.append(None)
                 continue
             # the value as rows of its last axis, written over a STATE of the same rows
             width = v.shape[-1] if v.shape else 1
             rows = math.prod(v.shape) // width
-            handle = buffer(4 * rows * width, BufferPurpose.KV)
+            handle = stage("output", 4 * rows * width)
             ids = low.leaf(torch.arange(rows, dtype=torch.int32))
             low.g.set_rows(low.g.state(handle, 0, (rows, width), DType.F32),
                            low.g.reshape(v, (rows, width)), ids)
             kept.append(handle)
         return tuple(kept)
+
+    def _stage(self, role: tuple[str, int], nbytes: int) -> _Stage:
+        current = self._stages.get(role)
+        if current is None or current.size < nbytes:
+            size = max(nbytes, 2 * current.size if current else 0, 1)
+            self._stages[role] = _Stage(role[0], self.session.backend.alloc_buffer(size, BufferPurpose.KV), size)
+            if current is not None and current.users == 0:
+                self.session.backend.free_buffer(current.handle)
+        self._stages[role].users += 1
+        return self._stages[role]
+
+    def _release(self, stages: list[_Stage] | tuple[_Stage, ...]) -> None:
+        for st in stages:
+            st.users -= 1
+            if st.users == 0 and all(st is not cur for cur in self._stages.values()):  # outgrown, unused
+                self.session.backend.free_buffer(st.handle)
 
     def _free(self, entry: Entry | None) -> None:
         if entry is None:
@@ -243,6 +276,7 @@ class Compiled:
             self.session.backend.free_graph(entry.gid)
         for h in entry.buffers:
             self.session.backend.free_buffer(h)
+        self._release(entry.stages)
 
 
 @dataclass(frozen=True)
