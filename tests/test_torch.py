@@ -462,7 +462,15 @@ def _gc_live() -> int:
     return held.live()
 
 
-def test_kept_outputs_stay_on_the_host_until_read_and_feed_back_without_crossing(apir_backend) -> None:
+@pytest.fixture
+def keep_64k(monkeypatch):
+    """Outputs of 64 KiB or more kept (the default threshold, 1 MiB, is for real models)."""
+    from apir.torch import held
+
+    monkeypatch.setattr(held, "KEEP_MIN_BYTES", 64 << 10)
+
+
+def test_kept_outputs_stay_on_the_host_until_read_and_feed_back_without_crossing(apir_backend, keep_64k) -> None:
     from apir.torch import HostTensor
 
     w1, w2 = torch.randn(64, 512), torch.randn(512, 64)
@@ -490,7 +498,7 @@ def test_kept_outputs_stay_on_the_host_until_read_and_feed_back_without_crossing
     assert _gc_live() == 0
 
 
-def test_a_host_tensor_the_guest_writes_is_fed_back_as_the_guest_wrote_it() -> None:
+def test_a_host_tensor_the_guest_writes_is_fed_back_as_the_guest_wrote_it(keep_64k) -> None:
     be = create_backend("local", device="cpu")
     compiled = torch.compile(lambda x: x * 2, backend="apir", options={"backend": be, "keep_outputs": True})
     count = _Counting(be)
@@ -507,7 +515,7 @@ def test_a_host_tensor_the_guest_writes_is_fed_back_as_the_guest_wrote_it() -> N
     be.close()
 
 
-def test_a_host_tensor_pickles_as_its_value_and_refuses_its_address() -> None:
+def test_a_host_tensor_pickles_as_its_value_and_refuses_its_address(keep_64k) -> None:
     import io
 
     be = create_backend("local", device="cpu")

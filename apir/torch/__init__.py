@@ -17,7 +17,7 @@ warning naming the op once.
 default ``local``), and for a name ``device``, ``remote``, ``token`` and ``arena_size`` (bytes
 of shared memory for a step's inputs and outputs; a batch whose step moves more than the
 default 256 MiB needs more) as ``apir.backends.create_backend`` takes them; ``keep_outputs``
-(default False): float outputs of 64 KiB or more stay on the host as ``HostTensor``s,
+(default False): float outputs of 1 MiB or more stay on the host as ``HostTensor``s,
 read back only when the guest reads them and fed to the next call without crossing (a
 transformers KV cache; ``apir.torch.held``). Backends made
 from names are shared by every graph compiled with the same options, so weights are
