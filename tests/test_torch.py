@@ -577,9 +577,10 @@ def test_generate_with_kept_outputs_shares_staging_across_cache_lengths(smollm2,
     be = create_backend("local", device="cpu")
     ids = torch.tensor([[1, 504, 3458, 282, 4649, 314]])
 
-    def kv_bytes() -> int:
+    def kv_bytes() -> int:  # staging buffers: the KV-purpose ones but the pool's idle blocks
         _gc_live()
-        return sum(b.size for b in be._buffers.values() if b.purpose == BufferPurpose.KV)
+        idle = apir.torch.session_for({"backend": be, "keep_outputs": True}).pool.idle_bytes()
+        return sum(b.size for b in be._buffers.values() if b.purpose == BufferPurpose.KV) - idle
 
     with torch.no_grad():
         smollm2.forward = torch.compile(smollm2.forward, backend="apir",
@@ -594,3 +595,32 @@ def test_generate_with_kept_outputs_shares_staging_across_cache_lengths(smollm2,
     logits = 4 * 49152  # one position's, the largest output of a decode step
     assert long - short < 2 * logits  # one staging pair per length would add 12 x 2 x logits
     be.close()
+
+
+def test_a_released_block_reaches_the_backend_only_at_the_next_take() -> None:
+    """The last HostTensor of a block may be collected inside a backend call (the garbage
+    collector runs in any allocation): the release only queues the block; the next take
+    reuses it or frees what the pool does not keep, from a call of its own."""
+    from apir.torch import held
+
+    calls: list[tuple[str, int]] = []
+
+    class Recorder:
+        def alloc_buffer(self, size, purpose):
+            calls.append(("alloc", size))
+            return len(calls)
+
+        def free_buffer(self, handle):
+            calls.append(("free", handle))
+
+    pool = held.Pool(Recorder())
+    blocks = [pool.take(300_000 * (i + 1), 1) for i in range(held.POOL_BLOCKS + 2)]  # six size classes
+    before = list(calls)
+    for b in blocks:
+        b.release()
+    assert calls == before  # nothing sent from a release
+    reused = pool.take(300_000, 1)  # the first block's class: reused; five idle, one freed
+    assert reused.handle == blocks[0].handle
+    assert calls[len(before):] == [("free", blocks[1].handle)]  # returned longest ago
+    assert pool.idle_bytes() == sum(b.size for b in blocks[1:]) - sum(
+        b.size for b in blocks if ("free", b.handle) in calls)

@@ -27,6 +27,7 @@ rather than copied on the host.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import weakref
 from collections import OrderedDict
@@ -56,7 +57,7 @@ class _Block:
     def release(self) -> None:
         self.live -= 1
         if self.live == 0:
-            self.pool.put(self)
+            self.pool.returned.append(self)
 
 
 def size_class(size: int) -> int:
@@ -68,15 +69,25 @@ def size_class(size: int) -> int:
 
 class Pool:
     """A session's blocks: allocated on its backend in size classes, reused by class, freed
-    past ``POOL_BLOCKS``."""
+    past ``POOL_BLOCKS``.
+
+    A block comes back when its last HostTensor is collected, which may happen inside any
+    allocation, a backend call's included (the garbage collector): it is only appended to
+    ``returned`` then, and reused or freed at the next ``take``, never sent to the backend
+    from there (a remote backend's frame would be cut by another)."""
 
     def __init__(self, backend: Backend) -> None:
         self.backend = backend
+        self.returned: collections.deque[_Block] = collections.deque()
         self._free: OrderedDict[int, list[int]] = OrderedDict()  # size -> handles
         self._count = 0
         self.allocated = 0  # blocks allocated on the backend (what tests read)
 
     def take(self, size: int, live: int) -> _Block:
+        for block in self.returned:
+            self._free.setdefault(block.size, []).append(block.handle)
+        self._count += len(self.returned)
+        self.returned.clear()
         size = size_class(size)
         handles = self._free.get(size)
         if handles:
@@ -87,21 +98,23 @@ class Pool:
         else:
             handle = self.backend.alloc_buffer(size, BufferPurpose.KV)
             self.allocated += 1
+        while self._count > POOL_BLOCKS:  # the classes returned longest ago go first
+            oldest, handles = next(iter(self._free.items()))
+            self._release(handles.pop(0))
+            if not handles:
+                del self._free[oldest]
+            self._count -= 1
         return _Block(self, handle, size, live)
 
-    def put(self, block: _Block) -> None:
-        self._free.setdefault(block.size, []).append(block.handle)
-        self._count += 1
-        while self._count > POOL_BLOCKS:
-            size, handles = next(iter(self._free.items()))
-            handle = handles.pop(0)
-            if not handles:
-                del self._free[size]
-            self._count -= 1
-            try:
-                self.backend.free_buffer(handle)
-            except (ApirError, OSError):  # the backend is gone: so is the buffer
-                pass
+    def _release(self, handle: int) -> None:
+        try:
+            self.backend.free_buffer(handle)
+        except (ApirError, OSError):  # the backend is gone: so is the buffer
+            pass
+
+    def idle_bytes(self) -> int:
+        """Bytes of the blocks the pool holds for reuse (none of them in use)."""
+        return sum(size * len(h) for size, h in self._free.items()) + sum(b.size for b in self.returned)
 
 
 @dataclass
