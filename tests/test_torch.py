@@ -512,6 +512,10 @@ def test_a_host_tensor_the_guest_writes_is_fed_back_as_the_guest_wrote_it(keep_6
         v = compiled(x)[0]  # a view of a HostTensor is a plain tensor over its download
         v[0] = 5.0
         assert isinstance(v, torch.Tensor) and float(v[0]) == 5.0
+        other = create_backend("local", device="cpu")  # another session's: its bytes uploaded
+        elsewhere = torch.compile(lambda x: x + 3, backend="apir", options={"backend": other})
+        torch.testing.assert_close(elsewhere(compiled(x)), x * 2 + 3)
+        other.close()
     be.close()
 
 
