@@ -17,8 +17,9 @@ which ``apir.torch.runtime`` lowers to a STATE leaf it fills before each step; i
 
 Byte layout: the kept outputs of one call share one host buffer (a ``_Block``), each at a
 multiple of ``ALIGN`` bytes, as float32 (the dtype apir computes in; the tensor converts on
-download). A block is freed when the last HostTensor in it is collected, or put back in
-the session's pool for the next call's outputs of the same total size.
+download). When the last HostTensor in a block is collected, the block goes back to the
+session's pool: reused by a later call's outputs of its size class, freed past
+``POOL_BLOCKS`` idle ones.
 
 Any op that may write a HostTensor's bytes or return a view of them (``add_``, ``view``,
 ``[0]``) makes the guest's downloaded copy the authoritative one: fed back, it is uploaded
@@ -30,7 +31,6 @@ from __future__ import annotations
 import collections
 import itertools
 import weakref
-from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
@@ -79,7 +79,7 @@ class Pool:
     def __init__(self, backend: Backend) -> None:
         self.backend = backend
         self.returned: collections.deque[_Block] = collections.deque()
-        self._free: OrderedDict[int, list[int]] = OrderedDict()  # size -> handles
+        self._free: collections.OrderedDict[int, list[int]] = collections.OrderedDict()  # size -> handles
         self._count = 0
         self.allocated = 0  # blocks allocated on the backend (what tests read)
 
