@@ -154,6 +154,33 @@ def test_fixed_shape_torch_graph_is_recorded_from_its_second_run():
         backend.close()
 
 
+def test_kept_outputs_feed_back_through_recorded_steps(monkeypatch):
+    """keep_outputs on CUDA: a graph whose input is the previous call's kept output, run
+    eagerly once, then compiled and replayed, gives eager PyTorch's chain of results (the
+    STATE writes and the device copies between them ordered with the replays)."""
+    torch = pytest.importorskip("torch")
+    import apir.torch  # noqa: F401 - registers the backend "apir"
+    from apir.backends.local import LocalBackend
+    from apir.torch import HostTensor, held
+
+    monkeypatch.setattr(held, "KEEP_MIN_BYTES", 64 << 10)
+    torch.manual_seed(0)
+    w = torch.randn(256, 256) / 16
+    backend = LocalBackend("cuda")
+    try:
+        step = torch.compile(lambda x, w: torch.tanh(x @ w) + x, backend="apir",
+                             options={"backend": backend, "keep_outputs": True})
+        with torch.no_grad():
+            x = want = torch.randn(128, 256)
+            for _ in range(5):
+                x, want = step(x, w), torch.tanh(want @ w) + want
+            assert isinstance(x, HostTensor)
+            torch.testing.assert_close(x.materialize(), want, rtol=1e-4, atol=1e-4)
+        assert any(r.program.captured for r in backend._graphs.values())
+    finally:
+        backend.close()
+
+
 def test_a_warm_worker_has_paid_the_first_launches(caplog):
     """warm_device, as a warm host worker runs it: every tiny call succeeds (no warning),
     and what a session's first kernel would compute (Triton's own hash, Inductor's hash of
