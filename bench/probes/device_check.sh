@@ -51,7 +51,7 @@ case $stage in
     nvidia-smi --query-gpu=name,driver_version --format=csv
     python3 -c "import torch, triton; print(torch.__version__, torch.version.cuda, triton.__version__)"
     timeout 240 python3 -m pytest -q -m gpu tests/test_decode_attention.py tests/test_gpu_quant.py \
-      tests/test_gpu.py -k "attention or activation or fused or 8b_shapes or captured or remote_cuda or matches_cpu" \
+      tests/test_gpu.py -k "attention or activation or fused or 8b_shapes or captured or remote_cuda or matches_cpu or recorded or kept" \
       2>&1 | tail -30
     timeout 60 python3 bench/probes/decode_attention.py --short
     timeout 150 apir bench profile --synthetic llama-8b:q4_0 -n 16 -p 0 --device cuda 2>&1 | tail -40
