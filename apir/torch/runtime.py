@@ -238,6 +238,7 @@ class Compiled:
         """Per output: the staging buffer the step writes it to where it stays on the host
         (float, at least KEEP_MIN_BYTES, with keep_outputs), else None."""
         kept: list[int | None] = []
+        ids: dict[int, Value] = {}  # rows -> the 0..rows-1 leaf (a cache's 60 tensors share one)
         for v, dt in zip(values, dtypes):
             if not (self.session.keep_outputs and v.dtype is DType.F32 and dt is not None
                     and dt.is_floating_point and 4 * math.prod(v.shape) >= held.KEEP_MIN_BYTES):
@@ -247,9 +248,10 @@ class Compiled:
             width = v.shape[-1] if v.shape else 1
             rows = math.prod(v.shape) // width
             handle = stage("output", 4 * rows * width)
-            ids = low.leaf(torch.arange(rows, dtype=torch.int32))
+            if rows not in ids:
+                ids[rows] = low.leaf(torch.arange(rows, dtype=torch.int32))
             low.g.set_rows(low.g.state(handle, 0, (rows, width), DType.F32),
-                           low.g.reshape(v, (rows, width)), ids)
+                           low.g.reshape(v, (rows, width)), ids[rows])
             kept.append(handle)
         return tuple(kept)
 
