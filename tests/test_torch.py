@@ -409,6 +409,11 @@ def test_fixed_shape_graphs_are_recorded_from_their_second_run_only() -> None:
     backend.close()
 
 
+def test_keep_outputs_takes_a_bool_only() -> None:
+    with pytest.raises(ValueError, match="keep_outputs must be True or False, got 'false'"):
+        apir.torch.session_for({"backend": "local", "keep_outputs": "false"})
+
+
 def test_arena_size_is_refused_for_a_backend_without_one() -> None:
     with pytest.raises(BackendError, match="arena_size is for the remote backend"):
         apir.torch.session_for({"backend": "local", "arena_size": 8 << 20})

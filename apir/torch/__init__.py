@@ -56,7 +56,9 @@ def session_for(options: Mapping[str, object] | None = None) -> Session:
     if unknown:
         raise ValueError(f"unknown apir options {sorted(unknown)}: use {', '.join(OPTIONS)}")
     be = options.get("backend", "local")
-    keep = bool(options.get("keep_outputs", False))
+    keep = options.get("keep_outputs", False)
+    if not isinstance(keep, bool):
+        raise ValueError(f"keep_outputs must be True or False, got {keep!r}")
     key = (id(be), keep) if isinstance(be, Backend) else tuple(sorted(options.items()))
     if key not in _sessions:
         if not isinstance(be, Backend):
