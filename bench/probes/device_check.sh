@@ -9,6 +9,10 @@
 #   bash bench/probes/device_check.sh ab [MODELS]           # this tree against each base
 #   bash bench/probes/device_check.sh peer [SPECS...]       # apir against llama.cpp
 #   bash bench/probes/device_check.sh torch [MODELS]        # the torch frontend against Inductor
+#   bash bench/probes/device_check.sh model aa|ab           # here: one chunk of SmolLM2 + fixtures
+#   bash bench/probes/device_check.sh fixtures              # the llama.cpp fixtures on CUDA
+# The fixture check takes two calls in a row (a machine stays warm ~30 s), carry
+# [".device-wheels", ".device-model"]: `model aa` then `fixtures`, `model ab` then `fixtures`.
 # Logs go to $OUT (the device's returned folder) when set, else /tmp/apir-device-check.
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 2
@@ -71,13 +75,29 @@ case $stage in
     bash scripts/bench-llamacpp.sh --tarball .device-run/llama.cpp.tar.gz --build "$build" --arch 90 \
       -r 3 --backends native,remote-shm --out "$out/peer" "$@"
     ;;
+  model)  # the GGUF is 94 MiB, a carry 64: one 48 MiB chunk a call (gpu-host-setup.sh joins them)
+    case ${1:-} in aa|ab) ;; *) echo "model needs the chunk to carry: aa or ab" >&2; exit 2 ;; esac
+    gguf=$(python3 -c "from apir.models.resolve import resolve_model; print(resolve_model('smollm2-135m'))") || exit 1
+    rm -rf .device-model && mkdir -p .device-model && cp -r ../shared/fixtures .device-model/fixtures && chmod -R u+w .device-model || exit 1
+    tmp=$(mktemp -d) && trap 'rm -rf "$tmp"' EXIT
+    split -b 48M "$gguf" "$tmp/smollm2.part." && mv "$tmp/smollm2.part.$1" .device-model/ || exit 1
+    du -sh .device-model
+    ;;
+  fixtures)
+    bash scripts/gpu-host-setup.sh
+    if python3 -c "from apir.models.resolve import resolve_model; resolve_model('smollm2-135m')" 2>/dev/null; then
+      APIR_FIXTURES=.device-model/fixtures timeout 500 python3 -m pytest -q -m gpu tests/test_fixtures.py 2>&1 | tail -15
+    else
+      echo "SmolLM2 is not whole on this machine yet: carry the other chunk (model aa|ab) and call again"
+    fi
+    ;;
   torch)  # the host's transformers and torchvision (the device has both)
     bash scripts/gpu-host-setup.sh
     timeout 570 python3 bench/probes/torch_forward.py --device cuda --batches 32,1 --repeat 10 \
       --models "${1:-smollm2-kept,smollm2,resnet18}" 2>&1 | grep -v Warning
     ;;
   *)
-    sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'
     exit 2
     ;;
 esac
