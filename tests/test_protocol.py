@@ -413,3 +413,37 @@ def test_executor_outputs_off_the_layout_are_refused_with_the_reason():
         with pytest.raises(LayoutError, match=reason):
             layout.output_placement(outs, 2)
 
+
+
+def test_large_copies_split_across_threads_give_the_same_bytes(monkeypatch) -> None:
+    """copy_bytes in parts (as on a many-core machine), in this process and in a forked
+    child (whose pool is its own: the parent's threads are not there), and a step payload
+    packed through it equals the one packed in one copy."""
+    import os
+
+    from apir.protocol import memcpy
+    from apir.protocol.step import pack_into
+
+    rng = np.random.default_rng(0)
+    src = rng.integers(0, 256, 1_000_003, dtype=np.uint8)
+    g = GraphBuilder()
+    layout = StepLayout.of(g.build(g.add(g.input("a", (T, 300)), g.input("b", (T, 300)))))
+    a = rng.standard_normal((1001, 300), dtype=np.float32)
+    b = rng.standard_normal((300, 1001), dtype=np.float32).T  # not contiguous: one copy
+    packed = layout.pack_inputs({"a": a, "b": b})
+    want = packed.bytes()
+    monkeypatch.setattr(memcpy, "SPLIT_BYTES", 1 << 10)
+    monkeypatch.setattr(memcpy, "THREADS", 3)
+    dst = np.zeros_like(src)
+    memcpy.copy_bytes(dst, src)
+    assert np.array_equal(dst, src)
+    arena = bytearray(packed.size + 64)
+    pack_into(packed.arrays, packed.place, memoryview(arena))
+    assert bytes(arena[: packed.size]) == want
+    pid = os.fork()
+    if pid == 0:  # the child: exit 0 only if its split copy is right
+        out = np.zeros_like(src)
+        memcpy.copy_bytes(out, src)
+        os._exit(0 if np.array_equal(out, src) else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0

@@ -29,6 +29,7 @@ from ..errors import ApirError
 from ..graph import DType, Graph, T
 from ..graph.dtypes import NUMPY_DTYPES
 from ..graph.ops import fmt_shape
+from .memcpy import copy_bytes
 from .messages import ALIGN
 from .wire import ProtocolError
 
@@ -257,7 +258,10 @@ def pack_into(arrays: Sequence[np.ndarray], place: Placement, dest: memoryview) 
     out, end = np.frombuffer(dest, np.uint8, place.size), 0
     for a, (offset, _) in zip(arrays, place.places):
         out[end:offset] = 0
-        np.copyto(out[offset : offset + a.nbytes].view(a.dtype).reshape(a.shape), a)
+        if a.flags.c_contiguous:  # one byte copy, split across threads when large
+            copy_bytes(out[offset : offset + a.nbytes], a.reshape(-1).view(np.uint8))
+        else:
+            np.copyto(out[offset : offset + a.nbytes].view(a.dtype).reshape(a.shape), a)
         end = offset + a.nbytes
     out[end:] = 0
 
@@ -268,7 +272,7 @@ def private_copy(data: bytes | bytearray | memoryview | np.ndarray) -> np.ndarra
     for a 200 MB payload 24 ms against 90 ms on a 2-core machine (page faults included)."""
     src = np.frombuffer(data, np.uint8)
     out = np.empty(src.size, np.uint8)
-    np.copyto(out, src)
+    copy_bytes(out, src)
     return out
 
 
