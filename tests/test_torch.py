@@ -409,6 +409,23 @@ def test_fixed_shape_graphs_are_recorded_from_their_second_run_only() -> None:
     backend.close()
 
 
+def test_kept_and_returned_graphs_of_one_backend_share_its_weights(keep_64k) -> None:
+    from apir.torch import HostTensor
+
+    layer = torch.nn.Linear(256, 512).eval()
+    options = {"backend": "local", "device": "cpu"}
+    returned = torch.compile(layer, backend="apir", options=options)
+    kept = torch.compile(torch.nn.Sequential(layer), backend="apir", options={**options, "keep_outputs": True})
+    x = torch.randn(64, 256)
+    with torch.no_grad():
+        assert type(returned(x)) is torch.Tensor
+        session = apir.torch.session_for(options)
+        uploaded = session.uploaded
+        y = kept(x)
+    assert isinstance(y, HostTensor) and session.uploaded == uploaded  # the same weights, not sent again
+    torch.testing.assert_close(y.materialize(), layer(x).detach())
+
+
 def test_keep_outputs_takes_a_bool_only() -> None:
     with pytest.raises(ValueError, match="keep_outputs must be True or False, got 'false'"):
         apir.torch.session_for({"backend": "local", "keep_outputs": "false"})

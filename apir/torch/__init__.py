@@ -20,8 +20,8 @@ default 256 MiB needs more) as ``apir.backends.create_backend`` takes them; ``ke
 (default False): float outputs of 1 MiB or more stay on the host as ``HostTensor``s,
 read back only when the guest reads them and fed to the next call without crossing (a
 transformers KV cache; ``apir.torch.held``). Backends made
-from names are shared by every graph compiled with the same options, so weights are
-uploaded once per process.
+from names are shared by every graph compiled with the same options (``keep_outputs``
+aside: it is the graph's), so weights are uploaded once per process.
 
 This module is the guest's torch frontend: it imports torch (CPU torch is enough), unlike
 the rest of the guest side.
@@ -56,17 +56,17 @@ def session_for(options: Mapping[str, object] | None = None) -> Session:
     if unknown:
         raise ValueError(f"unknown apir options {sorted(unknown)}: use {', '.join(OPTIONS)}")
     be = options.get("backend", "local")
-    keep = options.get("keep_outputs", False)
+    keep = options.pop("keep_outputs", False)  # a graph's (compile_graph), not the session's
     if not isinstance(keep, bool):
         raise ValueError(f"keep_outputs must be True or False, got {keep!r}")
-    key = (id(be), keep) if isinstance(be, Backend) else tuple(sorted(options.items()))
+    key = id(be) if isinstance(be, Backend) else tuple(sorted(options.items()))
     if key not in _sessions:
         if not isinstance(be, Backend):
             arena = options.get("arena_size")
             be = create_backend(str(be), device=options.get("device"), remote=options.get("remote"),
                                 token=str(options.get("token") or ""),
                                 arena_size=None if arena is None else int(arena))
-        _sessions[key] = Session(be, keep_outputs=keep)
+        _sessions[key] = Session(be)
     return _sessions[key]
 
 
@@ -83,6 +83,7 @@ def backend(gm: torch.fx.GraphModule, example_inputs: Sequence[object],
             options: Mapping[str, object] | None = None):
     """The Dynamo backend "apir" (see the module docstring for ``options``)."""
     session = session_for(options)
+    keep = bool((options or {}).get("keep_outputs", False))
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     tensors = [t for t in example_inputs if isinstance(t, torch.Tensor)]
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
@@ -91,7 +92,7 @@ def backend(gm: torch.fx.GraphModule, example_inputs: Sequence[object],
     for node, value in zip(placeholders, example_inputs):
         if _is_static(node, value):
             session.mark_static(value)
-    return aot_autograd(fw_compiler=lambda g, _: compile_graph(session, g),
+    return aot_autograd(fw_compiler=lambda g, _: compile_graph(session, g, keep_outputs=keep),
                         decompositions=DECOMPOSITIONS)(gm, example_inputs)
 
 

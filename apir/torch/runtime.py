@@ -63,10 +63,9 @@ class Session:
     """An apir backend and the static tensors (parameters, buffers) uploaded to it, once
     each: a weight is re-sent only when its tensor changed (``Tensor._version``)."""
 
-    def __init__(self, backend: Backend, keep_outputs: bool = False) -> None:
+    def __init__(self, backend: Backend) -> None:
         self.backend = backend
-        self.keep_outputs = keep_outputs  # large float outputs stay on the host (apir.torch.held)
-        self.pool = held.Pool(backend)
+        self.pool = held.Pool(backend)  # the blocks of outputs kept on the host (apir.torch.held)
         self._static: dict[tuple, torch.Tensor] = {}  # layout -> a parameter or buffer
         self._weights: dict[tuple, tuple[int, int]] = {}  # layout -> (buffer handle, version uploaded)
         self.uploaded = 0  # bytes sent as weights (what tests and the bench read)
@@ -126,8 +125,9 @@ class _Stage:
 class Compiled:
     """An FX graph (core ATen) run on the session's backend; a callable like the graph."""
 
-    def __init__(self, session: Session, gm: torch.fx.GraphModule) -> None:
+    def __init__(self, session: Session, gm: torch.fx.GraphModule, keep_outputs: bool = False) -> None:
         self.session, self.gm = session, gm
+        self.keep_outputs = keep_outputs  # large float outputs stay on the host (apir.torch.held)
         self._entries: OrderedDict[tuple, Entry | None] = OrderedDict()  # None: runs in PyTorch
         out = next(n for n in gm.graph.nodes if n.op == "output")
         self._out_dtypes = torch.fx.node.map_arg(
@@ -240,7 +240,7 @@ class Compiled:
         kept: list[int | None] = []
         ids: dict[int, Value] = {}  # rows -> the 0..rows-1 leaf (a cache's 60 tensors share one)
         for v, dt in zip(values, dtypes):
-            if not (self.session.keep_outputs and v.dtype is DType.F32 and dt is not None
+            if not (self.keep_outputs and v.dtype is DType.F32 and dt is not None
                     and dt.is_floating_point and 4 * math.prod(v.shape) >= held.KEEP_MIN_BYTES):
                 kept.append(None)
                 continue
@@ -322,7 +322,7 @@ class _Lowered(torch.nn.Module):
         return self.compiled(*args)
 
 
-def compile_graph(session: Session, gm: torch.fx.GraphModule) -> Callable:
+def compile_graph(session: Session, gm: torch.fx.GraphModule, keep_outputs: bool = False) -> Callable:
     """``gm`` as one apir graph, or, where some node has no lowering, split around those
     nodes (each named once in a warning): they run in PyTorch on the guest, the parts
     between them on apir."""
@@ -338,7 +338,7 @@ def compile_graph(session: Session, gm: torch.fx.GraphModule) -> Callable:
             if not supported(node):
                 bad.add(node)
     if not bad:
-        return Compiled(session, gm)
+        return Compiled(session, gm, keep_outputs)
     for node in bad:
         name = op_name(node.target)
         warn_once(name, f"{name} has no apir lowering: it runs in PyTorch on the guest (a graph break)")
@@ -351,6 +351,6 @@ def compile_graph(session: Session, gm: torch.fx.GraphModule) -> Callable:
 
     split = CapabilityBasedPartitioner(gm, Support(), allows_single_node_partition=True).partition_and_fuse()
     for name, sub in list(split.named_children()):
-        setattr(split, name, _Lowered(Compiled(session, sub)))
+        setattr(split, name, _Lowered(Compiled(session, sub, keep_outputs)))
     log.info("apir.torch: graph split around %d nodes without a lowering", len(bad))
     return split
