@@ -118,3 +118,16 @@ def test_buffers_are_charged_their_own_overhead(host):
             g.post(m.AllocBuffer(h, 1, 0))
         expect(g.error(m.Synchronize()), E.QUOTA, "an earlier AllocBuffer failed: allocating 1 bytes "
                "would exceed this session's memory limit")
+
+
+def test_a_copy_that_needs_room_of_its_own_is_charged(host):
+    """An overlapping CopyTensor inside one buffer takes a temporary copy of its bytes:
+    with 48 MiB of buffers held, one of 20 MiB would pass the 64 MiB limit. A copy between
+    two buffers takes none and goes through (the error names the second copy)."""
+    with RawGuest(host.unix) as g:
+        g.post(m.AllocBuffer(1, 24 << 20, 0))
+        g.post(m.AllocBuffer(2, 24 << 20, 0))
+        g.post(m.CopyTensor(1, 0, 2, 0, 16 << 20))  # failing, it would name 16777216 bytes
+        g.post(m.CopyTensor(1, 0, 1, 1 << 20, 20 << 20))
+        expect(g.error(m.Synchronize()), E.QUOTA, "an earlier CopyTensor failed: copying 20971520 bytes "
+               "would exceed this session's memory limit")

@@ -212,6 +212,7 @@ class Executor(Backend):
     def _copy(self, src: Buffer, src_offset: int, dst: Buffer, dst_offset: int, size: int) -> None:
         """Bytes from one buffer to another, both ranges checked (an executor whose buffers
         live on a device copies there, without the round trip through host memory)."""
+        self.ledger.check(2 * size, f"copying {size} bytes")  # the bytes read, then written
         self._write(dst, dst_offset, np.frombuffer(self._read(src, src_offset, size), np.uint8))
 
     # ------------------------------------------------------------ graphs

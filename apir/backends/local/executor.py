@@ -256,6 +256,7 @@ class LocalBackend(Executor):
             return
         data = src.storage[src_offset : src_offset + size]
         if src is dst and abs(src_offset - dst_offset) < size:  # torch refuses overlapping copies
+            self.ledger.check(size, f"copying {size} bytes")
             data = data.clone()
         dst.storage[dst_offset : dst_offset + size].copy_(data)
 
