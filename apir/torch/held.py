@@ -39,6 +39,7 @@ import torch.utils._pytree as pytree
 
 from ..backends import Backend, BufferPurpose
 from ..errors import ApirError
+from ..graph import DType
 
 KEEP_MIN_BYTES = 1 << 20  # smaller ones come back in the reply: cheaper than the calls that keep one
 ALIGN = 256
@@ -131,7 +132,7 @@ class _Entry:
 
     @property
     def nbytes(self) -> int:
-        return 4 * int(np.prod(self.shape, dtype=np.int64))
+        return DType.F32.nbytes(self.shape)
 
     def materialize(self) -> torch.Tensor:
         if self.local is None:
@@ -258,7 +259,7 @@ def keep(pool: Pool, staged: list[tuple[int, tuple[int, ...], torch.dtype]]) -> 
     places, size = [], 0
     for _, shape, _ in staged:
         places.append(size)
-        size += -(-4 * int(np.prod(shape, dtype=np.int64)) // ALIGN) * ALIGN
+        size += -(-DType.F32.nbytes(shape) // ALIGN) * ALIGN
     block = pool.take(size, len(staged))
     out = []
     for (staging, shape, dtype), at in zip(staged, places):

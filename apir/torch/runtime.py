@@ -200,7 +200,7 @@ class Compiled:
             a = args[i]
             if i in self._held:  # filled on the host before each step (held.stage)
                 shape = held.entry(a).shape
-                handle = stage("input", 4 * math.prod(shape))
+                handle = stage("input", DType.F32.nbytes(shape))
                 staged.append((i, handle))
                 return low.g.state(handle, 0, shape, DType.F32)
             if not isinstance(a, torch.Tensor):
@@ -241,13 +241,13 @@ class Compiled:
         ids: dict[int, Value] = {}  # rows -> the 0..rows-1 leaf (a cache's 60 tensors share one)
         for v, dt in zip(values, dtypes):
             if not (self.keep_outputs and v.dtype is DType.F32 and dt is not None
-                    and dt.is_floating_point and 4 * math.prod(v.shape) >= held.KEEP_MIN_BYTES):
+                    and dt.is_floating_point and DType.F32.nbytes(v.shape) >= held.KEEP_MIN_BYTES):
                 kept.append(None)
                 continue
             # the value as rows of its last axis, written over a STATE of the same rows
             width = v.shape[-1] if v.shape else 1
             rows = math.prod(v.shape) // width
-            handle = stage("output", 4 * rows * width)
+            handle = stage("output", DType.F32.nbytes(v.shape))
             if rows not in ids:
                 ids[rows] = low.leaf(torch.arange(rows, dtype=torch.int32))
             low.g.set_rows(low.g.state(handle, 0, (rows, width), DType.F32),
